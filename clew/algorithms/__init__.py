@@ -1,0 +1,69 @@
+"""RL algorithm math: advantages, policy losses, KL penalties, token statistics.
+
+Pure functions on torch tensors, independent of models, Ray and rollout code, so the
+numerics of training can be tested on CPU in milliseconds. Each family is a registry keyed by
+the config name (``grpo``, ``ppo_clip``, ``k3``, ...); add a variant with its ``register_*``
+decorator rather than a subclass.
+"""
+
+from clew.algorithms.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageResult,
+    compute_advantages,
+    get_advantage_estimator,
+    grpo_advantages,
+    register_advantage_estimator,
+    rloo_advantages,
+    token_advantages,
+)
+from clew.algorithms.kl import (
+    KL_ESTIMATORS,
+    KL_LOG_RATIO_CLAMP,
+    get_kl_estimator,
+    kl_loss,
+    kl_penalty,
+    register_kl_estimator,
+)
+from clew.algorithms.losses import (
+    POLICY_LOSSES,
+    REDUCTIONS,
+    compute_policy_loss,
+    get_policy_loss,
+    ppo_clip_loss,
+    reduce_loss,
+    register_policy_loss,
+)
+from clew.algorithms.stats import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "KL_LOG_RATIO_CLAMP",
+    "POLICY_LOSSES",
+    "REDUCTIONS",
+    "AdvantageResult",
+    "compute_advantages",
+    "compute_policy_loss",
+    "entropy_from_logits",
+    "get_advantage_estimator",
+    "get_kl_estimator",
+    "get_policy_loss",
+    "grpo_advantages",
+    "kl_loss",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "ppo_clip_loss",
+    "reduce_loss",
+    "register_advantage_estimator",
+    "register_kl_estimator",
+    "register_policy_loss",
+    "rloo_advantages",
+    "token_advantages",
+]

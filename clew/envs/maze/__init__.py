@@ -1,0 +1,30 @@
+"""The visual maze (``maze_2d``) and its registered ids.
+
+``easy`` and ``hard`` follow VisGym (9x9 and 11x11 grids counting the wall ring, turn
+budgets 20 and 30). ``small`` (7x7) and ``tiny`` (5x5) are clew's own sizes, for CPU runs
+that must show learning within minutes.
+"""
+
+from clew.envs.base import register
+from clew.envs.maze.env import MAZE_OPTIONS, MazeEnv
+
+MAZE_IDS: dict[str, dict] = {
+    "maze_2d/easy": {"grid_size": 9, "max_turns": 20},
+    "maze_2d/hard": {"grid_size": 11, "max_turns": 30},
+    "maze_2d/small": {"grid_size": 7, "max_turns": 16},
+    "maze_2d/tiny": {"grid_size": 5, "max_turns": 10},
+}
+
+for _env_id, _defaults in MAZE_IDS.items():
+    register(
+        _env_id,
+        MazeEnv,
+        defaults=_defaults,
+        accepted_options=MAZE_OPTIONS,
+        description=(
+            f"{_defaults['grid_size']}x{_defaults['grid_size']} visual maze (wall ring included), "
+            f"{_defaults['max_turns']} turns"
+        ),
+    )
+
+__all__ = ["MazeEnv", "MAZE_IDS"]

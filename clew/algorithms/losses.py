@@ -1,0 +1,183 @@
+"""Policy-gradient losses and the token reductions they share.
+
+A loss is a pure function of per-token tensors of one micro-batch:
+``logprobs`` (current policy, carries the gradient), ``old_logprobs`` (the policy that
+sampled the rollout), ``advantages`` and ``loss_mask``, all ``Float[N, T]``. It returns a
+scalar to ``backward()`` and a dict of float statistics to log. Losses live in
+``POLICY_LOSSES`` under a config name; add one with ``@register_policy_loss("name")``.
+
+How per-token values become one scalar matters as much as the loss itself, and is a separate
+choice (``reduction``) shared with the KL term:
+
+* ``token_mean``: every masked token in the batch weighs the same. Long trajectories dominate.
+* ``sequence_mean``: average within each sequence, then over sequences (GRPO paper). Each
+  trajectory weighs the same, so tokens of long ones are down-weighted (a length bias).
+* ``seq_mean_token_sum_norm``: sum within each sequence divided by a *constant*
+  ``max_seq_len``, then mean over sequences (Dr. GRPO). No length bias and, because the
+  divisor does not depend on the batch, micro-batches accumulate to the same gradient as
+  one big batch.
+
+The sequence reductions divide by the number of sequences ``N``, counting sequences whose
+mask is all zero (they contribute 0), as SkyRL does. Nothing here yields NaN on an empty mask.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from clew.algorithms._registry import lookup, register
+from clew.algorithms.stats import masked_mean, masked_sum, upcast_float
+
+REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
+
+
+def _check_2d(**tensors: Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    first = next(iter(shapes.values()))
+    if len(first) != 2 or any(s != first for s in shapes.values()):
+        raise ValueError(f"expected tensors of one shape [N, T], got {shapes}")
+
+
+def reduce_loss(
+    values: Tensor,
+    mask: Tensor,
+    reduction: str = "token_mean",
+    max_seq_len: int | None = None,
+) -> Tensor:
+    """Reduce per-token ``values: Float[N, T]`` under ``mask: Float[N, T]`` to a scalar.
+
+    Args:
+        values: per-token loss terms; entries where ``mask == 0`` are ignored (even inf/NaN).
+        mask: 1 (or a weight) on tokens that count, 0 elsewhere.
+        reduction: one of :data:`REDUCTIONS` (see the module docstring).
+        max_seq_len: the constant divisor of ``seq_mean_token_sum_norm``; required there
+            (use the configured max prompt + response length, not the padded ``T`` of the
+            micro-batch, which varies). Ignored by the other reductions.
+
+    Returns:
+        A 0-dim tensor; 0 when the mask is all zero.
+    """
+    _check_2d(values=values, mask=mask)
+    if reduction == "token_mean":
+        return masked_mean(values, mask)
+    if reduction == "sequence_mean":
+        return masked_mean(values, mask, dim=-1).mean() if values.shape[0] else values.sum()
+    if reduction == "seq_mean_token_sum_norm":
+        if max_seq_len is None or max_seq_len <= 0:
+            raise ValueError(
+                f"reduction 'seq_mean_token_sum_norm' needs a positive max_seq_len, "
+                f"got {max_seq_len}"
+            )
+        per_seq = masked_sum(values, mask, dim=-1) / max_seq_len
+        return per_seq.mean() if values.shape[0] else values.sum()
+    accepted = ", ".join(repr(r) for r in REDUCTIONS)
+    raise ValueError(f"unknown reduction {reduction!r}; accepted: {accepted}")
+
+
+PolicyLoss = Callable[..., tuple[Tensor, dict[str, float]]]
+"""``fn(logprobs, old_logprobs, advantages, loss_mask, *, reduction, max_seq_len, **cfg)``."""
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
+    """Decorator: add a policy loss to :data:`POLICY_LOSSES` under ``name``."""
+    return register(POLICY_LOSSES, name, "policy loss")
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The policy loss registered as ``name``; ``ValueError`` listing accepted names if none."""
+    return lookup(POLICY_LOSSES, name, "policy loss")
+
+
+def compute_policy_loss(
+    name: str,
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    **kwargs,
+) -> tuple[Tensor, dict[str, float]]:
+    """Look up ``name`` and call it; ``kwargs`` go to the loss (reduction, clip ranges, ...)."""
+    return get_policy_loss(name)(logprobs, old_logprobs, advantages, loss_mask, **kwargs)
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    reduction: str = "token_mean",
+    max_seq_len: int | None = None,
+    eps_clip_low: float = 0.2,
+    eps_clip_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate, with asymmetric clip range and optional dual clip.
+
+    Per token, with ``ratio = exp(logprobs - old_logprobs)`` and advantage ``A``::
+
+        loss = -min(ratio * A, clamp(ratio, 1 - eps_clip_low, 1 + eps_clip_high) * A)
+        if clip_ratio_c is set and A < 0:  loss = min(loss, -clip_ratio_c * A)
+
+    The clip removes the incentive to move a token's ratio past ``1 + eps_clip_high`` when
+    ``A > 0`` or below ``1 - eps_clip_low`` when ``A < 0`` (the gradient there is 0); a larger
+    ``eps_clip_high`` ("clip-higher", DAPO) leaves room for rare tokens to grow. Dual clip
+    (Ye et al. 2020) bounds the loss of a token with ``A < 0`` whose ratio has blown up.
+
+    Args:
+        logprobs: ``Float[N, T]`` current policy log-probs of the sampled tokens (with grad).
+        old_logprobs: ``Float[N, T]`` log-probs under the sampling policy (no grad needed).
+        advantages: ``Float[N, T]`` per-token advantages (see ``token_advantages``).
+        loss_mask: ``Float[N, T]`` 1 on generated tokens that are trained on.
+        reduction, max_seq_len: see :func:`reduce_loss`.
+        eps_clip_low, eps_clip_high: clip range ``[1 - low, 1 + high]``; both >= 0.
+        clip_ratio_c: dual-clip bound (> 1), or None for off.
+
+    Returns:
+        ``(loss, stats)``: a 0-dim tensor, and floats over masked tokens (0.0 when the mask is
+        empty): ``clip_fraction`` (share where the clipped branch is the one in effect),
+        ``dual_clip_fraction`` (share where the dual clip is in effect; 0 when off),
+        ``approx_kl`` (mean k3 estimate of KL(old || current): ``r - 1 - log r`` with
+        ``r = exp(logprobs - old_logprobs)``; unbiased under samples from the old policy and
+        never negative), ``ratio_mean`` and ``ratio_max``.
+    """
+    _check_2d(
+        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
+    )
+    if eps_clip_low < 0 or eps_clip_high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got {eps_clip_low=} {eps_clip_high=}")
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
+
+    active = loss_mask != 0
+    # The log-ratio is zeroed off the mask before exp: padding with stale or -inf old
+    # log-probs would otherwise overflow to inf and turn the backward pass into NaN.
+    log_ratio = torch.where(active, upcast_float(logprobs) - upcast_float(old_logprobs), 0.0)
+    ratio = torch.exp(log_ratio)
+    adv = upcast_float(advantages)
+
+    surr = ratio * adv
+    surr_clipped = torch.clamp(ratio, 1.0 - eps_clip_low, 1.0 + eps_clip_high) * adv
+    losses = -torch.minimum(surr, surr_clipped)
+    clipped = surr_clipped < surr
+    dual = torch.zeros_like(clipped)
+    if clip_ratio_c is not None:
+        bound = -clip_ratio_c * adv
+        dual = (adv < 0) & (bound < losses)
+        losses = torch.where(dual, bound, losses)
+
+    loss = reduce_loss(losses, loss_mask, reduction, max_seq_len)
+
+    with torch.no_grad():
+        stats = {
+            "clip_fraction": masked_mean(clipped.float(), active.float()).item(),
+            "dual_clip_fraction": masked_mean(dual.float(), active.float()).item(),
+            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, active.float()).item(),
+            "ratio_mean": masked_mean(ratio, active.float()).item(),
+            "ratio_max": ratio[active].max().item() if bool(active.any()) else 0.0,
+        }
+    return loss, stats

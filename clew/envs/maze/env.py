@@ -1,0 +1,178 @@
+"""The visual maze environment (VisGym's ``maze_2d``, re-implemented with numpy and Pillow).
+
+Each turn the agent sees the maze image and a short text, and answers with one action.
+A move into a wall or an unreadable reply leaves the state unchanged, uses a turn and is
+explained in the next text. The episode ends on ``stop`` or when ``max_turns`` are used;
+the reward is 1.0 for stopping on the goal (VisGym's rule), or, with
+``success_on_reach=True``, for reaching it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from clew.envs.base import Observation
+from clew.envs.maze.actions import ACTION_FORMATS, Action, format_help, parse_action
+from clew.envs.maze.generate import (
+    DIRECTION_NAMES,
+    DIRECTIONS,
+    Cell,
+    Maze,
+    check_size,
+    generate_maze,
+)
+from clew.envs.maze.render import render_background, stamp_agent
+from clew.envs.maze.solver import distances_to
+from clew.errors import EnvError
+
+MAZE_OPTIONS = frozenset({"grid_size", "cell_px", "max_turns", "action_format", "success_on_reach"})
+
+
+def task_prompt(grid_size: int, max_turns: int, action_format: str, success_on_reach: bool) -> str:
+    """The first message of an episode: the task, the action format and the turn budget."""
+    success = (
+        "You succeed the moment you reach the red square."
+        if success_on_reach
+        else "You succeed only if you stop while standing on the red square."
+    )
+    return (
+        f"You are in a {grid_size}x{grid_size} maze seen from above. Gray cells are walls and "
+        "white cells are open floor. You are the blue circle; the goal is the red square. "
+        f"Each turn, make one move. {format_help(action_format)} {success} "
+        f"You have {max_turns} turns in all, and stopping uses one."
+    )
+
+
+class MazeEnv:
+    """One maze episode at a time; ``reset(seed)`` draws the maze for that seed."""
+
+    def __init__(
+        self,
+        grid_size: int = 9,
+        cell_px: int = 25,
+        max_turns: int = 20,
+        action_format: str = "tuple",
+        success_on_reach: bool = False,
+    ) -> None:
+        try:
+            check_size(grid_size)
+        except ValueError as exc:
+            raise EnvError(f"option grid_size: {exc}") from None
+        if not isinstance(cell_px, int) or isinstance(cell_px, bool) or cell_px < 4:
+            raise EnvError(f"option cell_px must be an integer >= 4, got {cell_px!r}")
+        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+            raise EnvError(f"option max_turns must be a positive integer, got {max_turns!r}")
+        if action_format not in ACTION_FORMATS:
+            raise EnvError(
+                f"option action_format must be one of {', '.join(ACTION_FORMATS)}, got {action_format!r}"
+            )
+        if not isinstance(success_on_reach, bool):
+            raise EnvError(
+                f"option success_on_reach must be true or false, got {success_on_reach!r}"
+            )
+        self.grid_size = grid_size
+        self.cell_px = cell_px
+        self.max_turns = max_turns
+        self.action_format = action_format
+        self.success_on_reach = success_on_reach
+        self.prompt = task_prompt(grid_size, max_turns, action_format, success_on_reach)
+        self.maze: Maze | None = None
+        self.agent: Cell = (0, 0)
+        self.turn = 0
+        self.done = True
+        self._background: np.ndarray | None = None
+        self._dist: np.ndarray | None = None
+
+    def reset(self, seed: int) -> Observation:
+        self.maze = generate_maze(self.grid_size, int(seed))
+        self.agent = self.maze.start
+        self.turn = 0
+        self.done = False
+        self._background = render_background(self.maze, self.cell_px)
+        self._dist = distances_to(self.maze, self.maze.goal)
+        return Observation([self.render()], self.prompt)
+
+    def render(self):
+        """The current state as a PIL image."""
+        from PIL import Image
+
+        assert self._background is not None, "call reset() first"
+        return Image.fromarray(stamp_agent(self._background, self.agent, self.cell_px))
+
+    def frame(self) -> np.ndarray:
+        """The current state as an HxWx3 uint8 array (no PIL object)."""
+        assert self._background is not None, "call reset() first"
+        return stamp_agent(self._background, self.agent, self.cell_px)
+
+    def step(self, action_text: str) -> tuple[Observation, float, bool, dict[str, Any]]:
+        if self.done or self.maze is None:
+            raise RuntimeError("step() called on a finished episode; call reset(seed) first")
+        self.turn += 1
+        parsed = parse_action(action_text, self.action_format)
+        reward, event, note = 0.0, "", ""
+        if isinstance(parsed, Action) and parsed.kind == "stop":
+            self.done = True
+            on_goal = self.agent == self.maze.goal
+            reward = 1.0 if on_goal else 0.0
+            event = "stop"
+            note = "you stopped on the goal: solved" if on_goal else "you stopped off the goal"
+        elif isinstance(parsed, Action):
+            dr, dc = DIRECTIONS[parsed.direction or 0]
+            target = (self.agent[0] + dr, self.agent[1] + dc)
+            name = DIRECTION_NAMES[parsed.direction or 0]
+            if self.maze.is_open(target):
+                self.agent = target
+                event, note = "moved", f"moved {name}"
+                if self.success_on_reach and self.agent == self.maze.goal:
+                    self.done, reward, event = True, 1.0, "reached"
+                    note += " onto the goal: solved"
+            else:
+                event, note = "wall", f"hit a wall moving {name}; you did not move"
+        else:
+            event, note = "parse_error", f"{parsed.reason}; you did not move"
+        remaining = self.max_turns - self.turn
+        if not self.done and remaining <= 0:
+            self.done = True
+        info = self._info(event, remaining, reward)
+        info["note"] = note
+        if self.done:
+            text = f"Turn {self.turn}: {note}. The episode is over."
+        else:
+            text = f"Turn {self.turn}: {note}. {remaining} turns remain."
+        return Observation([self.render()], text), reward, self.done, info
+
+    def _info(self, event: str, remaining: int, reward: float) -> dict[str, Any]:
+        assert self.maze is not None and self._dist is not None
+        dist = int(self._dist[self.agent])
+        needed = dist if self.success_on_reach else dist + 1
+        if event == "stop":
+            end = "stop"
+        elif event == "reached":
+            end = "reached_goal"
+        elif self.done:
+            end = "max_turns"
+        else:
+            end = None
+        return {
+            "agent": self.agent,
+            "goal": self.maze.goal,
+            "event": event,
+            "parse_error": event == "parse_error",
+            "turns_used": self.turn,
+            "turns_remaining": remaining,
+            "shortest_path_length": dist,
+            "solvable_in_remaining": (not self.done) and needed <= remaining,
+            "success": reward > 0,
+            "done_reason": end,
+        }
+
+    def optimal_path_length(self) -> int:
+        """Moves on the shortest path from the start (after ``reset``)."""
+        assert self.maze is not None and self._dist is not None
+        return int(self._dist[self.maze.start])
+
+    def turns_needed(self) -> int:
+        """Turns the optimal play uses from the start: the moves, plus the stop when required."""
+        return self.optimal_path_length() + (0 if self.success_on_reach else 1)
