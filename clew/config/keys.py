@@ -1,0 +1,170 @@
+"""Dotted keys over the config schema: listing, lookup, suggestions and the Markdown reference.
+
+Overrides, unknown-key errors and the docs all speak in dotted keys
+(``trainer.policy.optimizer_config.lr``). This module derives them from the pydantic models
+in ``schema.py`` so that the key list, the types and the descriptions have one source.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from clew.config.schema import ClewConfig
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """One dotted key: a leaf field, or a section (a nested model)."""
+
+    key: str
+    field: FieldInfo
+    is_section: bool
+    is_open_dict: bool  # a dict field: keys below it are free-form
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _walk(model: type[BaseModel], prefix: str) -> Iterator[KeyInfo]:
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        ann = field.annotation
+        if _is_model(ann):
+            yield KeyInfo(key, field, is_section=True, is_open_dict=False)
+            yield from _walk(ann, key + ".")
+        else:
+            is_dict = ann is dict or get_origin(ann) is dict
+            yield KeyInfo(key, field, is_section=False, is_open_dict=is_dict)
+
+
+@cache
+def key_table() -> dict[str, KeyInfo]:
+    """Every section and leaf of ``ClewConfig``, by dotted key, in declaration order."""
+    return {info.key: info for info in _walk(ClewConfig, "")}
+
+
+def all_keys() -> list[str]:
+    """Every leaf key an override or a YAML file may set, in declaration order."""
+    return [k for k, info in key_table().items() if not info.is_section]
+
+
+def lookup(key: str) -> KeyInfo | None:
+    """The schema entry that governs ``key``: itself, or the dict field it lies inside."""
+    table = key_table()
+    if key in table:
+        return table[key]
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        info = table.get(".".join(parts[:i]))
+        if info is not None:
+            return info if info.is_open_dict else None
+    return None
+
+
+def suggest(key: str) -> list[str]:
+    """Known keys nearest an unknown ``key``: same last name first, then difflib's best."""
+    keys = all_keys()
+
+    def ratio(k: str) -> float:
+        return difflib.SequenceMatcher(None, key, k).ratio()
+
+    last = key.rsplit(".", 1)[-1]
+    same_name = sorted((k for k in keys if k.rsplit(".", 1)[-1] == last), key=ratio, reverse=True)
+    near = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+    if near:
+        best = ratio(near[0])
+        near = [k for k in near if ratio(k) >= best - 0.05]
+    return list(dict.fromkeys(same_name + near))[:3]
+
+
+def unknown_key_message(key: str) -> str:
+    """The error text for an unknown key, with the nearest known keys."""
+    near = suggest(key)
+    hint = f"; did you mean {' or '.join(repr(k) for k in near)}?" if near else ""
+    return f"unknown config key {key!r}{hint}"
+
+
+def type_name(annotation: Any) -> str:
+    """A short, user-facing spelling of a field type: ``int``, ``str | None``, ``'k1' | 'k3'``."""
+    origin = get_origin(annotation)
+    if annotation is type(None):
+        return "null"
+    if origin is Literal:
+        return " | ".join(repr(a) for a in get_args(annotation))
+    if origin in (Union, types.UnionType):
+        return " | ".join(type_name(a) for a in get_args(annotation))
+    if origin in (list, dict):
+        args = ", ".join(type_name(a) for a in get_args(annotation))
+        return f"{origin.__name__}[{args}]" if args else origin.__name__
+    if annotation is Any:
+        return "any"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def accepts_only_strings(annotation: Any) -> bool:
+    """True when a field takes a string (or a string literal, or null) and nothing else.
+
+    Overrides for such fields keep their text verbatim (``run_name=123`` is the string "123").
+    """
+    origin = get_origin(annotation)
+    if annotation is str:
+        return True
+    if origin is Literal:
+        return all(isinstance(a, str) for a in get_args(annotation))
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return bool(args) and all(accepts_only_strings(a) for a in args)
+    return False
+
+
+def _get(obj: Any, key: str) -> Any:
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def schema_markdown(ignored: dict[str, str] | None = None) -> str:
+    """The whole schema as Markdown: one table (key, type, default, description) per section.
+
+    ``ignored`` maps keys clew accepts but ignores to the reason, appended to their description.
+    """
+    defaults = ClewConfig()
+    ignored = ignored or {}
+    out = ["# clew configuration", ""]
+    sections = [("", ClewConfig.__doc__ or "")]
+    sections += [(k, i.field.description or "") for k, i in key_table().items() if i.is_section]
+    for section, about in sections:
+        rows = [
+            info
+            for k, info in key_table().items()
+            if not info.is_section and k.rsplit(".", 1)[0] == section and "." in k
+        ]
+        if not rows:
+            continue
+        out += [f"## `{section}`", "", " ".join(about.split()), ""]
+        out += ["| key | type | default | description |", "|---|---|---|---|"]
+        for info in rows:
+            default = json.dumps(_get(defaults, info.key), default=str)
+            desc = info.field.description or ""
+            if info.key in ignored:
+                desc += f" *Accepted but ignored by clew: {ignored[info.key]}*"
+            out.append(
+                f"| `{info.key}` | `{_cell(type_name(info.field.annotation))}` "
+                f"| `{_cell(default)}` | {_cell(desc)} |"
+            )
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,350 @@
+"""The typed configuration schema: one pydantic model per component.
+
+Why pydantic with ``extra="forbid"`` and ``strict=True``: a typo or a value of the wrong type
+must fail before a run spends GPU hours, with the key named. Key names follow SkyRL wherever
+the two share a concept, so a SkyRL launch script maps over by changing only its entry point.
+Every field is documented once, here, in ``Field(description=...)``; ``schema_markdown()``
+renders these descriptions as the configuration reference. Range and cross-field rules live
+in ``validate.py`` so they are checked on the final config, however it was built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# SkyRL's ``environment.env_class`` names mapped onto clew's env families.
+ENV_CLASS_ALIASES: dict[str, str] = {"visgym": "maze_2d"}
+
+# Logger backends ``trainer.logger`` may name.
+KNOWN_LOGGERS: tuple[str, ...] = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys and wrong types are errors, not coercions."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class DataConfig(Section):
+    train_data: list[str] = Field(
+        default_factory=list,
+        description="Parquet files of training prompts (local paths or s3:// URLs).",
+    )
+    val_data: list[str] = Field(
+        default_factory=list,
+        description="Parquet files of evaluation prompts; empty disables evaluation.",
+    )
+
+
+class EnvironmentConfig(Section):
+    env_class: str = Field(
+        "maze_2d",
+        description="Environment family. SkyRL's 'visgym' is accepted as an alias for clew's "
+        "maze family and is stored as 'maze_2d'.",
+    )
+    env_id: str = Field(
+        "maze_2d/easy",
+        description="Environment id used when a dataset row does not carry its own.",
+    )
+    env_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword options passed to every environment constructor.",
+    )
+
+    @field_validator("env_class")
+    @classmethod
+    def _resolve_alias(cls, value: str) -> str:
+        return ENV_CLASS_ALIASES.get(value, value)
+
+
+class SamplingParams(Section):
+    temperature: float = Field(1.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, description="Nucleus sampling mass, in (0, 1].")
+    top_k: int = Field(-1, description="Sample from the k most likely tokens; -1 turns it off.")
+    max_generate_length: int = Field(
+        64, description="Most new tokens generated per turn (SkyRL's name for max_new_tokens)."
+    )
+    stop: list[str] | None = Field(
+        None, description="Strings that end a turn's generation (kept in the output)."
+    )
+    seed: int | None = Field(None, description="Sampling seed; null derives one from trainer.seed.")
+
+
+class InferenceEngineConfig(Section):
+    backend: Literal["clew"] = Field(
+        "clew", description="Inference engine; clew's in-process engine is the only one."
+    )
+    num_engines: int = Field(1, description="SkyRL: number of inference engines.")
+    tensor_parallel_size: int = Field(1, description="SkyRL: GPUs per inference engine.")
+    gpu_memory_utilization: float = Field(
+        0.45,
+        description="On GPU, the share of device memory the KV cache may take, in (0, 1].",
+    )
+    max_cache_mb: int = Field(4096, description="On CPU, the memory budget of the KV cache in MiB.")
+    engine_init_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="SkyRL engine options; clew reads `max_model_len` (the engine's context "
+        "limit in tokens) when present.",
+    )
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine context limit from ``engine_init_kwargs``, if given."""
+        return self.engine_init_kwargs.get("max_model_len")
+
+
+class GeneratorConfig(Section):
+    n_samples_per_prompt: int = Field(
+        8, description="Trajectories sampled per prompt; one GRPO group. At least 2."
+    )
+    eval_n_samples_per_prompt: int = Field(
+        1, description="Trajectories sampled per evaluation prompt."
+    )
+    max_turns: int = Field(20, description="Most agent turns in one episode.")
+    max_input_length: int = Field(
+        8192,
+        description="Most tokens of context per episode (prompt, observations and all turns); "
+        "an episode that would exceed it is truncated.",
+    )
+    keep_last_k_images: int | None = Field(
+        None,
+        description="Keep only the k most recent images in the context (older ones are "
+        "dropped); null keeps all.",
+    )
+    batched: bool = Field(False, description="SkyRL: batched single-turn generation.")
+    vision_language_generator: bool = Field(
+        True, description="SkyRL: use the vision-language generator."
+    )
+    sampling_params: SamplingParams = Field(
+        default_factory=SamplingParams, description="Sampling for training rollouts."
+    )
+    eval_sampling_params: SamplingParams = Field(
+        default_factory=SamplingParams,
+        description="Sampling for evaluation rollouts. Keys not set here are greedy "
+        "(temperature 0) and take max_generate_length and stop from sampling_params.",
+    )
+    inference_engine: InferenceEngineConfig = Field(
+        default_factory=InferenceEngineConfig,
+        description="The engine that generates rollouts.",
+    )
+
+    @model_validator(mode="after")
+    def _eval_defaults(self) -> GeneratorConfig:
+        ev, given = self.eval_sampling_params, self.eval_sampling_params.model_fields_set
+        if "temperature" not in given:
+            ev.temperature = 0.0
+        for name in ("max_generate_length", "stop"):
+            if name not in given:
+                setattr(ev, name, getattr(self.sampling_params, name))
+        return self
+
+
+class AlgorithmConfig(Section):
+    advantage_estimator: Literal["grpo", "rloo"] = Field(
+        "grpo",
+        description="How advantages are computed within a group: 'grpo' (reward minus group "
+        "mean) or 'rloo' (reward minus the mean of the others).",
+    )
+    norm_adv_by_std_in_grpo: bool = Field(
+        True, description="Divide GRPO advantages by the group's reward standard deviation."
+    )
+    drop_zero_spread_groups: bool = Field(
+        False,
+        description="Leave groups whose rewards are all equal out of the loss (they carry no "
+        "signal).",
+    )
+    use_kl_loss: bool = Field(
+        False, description="Add a KL penalty to the reference (initial) policy to the loss."
+    )
+    kl_loss_coef: float = Field(0.001, description="Weight of the KL penalty.")
+    kl_estimator_type: Literal["k1", "k3"] = Field(
+        "k3", description="KL estimator: 'k1' (log-ratio) or 'k3' (low-variance, non-negative)."
+    )
+    policy_loss_type: Literal["regular"] = Field(
+        "regular", description="Policy loss; 'regular' is the PPO clipped objective."
+    )
+    eps_clip_low: float = Field(0.2, description="PPO ratio clip below 1, in (0, 1).")
+    eps_clip_high: float = Field(0.2, description="PPO ratio clip above 1, in (0, 1).")
+    clip_ratio_c: float | None = Field(
+        None,
+        description="Dual-clip bound (> 1) on the ratio for negative advantages; null is off.",
+    )
+    loss_reduction: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
+        "token_mean",
+        description="How per-token losses become one number: mean over all tokens, mean of "
+        "per-sequence means, or per-sequence sums divided by a fixed length.",
+    )
+    use_entropy_loss: bool = Field(False, description="Add an entropy bonus to the loss.")
+    entropy_loss_coef: float = Field(0.01, description="Weight of the entropy bonus.")
+
+
+class LoraConfig(Section):
+    rank: int = Field(0, description="LoRA rank; 0 trains all weights (full fine-tuning).")
+    alpha: float = Field(16.0, description="LoRA scaling numerator (scale = alpha / rank).")
+    dropout: float = Field(0.0, description="Dropout on the LoRA input, in [0, 1).")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="Modules that get adapters: 'all-linear' (every linear layer of the "
+        "language model) or a list of module names.",
+    )
+    lora_sync_path: str | None = Field(
+        None, description="SkyRL: directory where adapters are handed to the inference engine."
+    )
+
+
+class ModelConfig(Section):
+    path: str | None = Field(
+        None, description="Hugging Face model id or local/s3 directory of the policy."
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Low-rank adapters.")
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-6, description="AdamW learning rate.")
+    adam_betas: list[float] = Field(
+        default_factory=lambda: [0.9, 0.999], description="AdamW (beta1, beta2)."
+    )
+    weight_decay: float = Field(0.01, description="AdamW decoupled weight decay.")
+    max_grad_norm: float = Field(1.0, description="Clip the gradient's global norm to this.")
+    num_warmup_steps: int = Field(0, description="Optimizer steps of linear learning-rate warmup.")
+    scheduler: Literal["constant_with_warmup", "cosine", "linear"] = Field(
+        "constant_with_warmup", description="Learning-rate schedule after warmup."
+    )
+
+
+class FsdpConfig(Section):
+    cpu_offload: bool = Field(False, description="SkyRL: offload FSDP parameters to CPU.")
+
+
+class PolicyConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    optimizer_config: OptimizerConfig = Field(
+        default_factory=OptimizerConfig, description="The policy optimizer."
+    )
+    fsdp_config: FsdpConfig = Field(
+        default_factory=FsdpConfig, description="SkyRL FSDP options for the policy."
+    )
+
+
+class RefConfig(Section):
+    fsdp_config: FsdpConfig = Field(
+        default_factory=FsdpConfig, description="SkyRL FSDP options for the reference model."
+    )
+
+
+class PlacementConfig(Section):
+    colocate_all: bool = Field(True, description="Run generation and training on the same GPUs.")
+    policy_num_nodes: int = Field(1, description="Nodes that train the policy.")
+    policy_num_gpus_per_node: int = Field(1, description="GPUs per node that train the policy.")
+    ref_num_nodes: int = Field(1, description="SkyRL: nodes for the reference model.")
+    ref_num_gpus_per_node: int = Field(1, description="SkyRL: GPUs per node for the reference.")
+
+    @property
+    def num_gpus(self) -> int:
+        """Policy training processes in total (one per GPU)."""
+        return self.policy_num_nodes * self.policy_num_gpus_per_node
+
+
+class TrainerConfig(Section):
+    strategy: Literal["fsdp", "ddp", "none"] = Field(
+        "fsdp", description="SkyRL: distributed training strategy."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where to train: 'auto' uses CUDA when available."
+    )
+    bf16: bool = Field(
+        True, description="Compute in bfloat16 where the device supports it, else float32."
+    )
+    seed: int = Field(42, description="Seed for data order, sampling and initialisation.")
+    epochs: int = Field(1, description="Passes over the training prompts.")
+    train_batch_size: int = Field(
+        16, description="Prompts per training step (each sampled n_samples_per_prompt times)."
+    )
+    policy_mini_batch_size: int = Field(
+        8,
+        description="Prompts per optimizer step; a step's batch is split into "
+        "train_batch_size / policy_mini_batch_size updates.",
+    )
+    micro_forward_batch_size_per_gpu: int = Field(
+        1, description="Trajectories per GPU per forward pass when scoring log-probs."
+    )
+    micro_train_batch_size_per_gpu: int = Field(
+        1, description="Trajectories per GPU per forward/backward pass (gradient accumulation)."
+    )
+    update_epochs_per_batch: int = Field(
+        1, description="Passes of policy updates over each training batch."
+    )
+    max_prompt_length: int = Field(
+        512, description="Most tokens of the initial prompt (system, task and first image)."
+    )
+    remove_microbatch_padding: bool = Field(
+        False, description="SkyRL: pack micro-batches without padding."
+    )
+    eval_interval: int = Field(5, description="Evaluate every this many steps; -1 never.")
+    eval_before_train: bool = Field(True, description="Evaluate once before the first step.")
+    ckpt_interval: int = Field(10, description="Checkpoint every this many steps; -1 never.")
+    hf_save_interval: int = Field(
+        -1, description="Export a Hugging Face model every this many steps; -1 never."
+    )
+    max_ckpts_to_keep: int = Field(
+        -1, description="Checkpoints kept on disk, oldest deleted first; -1 keeps all."
+    )
+    logger: str | list[str] = Field(
+        "console",
+        description="Metric sink(s): one or a list of " + ", ".join(KNOWN_LOGGERS) + ".",
+    )
+    project_name: str = Field("clew", description="Project name for loggers.")
+    run_name: str = Field("clew_run", description="Run name for loggers and output folders.")
+    resume_mode: Literal["none", "latest", "from_path"] = Field(
+        "latest",
+        description="'latest' resumes from the newest checkpoint under ckpt_path if there is "
+        "one, 'from_path' from resume_path, 'none' starts fresh.",
+    )
+    resume_path: str | None = Field(
+        None, description="Checkpoint to resume from when resume_mode is 'from_path'."
+    )
+    log_path: str = Field("/tmp/clew-logs", description="Directory for local logs.")
+    dump_eval_results: bool = Field(
+        True, description="Write every evaluation's trajectories and rewards to disk."
+    )
+    export_path: str = Field(
+        "exports", description="Directory (local or s3://) for exported models and eval dumps."
+    )
+    ckpt_path: str = Field("ckpts", description="Directory (local or s3://) for checkpoints.")
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="The RL objective."
+    )
+    policy: PolicyConfig = Field(
+        default_factory=PolicyConfig, description="The trained policy: model and optimizer."
+    )
+    ref: RefConfig = Field(
+        default_factory=RefConfig, description="SkyRL: the reference model's own options."
+    )
+    placement: PlacementConfig = Field(
+        default_factory=PlacementConfig, description="Where the policy runs."
+    )
+
+    @field_validator("resume_mode", mode="before")
+    @classmethod
+    def _null_is_none(cls, value: Any) -> Any:
+        return "none" if value is None else value
+
+    @property
+    def logger_names(self) -> list[str]:
+        """``logger`` as a list."""
+        return [self.logger] if isinstance(self.logger, str) else list(self.logger)
+
+
+class ClewConfig(Section):
+    """The whole configuration of a clew run; saved as ``config.yaml`` in every run folder."""
+
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt datasets.")
+    environment: EnvironmentConfig = Field(
+        default_factory=EnvironmentConfig, description="The environments the agent acts in."
+    )
+    generator: GeneratorConfig = Field(
+        default_factory=GeneratorConfig, description="Multi-turn rollout generation."
+    )
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The training loop.")

@@ -1,0 +1,317 @@
+"""Range and cross-field rules, and the registry of SkyRL keys that clew accepts but ignores.
+
+Why a separate pass: pydantic checks each value's type where it is declared, but rules such as
+"the mini batch divides the train batch" span sections and must hold for the final config,
+however it was assembled (YAML, overrides, code). ``validate`` runs every rule, reports every
+failure at once, each tagged with the rule's name and the values involved, and raises
+``ConfigError`` before any work starts.
+
+Batch sizes are counted the SkyRL way: ``train_batch_size`` and ``policy_mini_batch_size`` are
+in prompts, and each prompt yields ``n_samples_per_prompt`` trajectories; micro batches are
+in trajectories per GPU. So one optimizer step sees ``policy_mini_batch_size *
+n_samples_per_prompt`` trajectories, which must split evenly into micro batches of
+``micro_train_batch_size_per_gpu`` on each of the ``policy_num_nodes *
+policy_num_gpus_per_node`` GPUs.
+
+Ignored keys: SkyRL scripts set keys that have no meaning for clew's single-process,
+weight-sharing engine. They are accepted so the scripts run unchanged, and each one set to a
+value that would matter under SkyRL is named in one warning per process, saying why.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from clew.config.schema import KNOWN_LOGGERS, ClewConfig
+from clew.errors import ConfigError
+
+# Keys that count things and so must be >= 1.
+COUNT_KEYS: tuple[str, ...] = (
+    "generator.n_samples_per_prompt",
+    "generator.eval_n_samples_per_prompt",
+    "generator.max_turns",
+    "generator.max_input_length",
+    "generator.sampling_params.max_generate_length",
+    "generator.eval_sampling_params.max_generate_length",
+    "generator.inference_engine.num_engines",
+    "generator.inference_engine.tensor_parallel_size",
+    "generator.inference_engine.max_cache_mb",
+    "trainer.epochs",
+    "trainer.train_batch_size",
+    "trainer.policy_mini_batch_size",
+    "trainer.micro_forward_batch_size_per_gpu",
+    "trainer.micro_train_batch_size_per_gpu",
+    "trainer.update_epochs_per_batch",
+    "trainer.max_prompt_length",
+    "trainer.placement.policy_num_nodes",
+    "trainer.placement.policy_num_gpus_per_node",
+    "trainer.placement.ref_num_nodes",
+    "trainer.placement.ref_num_gpus_per_node",
+)
+# Step intervals: >= 1, or -1 for never.
+INTERVAL_KEYS: tuple[str, ...] = (
+    "trainer.eval_interval",
+    "trainer.ckpt_interval",
+    "trainer.hf_save_interval",
+)
+# Real numbers that must be > 0, and ones that must be >= 0.
+POSITIVE_KEYS: tuple[str, ...] = (
+    "trainer.policy.optimizer_config.lr",
+    "trainer.policy.optimizer_config.max_grad_norm",
+    "trainer.policy.model.lora.alpha",
+)
+NON_NEGATIVE_KEYS: tuple[str, ...] = (
+    "trainer.policy.model.lora.rank",
+    "trainer.policy.optimizer_config.num_warmup_steps",
+    "trainer.policy.optimizer_config.weight_decay",
+    "trainer.algorithm.kl_loss_coef",
+    "trainer.algorithm.entropy_loss_coef",
+)
+
+
+def get_key(cfg: Any, key: str) -> Any:
+    """The value at dotted ``key`` of a config object."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _rules(cfg: ClewConfig) -> list[str]:
+    """Every failed rule, as ``[rule] message naming the keys and values``."""
+    bad: list[str] = []
+
+    def fail(rule: str, message: str) -> None:
+        bad.append(f"[{rule}] {message}")
+
+    gen, tr = cfg.generator, cfg.trainer
+    alg, opt, lora = tr.algorithm, tr.policy.optimizer_config, tr.policy.model.lora
+
+    for key in COUNT_KEYS:
+        if (value := get_key(cfg, key)) < 1:
+            fail("positive-count", f"{key} must be >= 1, got {value}")
+    if (k := gen.keep_last_k_images) is not None and k < 1:
+        fail("positive-count", f"generator.keep_last_k_images must be >= 1 or null, got {k}")
+    for key in INTERVAL_KEYS:
+        if (value := get_key(cfg, key)) < 1 and value != -1:
+            fail("interval", f"{key} must be >= 1, or -1 for never; got {value}")
+    if (keep := tr.max_ckpts_to_keep) < 1 and keep != -1:
+        fail("max-ckpts", f"trainer.max_ckpts_to_keep must be >= 1, or -1 for all; got {keep}")
+    for key in POSITIVE_KEYS:
+        if not (value := get_key(cfg, key)) > 0:
+            fail("positive", f"{key} must be > 0, got {value}")
+    for key in NON_NEGATIVE_KEYS:
+        if not (value := get_key(cfg, key)) >= 0:
+            fail("non-negative", f"{key} must be >= 0, got {value}")
+    if not 0 <= lora.dropout < 1:
+        fail(
+            "lora-dropout",
+            f"trainer.policy.model.lora.dropout must be in [0, 1), got {lora.dropout}",
+        )
+    if len(opt.adam_betas) != 2 or not all(0 <= b < 1 for b in opt.adam_betas):
+        fail(
+            "adam-betas",
+            "trainer.policy.optimizer_config.adam_betas must be two numbers in [0, 1), "
+            f"got {opt.adam_betas}",
+        )
+
+    # Batch arithmetic, checked once the counts are positive.
+    n, mini = gen.n_samples_per_prompt, tr.policy_mini_batch_size
+    micro, gpus, traj = tr.micro_train_batch_size_per_gpu, tr.placement.num_gpus, mini * n
+    if min(n, mini, micro, gpus, tr.train_batch_size) >= 1:
+        if tr.train_batch_size % mini:
+            fail(
+                "batch-divisible",
+                f"trainer.train_batch_size ({tr.train_batch_size}) must be a multiple of "
+                f"trainer.policy_mini_batch_size ({mini})",
+            )
+        if micro * gpus > traj:
+            fail(
+                "micro-batch-size",
+                f"trainer.micro_train_batch_size_per_gpu ({micro}) x {gpus} GPUs = "
+                f"{micro * gpus} trajectories is more than one mini batch: "
+                f"policy_mini_batch_size ({mini}) x n_samples_per_prompt ({n}) = {traj}",
+            )
+        elif traj % (micro * gpus):
+            fail(
+                "micro-batch-divisible",
+                f"a mini batch of {traj} trajectories (policy_mini_batch_size {mini} x "
+                f"n_samples_per_prompt {n}) does not split into micro batches of {micro} "
+                f"on {gpus} GPUs ({micro * gpus} per pass)",
+            )
+    if alg.advantage_estimator in ("grpo", "rloo") and n < 2:
+        fail(
+            "group-size",
+            f"generator.n_samples_per_prompt must be >= 2 for {alg.advantage_estimator!r}, "
+            f"got {n}: a group of one has no reward spread, so every advantage would be zero",
+        )
+
+    # Sampling and engine.
+    for name in ("sampling_params", "eval_sampling_params"):
+        sp = getattr(gen, name)
+        if sp.temperature < 0:
+            fail("temperature", f"generator.{name}.temperature must be >= 0, got {sp.temperature}")
+        if not 0 < sp.top_p <= 1:
+            fail("top-p", f"generator.{name}.top_p must be in (0, 1], got {sp.top_p}")
+        if sp.top_k < 1 and sp.top_k != -1:
+            fail("top-k", f"generator.{name}.top_k must be >= 1, or -1 for off; got {sp.top_k}")
+    if not 0 < (gmu := gen.inference_engine.gpu_memory_utilization) <= 1:
+        fail(
+            "gpu-memory-utilization",
+            f"generator.inference_engine.gpu_memory_utilization must be in (0, 1], got {gmu}",
+        )
+
+    # Context: the initial prompt plus one full turn must fit in an episode's context.
+    turn = max(
+        gen.sampling_params.max_generate_length, gen.eval_sampling_params.max_generate_length
+    )
+    if tr.max_prompt_length + turn > gen.max_input_length:
+        fail(
+            "context-fits-turn",
+            f"trainer.max_prompt_length ({tr.max_prompt_length}) + max_generate_length "
+            f"({turn}) = {tr.max_prompt_length + turn} exceeds generator.max_input_length "
+            f"({gen.max_input_length}): not even one turn fits",
+        )
+    mml = gen.inference_engine.max_model_len
+    if mml is not None and (not isinstance(mml, int) or isinstance(mml, bool) or mml < 1):
+        fail(
+            "max-model-len",
+            "generator.inference_engine.engine_init_kwargs.max_model_len must be a positive "
+            f"integer, got {mml!r}",
+        )
+    elif mml is not None and mml < gen.max_input_length:
+        fail(
+            "max-model-len",
+            f"generator.max_input_length ({gen.max_input_length}) exceeds the engine's "
+            f"max_model_len ({mml})",
+        )
+
+    # Algorithm.
+    for name in ("eps_clip_low", "eps_clip_high"):
+        if not 0 < (eps := getattr(alg, name)) < 1:
+            fail("eps-clip", f"trainer.algorithm.{name} must be in (0, 1), got {eps}")
+    if (c := alg.clip_ratio_c) is not None and c <= 1:
+        fail("clip-ratio-c", f"trainer.algorithm.clip_ratio_c must be > 1 or null, got {c}")
+
+    # Run management.
+    if tr.resume_mode == "from_path" and not tr.resume_path:
+        fail("resume-path", "trainer.resume_mode is 'from_path' but trainer.resume_path is unset")
+    unknown = [name for name in tr.logger_names if name not in KNOWN_LOGGERS]
+    if unknown or not tr.logger_names:
+        fail(
+            "logger",
+            f"trainer.logger names unknown logger(s) {unknown}; "
+            f"accepted: {', '.join(KNOWN_LOGGERS)}",
+        )
+    return bad
+
+
+def validate(cfg: ClewConfig) -> ClewConfig:
+    """Check every rule; raise one ``ConfigError`` listing each failure as ``[rule] message``.
+
+    On success, warn (once per process) about ignored keys that are set, and return ``cfg``.
+    """
+    bad = _rules(cfg)
+    if bad:
+        raise ConfigError("invalid configuration: " + "; ".join(bad))
+    warn_ignored(cfg)
+    return cfg
+
+
+class IgnoredKeyWarning(UserWarning):
+    """A SkyRL key was set that clew accepts but does not act on."""
+
+
+@dataclass(frozen=True)
+class IgnoredKey:
+    """Why clew ignores a key, and when its value is worth a warning."""
+
+    why: str
+    applies: Callable[[ClewConfig, Any], bool]
+
+
+def _not(default: Any) -> Callable[[ClewConfig, Any], bool]:
+    return lambda cfg, value: value != default
+
+
+_REF_WHY = "the reference model lives on the policy's GPUs, per trainer.placement.policy_*"
+
+# The registry: key -> why clew ignores it, and the values that earn a warning.
+IGNORED_KEYS: dict[str, IgnoredKey] = {
+    "trainer.strategy": IgnoredKey(
+        "clew shards the policy itself from trainer.placement; there is no strategy to pick",
+        _not("fsdp"),
+    ),
+    "trainer.remove_microbatch_padding": IgnoredKey(
+        "clew pads each micro batch to its longest trajectory; packing is not implemented",
+        _not(False),
+    ),
+    "trainer.policy.model.lora.lora_sync_path": IgnoredKey(
+        "clew's engine runs in the trainer process and reads the adapter weights directly, "
+        "so nothing is synced through a directory",
+        _not(None),
+    ),
+    "trainer.policy.fsdp_config.cpu_offload": IgnoredKey(
+        "clew keeps the policy's parameters on its device", _not(False)
+    ),
+    "trainer.ref.fsdp_config.cpu_offload": IgnoredKey(
+        "clew keeps the reference model (used only with use_kl_loss) on the policy's device",
+        _not(False),
+    ),
+    "trainer.placement.colocate_all": IgnoredKey(
+        "clew always generates and trains in the same process on the same GPUs", _not(True)
+    ),
+    "trainer.placement.ref_num_nodes": IgnoredKey(
+        _REF_WHY, lambda cfg, v: v != cfg.trainer.placement.policy_num_nodes
+    ),
+    "trainer.placement.ref_num_gpus_per_node": IgnoredKey(
+        _REF_WHY, lambda cfg, v: v != cfg.trainer.placement.policy_num_gpus_per_node
+    ),
+    "generator.inference_engine.num_engines": IgnoredKey(
+        "clew runs one in-process engine per policy GPU, sharing the policy's weights",
+        _not(1),
+    ),
+    "generator.inference_engine.tensor_parallel_size": IgnoredKey(
+        "clew's engine runs on one GPU; it does not split a model across GPUs",
+        lambda cfg, v: v > 1,
+    ),
+    "generator.inference_engine.engine_init_kwargs": IgnoredKey(
+        "clew reads only max_model_len from it; other engine options do not apply",
+        lambda cfg, v: any(k != "max_model_len" for k in v),
+    ),
+    "generator.vision_language_generator": IgnoredKey(
+        "clew's generator always handles images and text", _not(True)
+    ),
+    "generator.batched": IgnoredKey(
+        "clew always steps all episodes of a batch together, turn by turn", _not(False)
+    ),
+}
+
+_warned: set[str] = set()
+
+
+def warn_ignored(cfg: ClewConfig) -> list[str]:
+    """Warn once per process for each ignored key whose value would matter under SkyRL.
+
+    Returns the keys warned about by this call.
+    """
+    warned = []
+    for key, entry in IGNORED_KEYS.items():
+        value = get_key(cfg, key)
+        if key in _warned or not entry.applies(cfg, value):
+            continue
+        _warned.add(key)
+        warned.append(key)
+        warnings.warn(
+            f"config key {key}={value!r} is accepted but ignored: {entry.why}",
+            IgnoredKeyWarning,
+            stacklevel=3,
+        )
+    return warned
+
+
+def reset_ignored_warnings() -> None:
+    """Forget which ignored keys were warned about (for tests)."""
+    _warned.clear()
