@@ -1,0 +1,308 @@
+"""clew's rollout engine: batched multi-turn sampling with the KV cache kept across turns.
+
+Why clew carries its own engine rather than vLLM: vLLM is not installable on the machines
+clew is built and tested on (it needs a newer torch and an older transformers than they
+have), and an engine inside the training process shares the policy's weights, LoRA
+adapters included, as the very module objects the optimizer updates, so "weight sync"
+after each step costs nothing and can never go stale.
+
+How it works. A ``Session`` holds a batch of sequences in one transformers cache. Each
+turn appends a chunk to every sequence (the previous reply's last token plus the new
+observation) and then decodes the reply one token per step, so a turn only prefills the
+new tokens, never the history. Sequences are padded to a common cache length, and the
+attention mask hides the padding; M-RoPE positions are given explicitly per sequence
+(``clew.inference.positions``), so padding never shifts a position. Finished sequences
+leave the batch, and cache columns that hold only padding are dropped, so the cache stays
+close to the real tokens. It is token in, token out: the engine returns sampled ids and
+their logprobs, and nothing is re-tokenized from text.
+
+Logprobs are those of the distribution sampled from before top-k/top-p truncation, at the
+sampling temperature (at temperature 1 for greedy decoding), which is what the trainer
+recomputes for the policy-gradient ratio. The vision placeholder tokens are never
+sampled (a reply holding ``<|image_pad|>`` would claim an image that does not exist); the
+trainer masks the same ids (``banned_token_ids``) so its logprobs match.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from clew.errors import ConfigError
+from clew.inference.positions import mrope_positions
+from clew.models.chat import ChatFormat, Chunk
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one reply (SkyRL's ``generator.sampling_params``)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Generation:
+    """One sampled reply: ids and logprobs per token, and why it ended (stop|length)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    # transformers renamed `past_key_values` to `cache` in 5.2x; 5.17 only knows the old name.
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of KV cache one token takes across all layers."""
+    cfg = model.config
+    text = getattr(cfg, "text_config", cfg)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    return 2 * text.num_hidden_layers * heads * head_dim * elem
+
+
+def banned_token_ids(chat: ChatFormat) -> torch.Tensor:
+    """Token ids a reply may never contain: the vision placeholders and delimiters."""
+    ids = {chat.image_token_id, chat.vision_start_id, chat.vision_end_id}
+    video = chat.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    if isinstance(video, int) and video != chat.tokenizer.unk_token_id:
+        ids.add(video)
+    return torch.tensor(sorted(i for i in ids if i is not None), dtype=torch.long)
+
+
+def mask_banned(logits: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """``logits`` [..., V] with the banned ids at -inf (out of place)."""
+    return logits.index_fill(-1, banned.to(logits.device), float("-inf"))
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Logits with everything outside top-k / the top-p nucleus set to -inf."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        drop_sorted = probs.cumsum(-1) - probs >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class InferenceEngine:
+    """Samples replies for many sequences at once from a (possibly LoRA-wrapped) Qwen-VL model."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        chat: ChatFormat,
+        *,
+        max_cache_bytes: int | None = None,
+        stop_token_ids: tuple[int, ...] | None = None,
+    ) -> None:
+        self.model = model
+        self.chat = chat
+        self.device = next(model.parameters()).device
+        self.bytes_per_token = kv_bytes_per_token(model)
+        self.max_cache_bytes = max_cache_bytes
+        self.stop_token_ids = stop_token_ids or (chat.im_end_id,)
+        self.banned_token_ids = banned_token_ids(chat)
+        self._cache_kw = _cache_kwarg(model)
+
+    def session(self, size: int, seed: int | None = None) -> Session:
+        return Session(self, size, seed)
+
+    def max_sequences(self, tokens_per_sequence: int) -> int:
+        """How many sequences of this length fit the cache budget (at least 1 if any fits)."""
+        if self.max_cache_bytes is None:
+            return 1 << 30
+        n = self.max_cache_bytes // max(1, tokens_per_sequence * self.bytes_per_token)
+        if n < 1:
+            raise ConfigError(
+                f"the KV-cache budget ({self.max_cache_bytes / 2**20:.1f} MiB) cannot hold one "
+                f"sequence of {tokens_per_sequence} tokens "
+                f"({tokens_per_sequence * self.bytes_per_token / 2**20:.1f} MiB); raise "
+                "generator.inference_engine.gpu_memory_utilization / max_cache_mb or lower "
+                "generator.max_input_length"
+            )
+        return int(n)
+
+
+class Session:
+    """A batch of sequences sharing one KV cache; rows are addressed by their index at creation."""
+
+    def __init__(self, engine: InferenceEngine, size: int, seed: int | None) -> None:
+        self.engine = engine
+        self.rows: list[int] = list(range(size))  # sequence ids, in cache row order
+        self.cache = DynamicCache()
+        self.mask = torch.zeros(size, 0, dtype=torch.long, device=engine.device)
+        self.next_pos = [0] * size
+        self.lengths = [0] * size  # real tokens per sequence (fed + pending)
+        self.pending: list[int | None] = [None] * size
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(0 if seed is None else seed)
+
+    @property
+    def cache_tokens(self) -> int:
+        return int(self.mask.shape[1])
+
+    def cache_bytes_after(self, extra_tokens: int) -> int:
+        return (self.cache_tokens + extra_tokens) * len(self.rows) * self.engine.bytes_per_token
+
+    def fits(self, extra_tokens: int) -> bool:
+        budget = self.engine.max_cache_bytes
+        return budget is None or self.cache_bytes_after(extra_tokens) <= budget
+
+    def drop(self, seq_ids: list[int]) -> None:
+        """Remove finished sequences from the batch and compact the cache."""
+        gone = set(seq_ids)
+        keep = [i for i, s in enumerate(self.rows) if s not in gone]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
+        self.mask = self.mask.index_select(0, idx)
+        for name in ("next_pos", "lengths", "pending"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in keep])
+        self._select(batch=idx)
+        if self.rows:
+            cols = self.mask.any(0).nonzero().squeeze(-1)
+            if len(cols) < self.mask.shape[1]:
+                self.mask = self.mask.index_select(1, cols)
+                self._select(cols=cols)
+
+    def _select(self, batch: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> None:
+        for layer in getattr(self.cache, "layers", []):
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            if batch is not None:
+                layer.keys = layer.keys.index_select(0, batch)
+                layer.values = layer.values.index_select(0, batch)
+            if cols is not None:
+                layer.keys = layer.keys.index_select(2, cols)
+                layer.values = layer.values.index_select(2, cols)
+
+    @torch.no_grad()
+    def extend_and_generate(
+        self, chunks: dict[int, Chunk], params: SamplingParams
+    ) -> dict[int, Generation]:
+        """Append ``chunks[seq]`` to every sequence in the batch and sample one reply each."""
+        if set(chunks) != set(self.rows):
+            raise ValueError(
+                "every sequence in the session needs a chunk (drop finished ones first)"
+            )
+        eng, dev = self.engine, self.engine.device
+        chat = eng.chat
+        token_lists, pos_lists, pix, grids = [], [], [], []
+        for r, seq in enumerate(self.rows):
+            chunk = chunks[seq]
+            ids = ([self.pending[r]] if self.pending[r] is not None else []) + chunk.token_ids
+            pos, self.next_pos[r] = mrope_positions(
+                ids, chunk.image_grid_thw, self.next_pos[r], chat.image_token_id, chat.merge_size
+            )
+            token_lists.append(ids)
+            pos_lists.append(pos)
+            self.lengths[r] += len(chunk.token_ids)
+            self.pending[r] = None
+            if chunk.pixel_values is not None:
+                pix.append(chunk.pixel_values)
+                grids.append(chunk.image_grid_thw)
+        width = max(len(t) for t in token_lists)
+        b = len(self.rows)
+        input_ids = torch.full((b, width), chat.pad_id, dtype=torch.long)
+        positions = torch.zeros(3, b, width, dtype=torch.long)
+        new_mask = torch.zeros(b, width, dtype=torch.long)
+        for r, (ids, pos) in enumerate(zip(token_lists, pos_lists, strict=True)):
+            # Left-padded, so every sequence's last real token is the chunk's last column.
+            input_ids[r, width - len(ids) :] = torch.tensor(ids)
+            positions[:, r, width - len(ids) :] = pos
+            new_mask[r, width - len(ids) :] = 1
+        extra = {}
+        if pix:
+            extra["pixel_values"] = torch.cat(pix).to(dev)
+            extra["image_grid_thw"] = torch.cat(grids).to(dev)
+        logits = self._forward(input_ids, positions, new_mask, **extra)
+        gens = {seq: Generation() for seq in self.rows}
+        active = torch.ones(b, dtype=torch.bool)
+        for step in range(params.max_tokens):
+            tokens, logprobs = self._sample(logits, params)
+            for r, seq in enumerate(self.rows):
+                if not active[r]:
+                    continue
+                g = gens[seq]
+                g.token_ids.append(int(tokens[r]))
+                g.logprobs.append(float(logprobs[r]))
+                self.lengths[r] += 1
+                self.pending[r] = int(tokens[r])
+                if int(tokens[r]) in eng.stop_token_ids or self._hit_stop_string(g, params):
+                    g.finish_reason = "stop"
+                    active[r] = False
+            if not active.any() or step == params.max_tokens - 1:
+                break
+            # Feed each active sequence its sampled token; finished ones get masked padding.
+            step_ids = torch.full((b, 1), chat.pad_id, dtype=torch.long)
+            step_pos = torch.zeros(3, b, 1, dtype=torch.long)
+            step_mask = torch.zeros(b, 1, dtype=torch.long)
+            for r in range(b):
+                if active[r]:
+                    step_ids[r, 0] = self.pending[r]
+                    step_pos[:, r, 0] = self.next_pos[r]
+                    step_mask[r, 0] = 1
+                    self.next_pos[r] += 1
+                    self.pending[r] = None
+            logits = self._forward(step_ids, step_pos, step_mask)
+        return gens
+
+    def _hit_stop_string(self, g: Generation, params: SamplingParams) -> bool:
+        if not params.stop:
+            return False
+        tail = self.engine.chat.decode(g.token_ids[-32:])
+        return any(s in tail for s in params.stop)
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor, **extra
+    ) -> torch.Tensor:
+        dev = self.engine.device
+        self.mask = torch.cat([self.mask, new_mask.to(dev)], dim=1)
+        out = self.engine.model(
+            input_ids=input_ids.to(dev),
+            attention_mask=self.mask,
+            position_ids=positions.to(dev),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.engine._cache_kw: self.cache},
+            **extra,
+        )
+        return mask_banned(out.logits[:, -1, :].float(), self.engine.banned_token_ids)
+
+    def _sample(
+        self, logits: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        temperature = 1.0 if params.greedy else params.temperature
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        if params.greedy:
+            tokens = logits.argmax(-1)
+        else:
+            filtered = filter_logits(logits / temperature, params.top_k, params.top_p)
+            probs = filtered.softmax(-1).cpu()
+            tokens = (
+                torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).to(logits.device)
+            )
+        return tokens.cpu(), logp.gather(-1, tokens.view(-1, 1)).squeeze(-1).cpu()

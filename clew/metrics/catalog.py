@@ -1,0 +1,206 @@
+"""The metric names clew's trainer emits, with what each one means.
+
+This is the one home for metric documentation: the docs table (:func:`catalog_markdown`), the
+console logger's compact line (the ``short`` labels) and :func:`describe` all read it, so a
+metric's meaning is written once. Add an entry here when the trainer starts emitting a new
+name.
+
+Names are ``<group>/<metric>``. A name with a ``<placeholder>`` segment is a template for a
+family (``timing/<phase>``, ``train/end_reason/<reason>``); :func:`describe` matches concrete
+names against it. Per-episode metrics flushed with extremes (see
+:meth:`~clew.metrics.collector.MetricsCollector.extend`) also have ``_min`` / ``_max``
+companions, which :func:`describe` derives from the ``_mean`` entry instead of listing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+
+TIMING_PHASES: tuple[str, ...] = (
+    "generate",
+    "score",
+    "advantages",
+    "update",
+    "sync",
+    "evaluate",
+    "checkpoint",
+    "log",
+    "step",
+)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One catalog entry: a name (or template), its meaning, and its console label."""
+
+    name: str
+    meaning: str
+    # Label in the console logger's one-line summary; "" keeps it out of that line.
+    short: str = ""
+
+
+CATALOG: tuple[MetricSpec, ...] = (
+    # train/: the step's rollout batch.
+    MetricSpec("train/reward_mean", "Mean episode reward over the step's rollouts.", "reward"),
+    MetricSpec(
+        "train/solve_rate", "Fraction of the step's episodes that solved the task.", "solve"
+    ),
+    MetricSpec("train/advantage_mean", "Mean advantage over episodes (near 0 for GRPO)."),
+    MetricSpec("train/advantage_std", "Standard deviation of episode advantages."),
+    MetricSpec("train/advantage_abs_max", "Largest absolute episode advantage."),
+    MetricSpec(
+        "train/zero_spread_groups",
+        "Groups whose samples all got the same reward (zero advantage, no learning signal).",
+    ),
+    MetricSpec(
+        "train/zero_spread_fraction",
+        "Fraction of groups with zero reward spread; rises as the task saturates or stalls.",
+        "zero",
+    ),
+    MetricSpec("train/turns_mean", "Mean number of agent turns per episode.", "turns"),
+    MetricSpec(
+        "train/episode_tokens_mean", "Mean tokens per episode (prompt, observations and actions)."
+    ),
+    MetricSpec("train/generated_tokens_mean", "Mean model-generated tokens per episode."),
+    MetricSpec(
+        "train/parse_error_rate", "Fraction of agent turns whose action could not be parsed."
+    ),
+    MetricSpec("train/env_errors", "Episodes that ended because the environment raised."),
+    MetricSpec(
+        "train/end_reason/<reason>",
+        "Fraction of episodes whose end reason was <reason> (e.g. solved, max_turns, max_tokens).",
+    ),
+    # policy/: the optimizer update.
+    MetricSpec("policy/loss", "Policy loss, averaged over the step's mini-batches.", "loss"),
+    MetricSpec("policy/clip_fraction", "Fraction of tokens whose ratio was clipped (PPO clip)."),
+    MetricSpec(
+        "policy/approx_kl", "Approximate KL between the rollout and the updated policy.", "kl"
+    ),
+    MetricSpec("policy/kl_loss", "KL penalty to the reference policy, as added to the loss."),
+    MetricSpec("policy/entropy", "Mean token entropy of the policy on generated tokens.", "ent"),
+    MetricSpec("policy/grad_norm", "Gradient norm before clipping.", "gnorm"),
+    MetricSpec("policy/lr", "Learning rate used for the step."),
+    # timing/ and throughput/.
+    MetricSpec(
+        "timing/<phase>",
+        "Wall seconds spent in <phase> this step; phases: " + ", ".join(TIMING_PHASES) + ".",
+    ),
+    MetricSpec("throughput/episodes_per_s", "Rollout episodes finished per wall second of step."),
+    MetricSpec(
+        "throughput/generated_tokens_per_s",
+        "Model-generated tokens per wall second of step.",
+        "tok/s",
+    ),
+    # eval/: held-out evaluation, on the steps it runs.
+    MetricSpec(
+        "eval/all/pass_at_1",
+        "Eval solve rate: fraction of eval tasks solved in one attempt.",
+        "eval",
+    ),
+    MetricSpec("eval/all/mean_turns", "Mean agent turns per eval episode."),
+    MetricSpec("eval/all/parse_error_rate", "Fraction of eval turns whose action failed to parse."),
+    MetricSpec(
+        "eval/all/solvable_ceiling",
+        "Fraction of eval tasks solvable within the turn budget (the best pass@1 can reach).",
+    ),
+    # metrics/: about the metrics themselves.
+    MetricSpec(
+        "metrics/non_finite", "Metric values this step that were NaN or infinite (should be 0)."
+    ),
+)
+
+# Console line order: the step's outcome first, then optimizer health, then speed.
+_HEADLINE_ORDER = (
+    "train/reward_mean",
+    "train/solve_rate",
+    "eval/all/pass_at_1",
+    "train/zero_spread_fraction",
+    "train/turns_mean",
+    "policy/loss",
+    "policy/approx_kl",
+    "policy/entropy",
+    "policy/grad_norm",
+    "throughput/generated_tokens_per_s",
+)
+_SHORT = {m.name: m for m in CATALOG if m.short}
+# Anything given a short label but not placed above goes at the end rather than vanishing.
+HEADLINE: tuple[MetricSpec, ...] = (
+    tuple(_SHORT[n] for n in _HEADLINE_ORDER)
+    + tuple(m for n, m in _SHORT.items() if n not in _HEADLINE_ORDER)
+    + (MetricSpec("timing/step", "Wall seconds of the whole step.", "step_s"),)
+)
+
+_PLACEHOLDER = re.compile(r"<([a-z_]+)>")
+
+
+@cache
+def _templates() -> tuple[tuple[re.Pattern[str], MetricSpec], ...]:
+    out = []
+    for spec in CATALOG:
+        if "<" not in spec.name:
+            continue
+        parts = _PLACEHOLDER.split(spec.name)
+        # split() alternates literal text and placeholder names.
+        regex = "".join(
+            re.escape(p) if i % 2 == 0 else f"(?P<{p}>[^/]+)" for i, p in enumerate(parts)
+        )
+        out.append((re.compile(regex + "$"), spec))
+    return tuple(out)
+
+
+_BY_NAME = {m.name: m for m in CATALOG}
+
+
+def lookup(name: str) -> MetricSpec | None:
+    """The catalog entry for ``name``: an exact entry, else the template it matches."""
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    for regex, spec in _templates():
+        if regex.match(name):
+            return spec
+    return None
+
+
+def describe(name: str) -> str | None:
+    """One-line meaning of a concrete metric name, or ``None`` if the catalog lacks it.
+
+    Templates are filled in (``timing/update`` -> "Wall seconds spent in update ..."), and
+    ``_min`` / ``_max`` companions of a ``_mean`` metric are described from it.
+    """
+    if name in _BY_NAME:
+        return _BY_NAME[name].meaning
+    for regex, spec in _templates():
+        match = regex.match(name)
+        if match:
+            meaning = spec.meaning
+            for key, value in match.groupdict().items():
+                meaning = meaning.replace(f"<{key}>", value)
+            return meaning
+    for suffix, word in (("_min", "Smallest"), ("_max", "Largest")):
+        if name.endswith(suffix):
+            base = describe(name.removesuffix(suffix) + "_mean")
+            if base is not None:
+                return f"{word} per-episode value of: {base[0].lower()}{base[1:]}"
+    return None
+
+
+def catalog_markdown() -> str:
+    """The catalog as Markdown: one table per metric group, ready for the docs."""
+    lines = [
+        "# Metrics",
+        "",
+        "Every metric clew's trainer logs, by group. `<...>` marks a family of names;",
+        "`*_mean` metrics logged with extremes also have `*_min` / `*_max` companions.",
+    ]
+    group = None
+    for spec in CATALOG:
+        head = spec.name.split("/", 1)[0]
+        if head != group:
+            group = head
+            lines += ["", f"## {group}/", "", "| Metric | Meaning |", "| --- | --- |"]
+        # Bare <reason> would be read as an HTML tag and vanish from the rendered table.
+        meaning = _PLACEHOLDER.sub(r"`<\1>`", spec.meaning.replace("|", r"\|"))
+        lines.append(f"| `{spec.name}` | {meaning} |")
+    return "\n".join(lines) + "\n"

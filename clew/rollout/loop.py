@@ -1,0 +1,166 @@
+"""The multi-turn agent loop: dataset rows in, finished trajectories out.
+
+Every row is played ``n_samples`` times (one GRPO group per row, all on the row's seeded
+maze). Episodes run in waves sized to the engine's cache budget; within a wave all
+episodes advance turn by turn together, so each turn is one batched prefill plus one
+batched decode. An episode ends on the env's ``done``, on ``max_turns`` (the smaller of
+``generator.max_turns`` and the env's own budget), when its context would exceed
+``max_input_length``, or when the cache budget runs out (``cache_budget``: finished
+cleanly, never an out-of-memory crash). An exception inside an env ends that episode with
+reward 0 (``env_error``) and never takes down the batch.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from clew.data.rows import MazeRow
+from clew.envs import make
+from clew.inference.engine import InferenceEngine, SamplingParams
+from clew.rollout.trajectory import Trajectory
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The generator settings the loop needs (from ``generator.*`` of the config)."""
+
+    n_samples_per_prompt: int = 1
+    max_turns: int = 20
+    max_input_length: int = 8192
+    sampling: SamplingParams = SamplingParams()
+
+
+@dataclass
+class _Episode:
+    traj: Trajectory
+    env: Any
+    max_turns: int
+
+
+def _start(
+    row: MazeRow, group: int, sample: int, env_factory: Callable[..., Any]
+) -> tuple[_Episode, Any]:
+    options = row.options()
+    traj = Trajectory(row.env_id, options, int(row.seed), group, sample)
+    env = env_factory(row.env_id, **options)
+    obs = env.reset(int(row.seed))
+    return _Episode(traj, env, getattr(env, "max_turns", 1 << 30)), obs
+
+
+def play(
+    engine: InferenceEngine,
+    rows: Sequence[MazeRow],
+    settings: RolloutSettings,
+    *,
+    seed: int = 0,
+    env_factory: Callable[..., Any] = make,
+    progress: Callable[[int], None] | None = None,
+) -> list[Trajectory]:
+    """Play every row ``n_samples_per_prompt`` times; trajectories in (row, sample) order."""
+    chat = engine.chat
+    specs = [
+        (g, s, row) for g, row in enumerate(rows) for s in range(settings.n_samples_per_prompt)
+    ]
+    wave = engine.max_sequences(settings.max_input_length)
+    done: list[Trajectory] = []
+    for w, lo in enumerate(range(0, len(specs), wave)):
+        episodes: dict[int, _Episode] = {}
+        chunks = {}
+        for i, (g, s, row) in enumerate(specs[lo : lo + wave]):
+            try:
+                ep, obs = _start(row, g, s, env_factory)
+            except Exception as exc:  # an env that cannot even reset is that episode's failure
+                traj = Trajectory(row.env_id, row.options(), int(row.seed), g, s)
+                _fail(traj, exc)
+                done.append(traj)
+                continue
+            chunk = chat.user_turn(obs.text, obs.images, first=True)
+            ep.traj.add_observation(chunk, obs.images)
+            episodes[i] = ep
+            chunks[i] = chunk
+        session = engine.session(len(specs[lo : lo + wave]), seed=seed * 100_003 + w)
+        session.drop([i for i in range(len(specs[lo : lo + wave])) if i not in episodes])
+        turn_cap = settings.max_turns
+        while episodes:
+            if not session.fits(
+                max(len(c.token_ids) for c in chunks.values()) + 1 + settings.sampling.max_tokens
+            ):
+                for i, ep in episodes.items():
+                    ep.traj.end_reason = "cache_budget"
+                    done.append(ep.traj)
+                if progress:
+                    progress(len(episodes))
+                break
+            gens = session.extend_and_generate(chunks, settings.sampling)
+            chunks, finished = {}, []
+            for i, gen in gens.items():
+                ep = episodes[i]
+                traj = ep.traj
+                traj.add_reply(gen.token_ids, gen.logprobs)
+                text = chat.decode(gen.token_ids)
+                traj.actions.append(text)
+                traj.turns += 1
+                try:
+                    obs, reward, env_done, info = ep.env.step(text)
+                except Exception as exc:
+                    _fail(traj, exc)
+                    finished.append(i)
+                    continue
+                traj.infos.append(info)
+                traj.reward = float(reward)
+                if env_done:
+                    traj.end_reason = info.get("done_reason") or "stop"
+                    finished.append(i)
+                    continue
+                if traj.turns >= min(turn_cap, ep.max_turns):
+                    traj.end_reason = "max_turns"
+                    finished.append(i)
+                    continue
+                chunk = chat.user_turn(
+                    obs.text, obs.images, first=False, after_reply_end=gen.finish_reason == "stop"
+                )
+                needed = (
+                    session.lengths[session.rows.index(i)]
+                    + len(chunk.token_ids)
+                    + settings.sampling.max_tokens
+                )
+                if needed > settings.max_input_length:
+                    traj.end_reason = "context_full"
+                    finished.append(i)
+                    continue
+                traj.add_observation(chunk, obs.images)
+                chunks[i] = chunk
+            for i in finished:
+                done.append(episodes.pop(i).traj)
+            if progress and finished:
+                progress(len(finished))
+            session.drop(finished)
+    done.sort(key=lambda t: (t.group_id, t.sample_index))
+    return done
+
+
+def _fail(traj: Trajectory, exc: BaseException) -> None:
+    traj.reward = 0.0
+    traj.end_reason = "env_error"
+    traj.error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+def rollout_metrics(trajs: Sequence[Trajectory], prefix: str) -> dict[str, float]:
+    """Per-batch episode statistics (see ``clew.metrics.catalog`` for their meaning)."""
+    n = max(len(trajs), 1)
+    out = {
+        f"{prefix}/reward_mean": sum(t.reward for t in trajs) / n,
+        f"{prefix}/solve_rate": sum(t.success for t in trajs) / n,
+        f"{prefix}/turns_mean": sum(t.turns for t in trajs) / n,
+        f"{prefix}/episode_tokens_mean": sum(len(t.token_ids) for t in trajs) / n,
+        f"{prefix}/generated_tokens_mean": sum(t.generated_tokens for t in trajs) / n,
+        f"{prefix}/parse_error_rate": sum(t.parse_errors for t in trajs)
+        / max(sum(t.turns for t in trajs), 1),
+        f"{prefix}/env_errors": float(sum(t.end_reason == "env_error" for t in trajs)),
+    }
+    for reason in sorted({t.end_reason for t in trajs}):
+        out[f"{prefix}/end_reason/{reason}"] = sum(t.end_reason == reason for t in trajs) / n
+    return out

@@ -1,0 +1,89 @@
+"""What one played episode leaves behind, exactly as the model saw and sampled it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from PIL import Image
+
+from clew.models.chat import ChatFormat, Chunk
+
+END_REASONS = ("stop", "reached_goal", "max_turns", "context_full", "cache_budget", "env_error")
+
+
+@dataclass
+class Trajectory:
+    """One episode: the full token sequence, which tokens the model generated, and the outcome.
+
+    ``loss_mask[i]`` is 1 exactly on tokens the model sampled; ``logprobs[i]`` is the
+    sampling logprob there and 0 elsewhere. Pixels are not kept (they are ~10x the size of
+    the images): ``vision_inputs`` re-encodes ``images``, which gives the same tensors.
+    """
+
+    env_id: str
+    env_options: dict[str, Any]
+    seed: int
+    group_id: int
+    sample_index: int
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    images: list[Image.Image] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+    infos: list[dict[str, Any]] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    end_reason: str = ""
+    error: str | None = None
+
+    def add_observation(self, chunk: Chunk, images: list[Image.Image]) -> None:
+        self.token_ids += chunk.token_ids
+        self.loss_mask += [0] * len(chunk.token_ids)
+        self.logprobs += [0.0] * len(chunk.token_ids)
+        self.images += images
+
+    def add_reply(self, token_ids: list[int], logprobs: list[float]) -> None:
+        self.token_ids += token_ids
+        self.loss_mask += [1] * len(token_ids)
+        self.logprobs += logprobs
+
+    @property
+    def success(self) -> bool:
+        return self.reward > 0
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def parse_errors(self) -> int:
+        return sum(1 for i in self.infos if i.get("parse_error"))
+
+    def vision_inputs(self, chat: ChatFormat) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``pixel_values`` and ``image_grid_thw`` of every image in the sequence, in order."""
+        if not self.images:
+            return None, None
+        return chat.encode_images(self.images)
+
+    def record(self) -> dict[str, Any]:
+        """A JSON-ready summary (no pixels): enough to replay and render the episode."""
+        return {
+            "env_id": self.env_id,
+            "env_options": self.env_options,
+            "seed": self.seed,
+            "group_id": self.group_id,
+            "sample_index": self.sample_index,
+            "actions": self.actions,
+            "reward": self.reward,
+            "success": self.success,
+            "turns": self.turns,
+            "end_reason": self.end_reason,
+            "error": self.error,
+            "tokens": len(self.token_ids),
+            "generated_tokens": self.generated_tokens,
+            "parse_errors": self.parse_errors,
+            "events": [i.get("event") for i in self.infos],
+            "optimal_turns": self.infos[0].get("optimal_turns") if self.infos else None,
+        }
