@@ -108,3 +108,25 @@ def list_envs() -> list[EnvSpec]:
 def _load_builtin_envs() -> None:
     # Imported lazily so that `clew.envs.base` stays free of the maze code it registers.
     import clew.envs.maze  # noqa: F401
+
+
+def text_corpus(samples_per_env: int = 4) -> list[str]:
+    """Prompts and feedback texts of every registered env, in every action format.
+
+    Used to train the tokenizer of a policy built from scratch, so the task's own words
+    become single tokens.
+    """
+    texts: list[str] = []
+    for s in list_envs():
+        formats = ("tuple", "keyword") if "action_format" in s.accepted_options else (None,)
+        for fmt in formats:
+            opts = {} if fmt is None else {"action_format": fmt}
+            env = make(s.env_id, **opts)
+            for seed in range(samples_per_env):
+                obs = env.reset(seed)
+                texts.append(obs.text)
+                for reply in ("<action>up</action>", "('move', 0)", "('stop', 'stop')", "?"):
+                    if env.done:
+                        break
+                    texts.append(env.step(reply)[0].text)
+    return texts

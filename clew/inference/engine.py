@@ -105,6 +105,19 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def cache_budget_bytes(
+    device: torch.device, gpu_memory_utilization: float, max_cache_mb: int
+) -> int:
+    """The KV-cache budget: a share of the GPU's free memory, or a fixed size on CPU."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        in_use_by_us = torch.cuda.memory_reserved(device)
+        # vLLM's meaning: the whole process may use this share of the device; the cache
+        # gets what the weights and optimizer leave of it.
+        return max(0, min(free, int(total * gpu_memory_utilization) - in_use_by_us))
+    return max_cache_mb * 2**20
+
+
 class InferenceEngine:
     """Samples replies for many sequences at once from a (possibly LoRA-wrapped) Qwen-VL model."""
 

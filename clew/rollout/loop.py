@@ -19,6 +19,7 @@ from typing import Any
 
 from clew.data.rows import MazeRow
 from clew.envs import make
+from clew.errors import ConfigError
 from clew.inference.engine import InferenceEngine, SamplingParams
 from clew.rollout.trajectory import Trajectory
 
@@ -78,6 +79,13 @@ def play(
                 done.append(traj)
                 continue
             chunk = chat.user_turn(obs.text, obs.images, first=True)
+            if len(chunk.token_ids) + settings.sampling.max_tokens > settings.max_input_length:
+                raise ConfigError(
+                    f"generator.max_input_length={settings.max_input_length} cannot hold one turn: "
+                    f"the first observation of {row.env_id} takes {len(chunk.token_ids)} tokens and "
+                    f"a reply up to {settings.sampling.max_tokens}; raise max_input_length to at "
+                    f"least {len(chunk.token_ids) + settings.sampling.max_tokens}"
+                )
             ep.traj.add_observation(chunk, obs.images)
             episodes[i] = ep
             chunks[i] = chunk
@@ -88,7 +96,7 @@ def play(
             if not session.fits(
                 max(len(c.token_ids) for c in chunks.values()) + 1 + settings.sampling.max_tokens
             ):
-                for i, ep in episodes.items():
+                for ep in episodes.values():
                     ep.traj.end_reason = "cache_budget"
                     done.append(ep.traj)
                 if progress:

@@ -1,0 +1,73 @@
+"""Evaluation: play every eval maze once, greedily, and report the task success rate.
+
+``eval/all/pass_at_1`` is the share of episodes that earned the env's success reward; no
+format reward enters it. The solvable ceiling (the share of mazes whose optimal play fits
+in the turn budget) is reported beside it so a solve rate can be read against its limit.
+Every trajectory is dumped as JSONL and a few as GIFs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from clew.data.rows import MazeRow
+from clew.envs.media import replay, write_episode
+from clew.inference.engine import InferenceEngine
+from clew.rollout.loop import RolloutSettings, play
+from clew.rollout.trajectory import Trajectory
+
+
+def eval_metrics(
+    trajs: Sequence[Trajectory], rows: Sequence[MazeRow], max_turns: int
+) -> dict[str, float]:
+    n = max(len(trajs), 1)
+    turns = max(sum(t.turns for t in trajs), 1)
+    ceiling = sum(r.turns_needed <= min(r.max_turns, max_turns) for r in rows) / max(len(rows), 1)
+    return {
+        "eval/all/pass_at_1": sum(t.success for t in trajs) / n,
+        "eval/all/mean_reward": sum(t.reward for t in trajs) / n,
+        "eval/all/mean_turns": sum(t.turns for t in trajs) / n,
+        "eval/all/parse_error_rate": sum(t.parse_errors for t in trajs) / turns,
+        "eval/all/solvable_ceiling": ceiling,
+        "eval/all/episodes": float(len(trajs)),
+    }
+
+
+def evaluate(
+    engine: InferenceEngine,
+    rows: Sequence[MazeRow],
+    settings: RolloutSettings,
+    *,
+    output_dir: str | Path | None = None,
+    num_gifs: int = 4,
+    show_progress: bool = True,
+    seed: int = 0,
+) -> tuple[dict[str, float], list[Trajectory]]:
+    """Metrics and trajectories of one pass over ``rows``; dumps them under ``output_dir``."""
+    total = len(rows) * settings.n_samples_per_prompt
+    with tqdm(total=total, desc="eval episodes", disable=not show_progress, unit="ep") as bar:
+        trajs = play(engine, rows, settings, seed=seed, progress=bar.update)
+    metrics = eval_metrics(trajs, rows, settings.max_turns)
+    if output_dir is not None:
+        dump_eval(trajs, metrics, Path(output_dir), num_gifs)
+    return metrics, trajs
+
+
+def dump_eval(
+    trajs: Sequence[Trajectory], metrics: dict[str, float], out: Path, num_gifs: int
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "trajectories.jsonl").open("w") as f:
+        for t in trajs:
+            f.write(json.dumps(t.record()) + "\n")
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+    solved = [t for t in trajs if t.success][: (num_gifs + 1) // 2]
+    failed = [t for t in trajs if not t.success][: num_gifs - len(solved)]
+    for t in solved + failed:
+        tag = "solved" if t.success else "failed"
+        stem = out / "gifs" / f"{tag}_seed{t.seed}_s{t.sample_index}"
+        write_episode(replay(t.env_id, t.seed, t.actions, t.env_options), stem)

@@ -1,0 +1,325 @@
+"""Build a Qwen2-VL-architecture policy with random weights, entirely offline.
+
+No model hub is reachable where clew trains, so a policy that is to be trained from
+scratch is built here from a config: the real ``Qwen2VLForConditionalGeneration`` code with
+a small task tokenizer (``clew.models.tokenizer``) and the torchvision-free processor
+(``clew.models.processor``), saved as an ordinary Hugging Face directory. Everything
+downstream (training, rollout, serving, ``load_policy``) then handles it exactly like a real
+Qwen checkpoint, and a real checkpoint can later replace it without code changes.
+
+Presets (parameter counts measured with the default tokenizer, 402 vocabulary entries;
+each extra entry adds ``2 * hidden`` parameters, input and output embeddings, so a full
+1024-entry vocabulary gives 1.68M / 7.77M / 149.6M)::
+
+    preset  text: hidden x layers (heads/kv, mlp)  vision: width x depth (heads)  parameters
+    tiny    128 x 3  (4/2, 512)                    128 x 1  (4)              1,519,232 (0.68M vision)
+    small   256 x 6  (4/2, 1024)                   128 x 4  (4)              7,448,320 (1.34M vision)
+    base    768 x 12 (12/4, 3072)                  512 x 12 (8)            148,662,784 (44.2M vision)
+
+``tiny`` trains on a CPU (tests, the CPU main job); ``small`` is the size the NOTES probe
+showed learning mazes from pixels on one GPU; ``base`` is for multi-GPU runs.
+
+Image geometry: ``patch_size`` (14) and ``spatial_merge_size`` (2) make one language token
+per ``14 * 2 = 28`` px square, so a maze drawn with 28 px cells gives one vision token per
+cell: 252 px (9x9 cells) -> 81 tokens, 140 px (5x5) -> 25 tokens, each plus the two
+``<|vision_start|>``/``<|vision_end|>`` delimiters. The image processor resizes an image only
+when its sides are not multiples of 28 (it rounds them) or its pixel count falls outside
+``[min_pixels, max_pixels]``. We set ``min_pixels`` to one merged token (28 * 28) rather
+than Qwen's 56 * 56, and ``max_pixels`` to ``image_size ** 2`` when ``image_size`` is given
+(Qwen's 1280 merged tokens otherwise), so every square maze image from 28 px up to that size
+whose side is a multiple of 28 reaches the model pixel for pixel, and anything larger is
+scaled down to the token budget rather than lengthening every sequence. ``merge_size=1``
+with ``patch_size`` equal to the cell size gives one vision token per cell without merging.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
+
+from clew.errors import ConfigError
+from clew.models.processor import ClewVLProcessor, make_image_processor
+from clew.models.tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    IMAGE_TOKEN,
+    PAD_TOKEN,
+    VIDEO_TOKEN,
+    VISION_END_TOKEN,
+    VISION_START_TOKEN,
+    build_tokenizer,
+)
+
+__all__ = ["PRESETS", "BuiltModel", "Preset", "build_model", "count_parameters"]
+
+BUILD_INFO_FILE = "clew_build.json"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The sizes of one model preset; ``approx_parameters`` is the measured count (see table)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vision_embed_dim: int
+    vision_depth: int
+    vision_num_heads: int
+    vision_mlp_ratio: int
+    approx_parameters: str
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(128, 3, 4, 2, 512, 128, 1, 4, 4, "1.5M"),
+    "small": Preset(256, 6, 4, 2, 1024, 128, 4, 4, 4, "7.4M"),
+    "base": Preset(768, 12, 12, 4, 3072, 512, 12, 8, 4, "149M"),
+}
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass
+class BuiltModel:
+    """What ``build_model`` made: the saved directory and the objects it was saved from."""
+
+    path: Path
+    model: Qwen2VLForConditionalGeneration
+    processor: ClewVLProcessor
+    num_parameters: int
+
+
+def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
+    """Number of parameters in ``model`` (tied weights counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for parameter in model.parameters():
+        if id(parameter) in seen or (trainable_only and not parameter.requires_grad):
+            continue
+        seen.add(id(parameter))
+        total += parameter.numel()
+    return total
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Split ``head_dim / 2`` rotary frequencies over (time, height, width) as Qwen2-VL does.
+
+    Qwen2-VL uses [16, 24, 24] for head_dim 128, i.e. 1/4, 3/8, 3/8; the model requires the
+    sum to be exactly ``head_dim // 2``.
+    """
+    if head_dim % 2:
+        raise ConfigError(f"attention head_dim must be even for rotary embeddings, got {head_dim}")
+    half = head_dim // 2
+    temporal = half // 4
+    height = (half - temporal) // 2
+    return [temporal, height, half - temporal - height]
+
+
+def _text_config(
+    preset: Preset, tokenizer: PreTrainedTokenizerFast, overrides: Mapping[str, Any]
+) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": preset.hidden_size,
+        "intermediate_size": preset.intermediate_size,
+        "num_hidden_layers": preset.num_hidden_layers,
+        "num_attention_heads": preset.num_attention_heads,
+        "num_key_value_heads": preset.num_key_value_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "use_sliding_window": False,
+        "bos_token_id": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        "eos_token_id": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        "pad_token_id": tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+    }
+    config.update(overrides)
+    if config["hidden_size"] % config["num_attention_heads"]:
+        raise ConfigError(
+            f"text hidden_size {config['hidden_size']} is not divisible by "
+            f"num_attention_heads {config['num_attention_heads']}"
+        )
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    config.setdefault(
+        "rope_parameters",
+        {
+            "rope_type": "default",
+            "rope_theta": 1_000_000.0,
+            "mrope_section": mrope_section(head_dim),
+        },
+    )
+    return config
+
+
+def _vision_config(
+    preset: Preset,
+    hidden_size: int,
+    patch_size: int,
+    merge_size: int,
+    temporal_patch_size: int,
+    overrides: Mapping[str, Any],
+) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "depth": preset.vision_depth,
+        "embed_dim": preset.vision_embed_dim,
+        "num_heads": preset.vision_num_heads,
+        "mlp_ratio": preset.vision_mlp_ratio,
+        "hidden_act": "quick_gelu",
+        "in_channels": 3,
+        "patch_size": patch_size,
+        "spatial_merge_size": merge_size,
+        "temporal_patch_size": temporal_patch_size,
+    }
+    config.update(overrides)
+    # The merger projects vision features straight into the language model's embedding
+    # space, so its output width is not a free choice.
+    config["hidden_size"] = hidden_size
+    if config["embed_dim"] % config["num_heads"]:
+        raise ConfigError(
+            f"vision embed_dim {config['embed_dim']} is not divisible by num_heads {config['num_heads']}"
+        )
+    return config
+
+
+def _prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
+    if output_dir.exists():
+        if not output_dir.is_dir():
+            raise ConfigError(f"output_dir {output_dir} exists and is not a directory")
+        if any(output_dir.iterdir()):
+            if not overwrite:
+                raise ConfigError(
+                    f"output_dir {output_dir} is not empty; pass overwrite=True to replace it "
+                    "or choose a new directory"
+                )
+            shutil.rmtree(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+
+def build_model(
+    preset: str,
+    output_dir: str | Path,
+    corpus: Sequence[str] | None = None,
+    *,
+    seed: int = 0,
+    image_size: int | None = None,
+    patch_size: int = 14,
+    merge_size: int = 2,
+    temporal_patch_size: int = 2,
+    vocab_size: int = 1024,
+    dtype: str = "float32",
+    text_overrides: Mapping[str, Any] | None = None,
+    vision_overrides: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> BuiltModel:
+    """Build a random-weight Qwen2-VL policy and save it as a Hugging Face directory.
+
+    ``corpus`` is task text for the tokenizer, added to ``default_corpus()``. ``image_size``
+    (pixels, square side) caps the image processor at that many pixels and must be a
+    multiple of ``patch_size * merge_size`` (see the module docstring). ``text_overrides``
+    and ``vision_overrides`` replace single ``Qwen2VLTextConfig`` / ``Qwen2VLVisionConfig``
+    fields of the preset. The same arguments and seed give the same weights and tokenizer.
+
+    The directory holds config.json, generation_config.json, model.safetensors, the
+    tokenizer (tokenizer.json, tokenizer_config.json), chat_template.jinja,
+    processor_config.json, preprocessor_config.json and clew_build.json (how it was built).
+    """
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown model preset {preset!r}; accepted: {', '.join(PRESETS)}")
+    if dtype not in _DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; accepted: {', '.join(_DTYPES)}")
+    if patch_size < 1 or merge_size < 1:
+        raise ConfigError(f"patch_size and merge_size must be >= 1, got {patch_size}, {merge_size}")
+    factor = patch_size * merge_size
+    if image_size is not None and (image_size < factor or image_size % factor):
+        raise ConfigError(
+            f"image_size {image_size} is not a positive multiple of patch_size * merge_size = "
+            f"{factor}; the processor would resize such images. Use e.g. "
+            f"{max(factor, image_size // factor * factor)} or {(image_size // factor + 1) * factor}"
+        )
+    spec = PRESETS[preset]
+    output_dir = Path(output_dir)
+    _prepare_output_dir(output_dir, overwrite)
+
+    tokenizer = build_tokenizer(corpus, vocab_size=vocab_size)
+    text_config = _text_config(spec, tokenizer, text_overrides or {})
+    vision_config = _vision_config(
+        spec,
+        text_config["hidden_size"],
+        patch_size,
+        merge_size,
+        temporal_patch_size,
+        vision_overrides or {},
+    )
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (IMAGE_TOKEN, VIDEO_TOKEN)}
+    config = Qwen2VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids[IMAGE_TOKEN],
+        video_token_id=ids[VIDEO_TOKEN],
+        vision_start_token_id=tokenizer.convert_tokens_to_ids(VISION_START_TOKEN),
+        vision_end_token_id=tokenizer.convert_tokens_to_ids(VISION_END_TOKEN),
+        tie_word_embeddings=False,
+    )
+
+    # fork_rng: building a model must not reseed the caller's global generator.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    model = model.to(_DTYPES[dtype])
+    model.eval()
+    # Stop on <|im_end|> (end of turn) or <|endoftext|>; greedy unless the caller samples.
+    model.generation_config = GenerationConfig(
+        bos_token_id=text_config["bos_token_id"],
+        eos_token_id=[text_config["eos_token_id"], text_config["pad_token_id"]],
+        pad_token_id=text_config["pad_token_id"],
+        do_sample=False,
+    )
+
+    image_processor = make_image_processor(
+        patch_size=patch_size,
+        merge_size=merge_size,
+        temporal_patch_size=temporal_patch_size,
+        max_pixels=None if image_size is None else image_size * image_size,
+    )
+    processor = ClewVLProcessor(image_processor, tokenizer, chat_template=tokenizer.chat_template)
+
+    model.save_pretrained(output_dir)
+    processor.save_pretrained(output_dir)
+    # preprocessor_config.json too: the file older loaders and other tools (vLLM, TGI)
+    # look for; the composite processor_config.json is transformers 5's.
+    image_processor.save_pretrained(output_dir)
+    num_parameters = count_parameters(model)
+    info = {
+        "preset": preset,
+        "seed": seed,
+        "num_parameters": num_parameters,
+        "vocab_size": len(tokenizer),
+        "image_size": image_size,
+        "patch_size": patch_size,
+        "merge_size": merge_size,
+        "pixels_per_vision_token": factor,
+        "dtype": dtype,
+        "transformers_version": transformers.__version__,
+    }
+    (output_dir / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    return BuiltModel(
+        path=output_dir, model=model, processor=processor, num_parameters=num_parameters
+    )

@@ -1,0 +1,202 @@
+"""The rollout engine and the multi-turn loop on the tiny model: exact tokens, exact logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clew.data.rows import generate_rows
+from clew.envs import make
+from clew.errors import ConfigError
+from clew.evaluation import evaluate
+from clew.inference.engine import InferenceEngine, SamplingParams
+from clew.inference.positions import sequence_positions
+from clew.models import build_model, load_policy
+from clew.models.chat import ChatFormat
+from clew.rollout.loop import RolloutSettings, play, rollout_metrics
+
+OPTIONS = {"cell_px": 28, "action_format": "keyword"}
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    build_model("tiny", path, image_size=196, overwrite=True)
+    model, processor = load_policy(path)
+    model.eval()
+    return model, ChatFormat(processor)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return generate_rows("maze_2d/small", 3, env_options=OPTIONS)
+
+
+def _settings(**kw) -> RolloutSettings:
+    base = {"n_samples_per_prompt": 2, "max_turns": 4, "max_input_length": 4096}
+    sampling = SamplingParams(temperature=1.0, max_tokens=kw.pop("max_tokens", 6))
+    return RolloutSettings(**{**base, **kw}, sampling=sampling)
+
+
+def _full_forward_logprobs(model, chat, traj) -> torch.Tensor:
+    """Logprobs of every next token by one plain forward pass, with transformers' own positions."""
+    ids = torch.tensor([traj.token_ids])
+    pixel_values, grid = traj.vision_inputs(chat)
+    mm = (ids == chat.image_token_id).int()
+    with torch.no_grad():
+        out = model(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            pixel_values=pixel_values,
+            image_grid_thw=grid,
+            mm_token_type_ids=mm,
+        )
+    logits = out.logits[0, :-1].float()
+    banned = InferenceEngine(model, chat).banned_token_ids
+    logits[:, banned] = float("-inf")
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+
+
+def test_kv_reused_logprobs_match_a_full_recompute(policy, rows):
+    model, chat = policy
+    trajs = play(InferenceEngine(model, chat), rows, _settings(), seed=3)
+    worst = 0.0
+    for t in trajs:
+        assert t.turns >= 2
+        recomputed = _full_forward_logprobs(model, chat, t)
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+        sampled = torch.tensor(t.logprobs[1:])[mask]
+        worst = max(worst, float((recomputed[mask] - sampled).abs().max()))
+    assert worst < 1e-4, f"largest logprob difference {worst:.2e}"
+
+
+def test_engine_positions_equal_transformers_rope_index(policy, rows):
+    model, chat = policy
+    traj = play(InferenceEngine(model, chat), rows[:1], _settings(n_samples_per_prompt=1), seed=0)[
+        0
+    ]
+    ids = torch.tensor([traj.token_ids])
+    _, grid = traj.vision_inputs(chat)
+    theirs, _ = model.model.get_rope_index(
+        ids,
+        mm_token_type_ids=(ids == chat.image_token_id).int(),
+        image_grid_thw=grid,
+        attention_mask=torch.ones_like(ids),
+    )
+    ours = sequence_positions(traj.token_ids, grid, chat.image_token_id, chat.merge_size)
+    assert torch.equal(ours, theirs[:, 0])
+
+
+def test_loss_mask_marks_exactly_the_sampled_tokens(policy, rows):
+    model, chat = policy
+    trajs = play(InferenceEngine(model, chat), rows, _settings(), seed=1)
+    for t in trajs:
+        assert len(t.token_ids) == len(t.loss_mask) == len(t.logprobs)
+        generated = [tok for tok, m in zip(t.token_ids, t.loss_mask, strict=True) if m]
+        # Token out: the replies the env saw are the decoded sampled ids, in order.
+        replies = []
+        run: list[int] = []
+        for tok, m in zip(t.token_ids, t.loss_mask, strict=True):
+            if m:
+                run.append(tok)
+            elif run:
+                replies.append(run)
+                run = []
+        if run:
+            replies.append(run)
+        assert [chat.decode(r) for r in replies] == t.actions
+        assert len(generated) == t.generated_tokens
+        assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if not m)
+        assert all(lp <= 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m)
+
+
+def test_same_seed_same_samples_and_other_seed_differs(policy, rows):
+    model, chat = policy
+    engine = InferenceEngine(model, chat)
+    a = play(engine, rows, _settings(), seed=7)
+    b = play(engine, rows, _settings(), seed=7)
+    c = play(engine, rows, _settings(), seed=8)
+    assert [t.token_ids for t in a] == [t.token_ids for t in b]
+    assert [t.token_ids for t in a] != [t.token_ids for t in c]
+
+
+def test_greedy_samples_of_a_group_are_identical(policy, rows):
+    model, chat = policy
+    settings = RolloutSettings(2, 3, 4096, SamplingParams(temperature=0.0, max_tokens=5))
+    trajs = play(InferenceEngine(model, chat), rows[:1], settings, seed=0)
+    assert trajs[0].token_ids == trajs[1].token_ids
+
+
+class _Exploding:
+    """An env that raises on its second step, to show one failure never takes down the batch."""
+
+    def __init__(self, **options):
+        self.inner = make("maze_2d/small", **options)
+        self.max_turns = self.inner.max_turns
+        self.steps = 0
+
+    def reset(self, seed):
+        self.seed = seed
+        return self.inner.reset(seed)
+
+    def step(self, text):
+        self.steps += 1
+        if self.seed == self.bad_seed and self.steps == 2:
+            raise RuntimeError("simulated env crash")
+        return self.inner.step(text)
+
+
+def test_env_exception_ends_only_that_episode_with_zero_reward(policy, rows):
+    model, chat = policy
+
+    def factory(env_id, **options):
+        env = _Exploding(**options)
+        env.bad_seed = rows[1].seed
+        return env
+
+    trajs = play(InferenceEngine(model, chat), rows, _settings(), seed=0, env_factory=factory)
+    bad = [t for t in trajs if t.seed == rows[1].seed]
+    good = [t for t in trajs if t.seed != rows[1].seed]
+    assert all(
+        t.end_reason == "env_error" and t.reward == 0 and "simulated" in t.error for t in bad
+    )
+    assert all(t.end_reason != "env_error" and t.turns == 4 for t in good)
+    assert rollout_metrics(trajs, "train")["train/env_errors"] == 2
+
+
+def test_cache_budget_finishes_episodes_cleanly(policy, rows):
+    model, chat = policy
+    engine = InferenceEngine(model, chat)
+    one_turn = 600 * engine.bytes_per_token
+    engine.max_cache_bytes = one_turn * 2  # room for two sequences' first turns, not more
+    trajs = play(engine, rows, _settings(max_input_length=600), seed=0)
+    assert len(trajs) == 6
+    assert {t.end_reason for t in trajs} <= {"cache_budget", "context_full", "max_turns"}
+    engine.max_cache_bytes = 10 * engine.bytes_per_token
+    with pytest.raises(ConfigError, match="cannot hold one sequence"):
+        play(engine, rows, _settings(), seed=0)
+
+
+def test_context_smaller_than_one_turn_is_refused(policy, rows):
+    model, chat = policy
+    with pytest.raises(ConfigError, match="cannot hold one turn"):
+        play(InferenceEngine(model, chat), rows, _settings(max_input_length=50), seed=0)
+
+
+def test_eval_reports_pass_at_1_and_dumps_trajectories(policy, rows, tmp_path):
+    model, chat = policy
+    settings = RolloutSettings(1, 3, 4096, SamplingParams(temperature=0.0, max_tokens=5))
+    metrics, trajs = evaluate(
+        InferenceEngine(model, chat),
+        rows,
+        settings,
+        output_dir=tmp_path,
+        num_gifs=2,
+        show_progress=False,
+    )
+    assert metrics["eval/all/episodes"] == 3
+    assert metrics["eval/all/pass_at_1"] == sum(t.success for t in trajs) / 3
+    # 3 turns cannot solve any 7x7 maze from corner to corner.
+    assert metrics["eval/all/solvable_ceiling"] == 0.0
+    lines = (tmp_path / "trajectories.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and len(list((tmp_path / "gifs").glob("*.gif"))) == 2
