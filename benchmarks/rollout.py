@@ -1,0 +1,122 @@
+"""Rollout throughput: clew's engine against the plain baseline, in one run.
+
+The baseline is what a user would write without an engine: each turn, re-render the
+whole conversation with the chat template, re-encode every image, and call
+``model.generate`` on the batch (the KV cache is thrown away between turns). Both sides
+play the same mazes with the same model, sampling settings and turn budget; a random
+model's replies rarely end an episode early, so both do the same number of turns.
+
+    python benchmarks/rollout.py --preset tiny --prompts 8 --samples 4 --max-turns 10
+    python benchmarks/rollout.py --preset base --prompts 24 --samples 8 --max-turns 20 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from clew.data.rows import generate_rows
+from clew.envs import make
+from clew.envs.base import text_corpus
+from clew.inference.engine import SamplingParams
+from clew.inference.runtime import open_policy
+from clew.models import build_model
+from clew.rollout.loop import RolloutSettings, play
+
+
+def baseline(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict[str, float]:
+    model, processor = policy.model, policy.processor
+    tok = processor.tokenizer
+    episodes = []
+    for row in rows:
+        for _ in range(n_samples):
+            env = make(row.env_id, **row.options())
+            obs = env.reset(row.seed)
+            episodes.append({"env": env, "msgs": [_user(obs)], "images": list(obs.images), "done": False})
+    steps = gen_tokens = prefill_tokens = 0
+    torch.manual_seed(0)
+    for _ in range(max_turns):
+        active = [e for e in episodes if not e["done"]]
+        if not active:
+            break
+        texts = [processor.apply_chat_template(e["msgs"], add_generation_prompt=True) for e in active]
+        inputs = processor(
+            text=texts, images=[e["images"] for e in active], padding=True, return_tensors="pt"
+        ).to(model.device)
+        prefill_tokens += int(inputs["attention_mask"].sum())
+        with torch.no_grad():
+            out = model.generate(
+                **inputs, max_new_tokens=max_tokens, do_sample=True, temperature=1.0,
+                pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+            )
+        new = out[:, inputs["input_ids"].shape[1] :]
+        for e, ids in zip(active, new, strict=True):
+            ids = [int(t) for t in ids if int(t) != tok.pad_token_id]
+            gen_tokens += len(ids)
+            reply = tok.decode(ids, skip_special_tokens=True)
+            obs, _, done, _ = e["env"].step(reply)
+            steps += 1
+            e["msgs"].append({"role": "assistant", "content": [{"type": "text", "text": reply}]})
+            e["msgs"].append(_user(obs))
+            e["images"] += obs.images
+            e["done"] = done or e["env"].turn >= max_turns
+    return {"episodes": len(episodes), "steps": steps, "gen": gen_tokens, "prefill": prefill_tokens}
+
+
+def _user(obs) -> dict:
+    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": obs.text}]}
+
+
+def clew_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict[str, float]:
+    settings = RolloutSettings(n_samples, max_turns, 32768, SamplingParams(1.0, max_tokens=max_tokens))
+    trajs = play(policy.engine, rows, settings, seed=0)
+    prefill = sum(len(t.token_ids) - t.generated_tokens for t in trajs)
+    return {
+        "episodes": len(trajs),
+        "steps": sum(t.turns for t in trajs),
+        "gen": sum(t.generated_tokens for t in trajs),
+        "prefill": prefill,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--model", help="existing checkpoint instead of building --preset")
+    p.add_argument("--env-id", default="maze_2d/small")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--max-turns", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--skip-baseline", action="store_true")
+    args = p.parse_args()
+    rows = generate_rows(args.env_id, args.prompts, env_options={"cell_px": 28, "action_format": "keyword"})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.model or build_model(args.preset, tmp, corpus=text_corpus(), overwrite=True).path
+        policy = open_policy(path, device=args.device)
+        sides = [("clew engine", clew_side)] + ([] if args.skip_baseline else [("baseline generate", baseline)])
+        print(f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
+              f"{args.max_tokens} tokens/turn, {args.preset} on {policy.engine.device}")
+        print(f"{'side':<18} {'episodes/s':>10} {'env steps/s':>11} {'gen tok/s':>10} {'prefill tok/s':>13} {'seconds':>8}")
+        results = {}
+        for name, fn in sides:
+            if policy.engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = fn(policy, rows, args.samples, args.max_turns, args.max_tokens)
+            if policy.engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            results[name] = r["episodes"] / dt
+            print(f"{name:<18} {r['episodes'] / dt:>10.2f} {r['steps'] / dt:>11.1f} "
+                  f"{r['gen'] / dt:>10.0f} {r['prefill'] / dt:>13.0f} {dt:>8.1f}")
+        if len(results) == 2:
+            print(f"speed-up (episodes/s): {results['clew engine'] / results['baseline generate']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
