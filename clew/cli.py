@@ -240,6 +240,24 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
     return run
 
 
+@command("train", "GRPO training; takes SkyRL-style dotted overrides (key=value)")
+def _train(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("--config", help="YAML config file (overrides apply on top)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. trainer.epochs=2")
+
+    def run(args: argparse.Namespace) -> int:
+        from clew.config import load_config
+        from clew.run import train
+
+        cfg = load_config(args.config, args.overrides)
+        metrics = train(cfg)
+        for k, v in sorted(metrics.items()):
+            print(f"{k}: {v:.4f}")
+        return 0
+
+    return run
+
+
 @command("demo", "the main job on the built-in default (what `make demo` runs)")
 def _demo(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--output-dir", default="runs/demo")

@@ -62,7 +62,8 @@ class Generation:
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
     # transformers renamed `past_key_values` to `cache` in 5.2x; 5.17 only knows the old name.
-    params = inspect.signature(model.forward).parameters
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    params = inspect.signature(base.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 

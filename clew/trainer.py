@@ -1,0 +1,181 @@
+"""The GRPO loop: generate, score, advantages, update, sync, evaluate, checkpoint, log.
+
+One step: the sampler hands out ``train_batch_size`` maze rows; the worker group plays each
+``n_samples_per_prompt`` times; rewards become group-relative advantages; the policy takes
+PPO-clipped updates on the generated tokens; every ``eval_interval`` steps the fixed eval
+mazes are played greedily; every ``ckpt_interval`` steps the full state is saved. Metrics
+go to a collector and from there to the loggers; timings are per phase.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from clew.algorithms import compute_advantages
+from clew.cluster.group import WorkerGroup
+from clew.config import ClewConfig
+from clew.data.rows import MazeRow
+from clew.data.sampler import ResumableSampler
+from clew.evaluation import dump_eval, eval_metrics
+from clew.inference.engine import SamplingParams
+from clew.metrics import MetricsCollector
+from clew.rollout.loop import RolloutSettings, rollout_metrics
+
+
+@dataclass
+class LoopState:
+    global_step: int = 0
+
+
+def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
+    g = cfg.generator
+    sp = g.eval_sampling_params if evaluation else g.sampling_params
+    return RolloutSettings(
+        n_samples_per_prompt=g.eval_n_samples_per_prompt if evaluation else g.n_samples_per_prompt,
+        max_turns=g.max_turns,
+        max_input_length=g.max_input_length,
+        sampling=SamplingParams(
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            max_tokens=sp.max_generate_length,
+            stop=tuple(sp.stop or ()),
+        ),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    """Drives a worker group through GRPO steps; checkpointing is delegated to ``checkpointer``."""
+
+    def __init__(
+        self,
+        cfg: ClewConfig,
+        group: WorkerGroup,
+        train_rows: Sequence[MazeRow],
+        eval_rows: Sequence[MazeRow],
+        loggers: Any,
+        run_dir: Path,
+        checkpointer: Any | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.group = group
+        self.eval_rows = list(eval_rows)
+        self.sampler = ResumableSampler(
+            train_rows, cfg.trainer.train_batch_size, cfg.trainer.seed, cfg.trainer.epochs
+        )
+        self.loggers = loggers
+        self.run_dir = run_dir
+        self.checkpointer = checkpointer
+        self.state = LoopState()
+        self.metrics = MetricsCollector()
+        self.train_settings = rollout_settings(cfg, evaluation=False)
+        self.eval_settings = rollout_settings(cfg, evaluation=True)
+
+    # -- the loop -------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        t = self.cfg.trainer
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_resume(self)
+        last_eval: dict[str, float] = {}
+        if t.eval_before_train and self.state.global_step == 0 and self.eval_rows:
+            last_eval = self.evaluate()
+            self.loggers.log(self.metrics.flush(0), 0)
+        for rows in self.sampler:
+            self.state.global_step += 1
+            step = self.state.global_step
+            with self.metrics.timer("step"):
+                trajs = self.generate(rows, step)
+                rewards = self.score(trajs)
+                advantages = self.advantages(trajs, rewards)
+                self.update(trajs, advantages)
+                self.sync()
+                if self._due(t.eval_interval, step) and self.eval_rows:
+                    last_eval = self.evaluate()
+                if self._due(t.ckpt_interval, step) and self.checkpointer is not None:
+                    with self.metrics.timer("checkpoint"):
+                        self.checkpointer.save(self)
+                if self._due(t.hf_save_interval, step) and self.checkpointer is not None:
+                    with self.metrics.timer("export"):
+                        self.checkpointer.export(self)
+            self.log(step)
+        if self.checkpointer is not None:
+            self.checkpointer.export(self)
+        return last_eval
+
+    # -- the phases -----------------------------------------------------------------
+    def generate(self, rows: Sequence[MazeRow], step: int) -> list:
+        with self.metrics.timer("generate"):
+            trajs = self.group.generate(rows, self.train_settings, seed=self._seed(step))
+        return trajs
+
+    def score(self, trajs: Sequence) -> torch.Tensor:
+        with self.metrics.timer("score"):
+            self.metrics.add_many(rollout_metrics(trajs, "train"))
+            return torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+
+    def advantages(self, trajs: Sequence, rewards: torch.Tensor) -> torch.Tensor:
+        a = self.cfg.trainer.algorithm
+        with self.metrics.timer("advantages"):
+            kwargs: dict[str, Any] = {"drop_zero_spread": a.drop_zero_spread_groups}
+            if a.advantage_estimator == "grpo":
+                kwargs["norm_adv_by_std_in_grpo"] = a.norm_adv_by_std_in_grpo
+            groups = torch.tensor([t.group_id for t in trajs])
+            result = compute_advantages(a.advantage_estimator, rewards, groups, **kwargs)
+            adv = result.advantages * result.keep.float()
+            self.metrics.add_many(
+                {
+                    "train/advantage_mean": adv.mean().item(),
+                    "train/advantage_std": adv.std().item() if len(adv) > 1 else 0.0,
+                    "train/advantage_abs_max": adv.abs().max().item(),
+                    "train/zero_spread_groups": float(result.zero_spread_groups),
+                    "train/zero_spread_fraction": result.zero_spread_groups
+                    / max(result.num_groups, 1),
+                }
+            )
+            return adv
+
+    def update(self, trajs: Sequence, advantages: torch.Tensor) -> None:
+        with self.metrics.timer("update"):
+            stats = self.group.update(trajs, advantages, self.cfg)
+        self.metrics.add_many(stats)
+
+    def sync(self) -> None:
+        # The engine samples from the modules the optimizer just stepped: nothing to copy.
+        with self.metrics.timer("sync"):
+            pass
+
+    def evaluate(self) -> dict[str, float]:
+        with self.metrics.timer("evaluate"):
+            trajs = self.group.generate(
+                self.eval_rows, self.eval_settings, seed=self.cfg.trainer.seed
+            )
+            metrics = eval_metrics(trajs, self.eval_rows, self.eval_settings.max_turns)
+            if self.cfg.trainer.dump_eval_results:
+                out = self.run_dir / "eval" / f"global_step_{self.state.global_step}"
+                dump_eval(trajs, metrics, out, num_gifs=2)
+        self.metrics.add_many(metrics)
+        return metrics
+
+    def log(self, step: int) -> None:
+        self.loggers.log(self.metrics.flush(step), step)
+
+    # -- helpers --------------------------------------------------------------------
+    def _seed(self, step: int) -> int:
+        return self.cfg.trainer.seed * 1_000_003 + step
+
+    @staticmethod
+    def _due(interval: int, step: int) -> bool:
+        return interval > 0 and step % interval == 0
