@@ -164,8 +164,11 @@ class Trainer:
             )
             metrics = eval_metrics(trajs, self.eval_rows, self.eval_settings.max_turns)
             if self.cfg.trainer.dump_eval_results:
-                out = self.run_dir / "eval" / f"global_step_{self.state.global_step}"
-                dump_eval(trajs, metrics, out, num_gifs=2)
+                name = f"global_step_{self.state.global_step}"
+                if self.checkpointer is not None:
+                    self.checkpointer.dump_eval(trajs, metrics, name)
+                else:
+                    dump_eval(trajs, metrics, self.run_dir / "eval" / name, num_gifs=2)
         self.metrics.add_many(metrics)
         return metrics
 

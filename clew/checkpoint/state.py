@@ -146,6 +146,16 @@ class Checkpointer:
         print(f"resumed from {source} at global step {trainer.state.global_step}")
         return trainer.state.global_step
 
+    def dump_eval(self, trajs: Any, metrics: dict[str, float], name: str) -> str:
+        """Eval trajectories, metrics and a few GIFs under ``export_path/eval/NAME``."""
+        from clew.evaluation import dump_eval
+
+        dest = join(self.export_path, "eval", name)
+        with tempfile.TemporaryDirectory(prefix="clew-eval-") as tmp:
+            dump_eval(trajs, metrics, Path(tmp), num_gifs=2)
+            self.export_storage.put_dir(tmp, dest)
+        return dest
+
     def export(self, trainer: Any) -> str:
         step = trainer.state.global_step
         dest = join(self.export_path, f"global_step_{step}", "policy")

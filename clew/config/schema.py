@@ -309,10 +309,16 @@ class TrainerConfig(Section):
     dump_eval_results: bool = Field(
         True, description="Write every evaluation's trajectories and rewards to disk."
     )
-    export_path: str = Field(
-        "exports", description="Directory (local or s3://) for exported models and eval dumps."
+    export_path: str | None = Field(
+        None,
+        description="Directory (local or s3://) for exported adapters/models and eval dumps; "
+        "null is RUN_DIR/exports (RUN_DIR = log_path/run_name).",
     )
-    ckpt_path: str = Field("ckpts", description="Directory (local or s3://) for checkpoints.")
+    ckpt_path: str | None = Field(
+        None,
+        description="Directory (local or s3://) for full training checkpoints; null is "
+        "RUN_DIR/ckpts.",
+    )
     algorithm: AlgorithmConfig = Field(
         default_factory=AlgorithmConfig, description="The RL objective."
     )

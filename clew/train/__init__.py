@@ -1,0 +1,27 @@
+"""Training: the policy worker (forward, PPO and SFT steps, optimizer state) and SFT warm-up.
+
+``PolicyWorker`` is a plain class, so it runs in tests and single-process jobs as is; the
+distributed trainer wraps it in a Ray actor with the same methods.
+"""
+
+from clew.train.batch import ModelBatch, Sample, collate, micro_batches, target_values
+from clew.train.lora import apply_lora
+from clew.train.settings import PPOSettings, WorkerSettings
+from clew.train.sft import Demonstration, SFTResult, demonstrations, run_sft
+from clew.train.worker import PolicyWorker
+
+__all__ = [
+    "Demonstration",
+    "ModelBatch",
+    "PPOSettings",
+    "PolicyWorker",
+    "SFTResult",
+    "Sample",
+    "WorkerSettings",
+    "apply_lora",
+    "collate",
+    "demonstrations",
+    "micro_batches",
+    "run_sft",
+    "target_values",
+]

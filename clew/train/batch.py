@@ -1,0 +1,205 @@
+"""Padded model inputs from whole episodes, for the training forward pass.
+
+The trainer sees an episode as the rollout engine left it: one token sequence (user turns,
+images, replies), a loss mask that is 1 on generated tokens, and the episode's images. The
+engine built it chunk by chunk with a KV cache and left padding; training runs each episode
+as one causal forward with right padding. For the two to give the same logprobs, the
+inputs must be the same tokens at the same M-RoPE positions with the same pixels, so this
+module recomputes positions with ``sequence_positions`` (the engine's own function) and
+re-encodes the images with the same ``ChatFormat``.
+
+Everything per token that a loss needs is *target-aligned*: index ``t`` of a row describes
+token ``t + 1``, the one predicted from position ``t``. ``target_values`` converts the
+engine's token-aligned values (``Trajectory.logprobs``, index ``t`` describes token ``t``)
+by dropping the first entry, which is never a generated token.
+
+Nothing here knows the model; ``ModelBatch.model_inputs`` gives the keyword arguments a
+Qwen-VL forward takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import torch
+from PIL import Image
+from torch import Tensor
+
+from clew.inference.positions import sequence_positions
+from clew.models.chat import ChatFormat
+
+T = TypeVar("T")
+
+Vision = tuple[Tensor | None, Tensor | None]
+"""``(pixel_values, image_grid_thw)`` of one sequence's images, or ``(None, None)``."""
+
+
+class SequenceLike(Protocol):
+    """What a training sequence must carry (``Trajectory`` and ``Sample`` both do)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    images: list[Image.Image]
+
+
+@dataclass
+class Sample:
+    """A training sequence that did not come from a rollout (e.g. an SFT demonstration)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    images: list[Image.Image] = field(default_factory=list)
+
+
+@dataclass
+class ModelBatch:
+    """Right-padded inputs of ``B`` sequences (longest ``L``) and their targets.
+
+    ``targets[b, t] = input_ids[b, t + 1]`` and ``target_mask`` is the loss mask of those
+    tokens (0 on padding); ``values`` holds per-target tensors such as old logprobs and
+    advantages, padded with 0.
+    """
+
+    input_ids: Tensor  # Long[B, L]
+    attention_mask: Tensor  # Long[B, L]
+    position_ids: Tensor  # Long[3, B, L]
+    pixel_values: Tensor | None
+    image_grid_thw: Tensor | None
+    targets: Tensor  # Long[B, L - 1]
+    target_mask: Tensor  # Float[B, L - 1]
+    lengths: list[int]
+    values: dict[str, Tensor] = field(default_factory=dict)  # Float[B, L - 1] each
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_target_tokens(self) -> int:
+        return int(self.target_mask.sum().item())
+
+    def model_inputs(self, device: torch.device | str) -> dict[str, Tensor]:
+        """Keyword arguments of the model's forward, on ``device``."""
+        inputs = {
+            "input_ids": self.input_ids.to(device),
+            "attention_mask": self.attention_mask.to(device),
+            "position_ids": self.position_ids.to(device),
+        }
+        if self.pixel_values is not None:
+            inputs["pixel_values"] = self.pixel_values.to(device)
+            inputs["image_grid_thw"] = self.image_grid_thw.to(device)
+        return inputs
+
+    def unpad(self, per_target: Tensor) -> list[Tensor]:
+        """Rows of a ``[B, L - 1]`` tensor cut to each sequence's ``length - 1`` targets."""
+        return [per_target[b, : n - 1] for b, n in enumerate(self.lengths)]
+
+
+def encode_vision(seq: SequenceLike, chat: ChatFormat) -> Vision:
+    """Pixels and grids of a sequence's images, encoded as the engine encoded them."""
+    if not seq.images:
+        return None, None
+    return chat.encode_images(list(seq.images))
+
+
+def target_values(values: Sequence[float] | Tensor, length: int, name: str = "values") -> Tensor:
+    """Per-target values of a sequence of ``length`` tokens, as float32 ``[length - 1]``.
+
+    Accepts either alignment, told apart by size: ``length`` entries are token-aligned (the
+    first is dropped), ``length - 1`` entries are already target-aligned.
+    """
+    t = torch.as_tensor(values, dtype=torch.float32).detach().cpu()
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be one-dimensional per sequence, got shape {tuple(t.shape)}")
+    if t.numel() == length:
+        return t[1:]
+    if t.numel() == length - 1:
+        return t
+    raise ValueError(
+        f"{name} has {t.numel()} entries for a sequence of {length} tokens; expected {length} "
+        f"(one per token) or {length - 1} (one per target token)"
+    )
+
+
+def _check_sequence(seq: SequenceLike, grid: Tensor | None, chat: ChatFormat, index: int) -> None:
+    n = len(seq.token_ids)
+    if n < 2:
+        raise ValueError(f"sequence {index} has {n} tokens; training needs at least 2")
+    if len(seq.loss_mask) != n:
+        raise ValueError(
+            f"sequence {index} has {n} tokens but a loss mask of {len(seq.loss_mask)} entries"
+        )
+    placeholders = sum(1 for t in seq.token_ids if t == chat.image_token_id)
+    expected = 0 if grid is None else sum(chat.image_token_count(g) for g in grid)
+    if placeholders != expected:
+        # Caught here: the model would fail later with an opaque shape error.
+        raise ValueError(
+            f"sequence {index} holds {placeholders} image placeholder tokens but its "
+            f"{len(seq.images)} images make {expected}"
+        )
+
+
+def collate(
+    seqs: Sequence[SequenceLike],
+    chat: ChatFormat,
+    *,
+    vision: Sequence[Vision] | None = None,
+    values: Mapping[str, Sequence[Tensor]] | None = None,
+) -> ModelBatch:
+    """Pad ``seqs`` into one batch.
+
+    ``vision``: each sequence's encoded images (from ``encode_vision``), to avoid
+    re-encoding in every epoch; encoded here when None. ``values``: per-target tensors
+    (see ``target_values``) by name, one per sequence.
+    """
+    if not seqs:
+        raise ValueError("cannot collate an empty list of sequences")
+    if vision is None:
+        vision = [encode_vision(s, chat) for s in seqs]
+    lengths = [len(s.token_ids) for s in seqs]
+    b, width = len(seqs), max(lengths)
+    input_ids = torch.full((b, width), chat.pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(b, width, dtype=torch.long)
+    # Padding keeps position 0: it is masked out of attention, so its position is never used.
+    position_ids = torch.zeros(3, b, width, dtype=torch.long)
+    loss_mask = torch.zeros(b, width, dtype=torch.float32)
+    pix: list[Tensor] = []
+    grids: list[Tensor] = []
+    for row, (seq, (pixels, grid)) in enumerate(zip(seqs, vision, strict=True)):
+        _check_sequence(seq, grid, chat, row)
+        n = lengths[row]
+        input_ids[row, :n] = torch.tensor(seq.token_ids, dtype=torch.long)
+        attention_mask[row, :n] = 1
+        position_ids[:, row, :n] = sequence_positions(
+            list(seq.token_ids), grid, chat.image_token_id, chat.merge_size
+        )
+        loss_mask[row, :n] = torch.tensor(seq.loss_mask, dtype=torch.float32)
+        if pixels is not None and grid is not None:
+            pix.append(pixels)
+            grids.append(grid)
+    padded: dict[str, Tensor] = {}
+    for name, per_seq in (values or {}).items():
+        out = torch.zeros(b, width - 1, dtype=torch.float32)
+        for row, v in enumerate(per_seq):
+            out[row, : lengths[row] - 1] = target_values(v, lengths[row], name)
+        padded[name] = out
+    return ModelBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        pixel_values=torch.cat(pix) if pix else None,
+        image_grid_thw=torch.cat(grids) if grids else None,
+        targets=input_ids[:, 1:].clone(),
+        target_mask=loss_mask[:, 1:].clone(),
+        lengths=lengths,
+        values=padded,
+    )
+
+
+def micro_batches(items: Sequence[T], size: int) -> list[list[T]]:
+    """``items`` in consecutive chunks of ``size`` (the last may be shorter)."""
+    if size < 1:
+        raise ValueError(f"batch size must be a positive integer, got {size}")
+    return [list(items[i : i + size]) for i in range(0, len(items), size)]

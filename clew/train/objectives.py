@@ -1,0 +1,78 @@
+"""The losses a training micro-batch is reduced to: PPO (with KL and entropy terms) and SFT.
+
+An objective sees one micro-batch and the policy's outputs at its loss-mask targets, and
+returns the loss *reduced over that micro-batch* plus token-mean statistics. The worker
+weights each micro-batch by its share of the mini-batch (see ``PolicyWorker._accumulate``),
+so an objective never needs to know how the mini-batch was split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from clew.algorithms import compute_policy_loss, entropy_from_logits, kl_loss, reduce_loss
+from clew.train.batch import ModelBatch
+from clew.train.settings import PPOSettings
+
+
+@dataclass
+class TargetOutputs:
+    """The policy at the K loss-mask targets of a micro-batch (row-major order)."""
+
+    logits: Tensor  # Float[K, V], banned ids at -inf, not divided by the temperature
+    logprobs: Tensor  # Float[K]
+    per_target: Tensor  # Float[B, L - 1]: logprobs scattered back, 0 off the mask
+    targets: Tensor  # Long[K]
+
+
+Objective = Callable[[ModelBatch, TargetOutputs], tuple[Tensor, dict[str, float]]]
+
+
+def ppo_objective(settings: PPOSettings) -> Objective:
+    """Policy loss, plus ``kl_loss_coef * KL`` when the batch has ``ref_logprobs``, minus
+    ``entropy_loss_coef * entropy``; all under ``settings.loss_reduction``."""
+
+    def objective(batch: ModelBatch, out: TargetOutputs) -> tuple[Tensor, dict[str, float]]:
+        logprobs = out.per_target
+        dev = logprobs.device
+        mask = batch.target_mask.to(dev)
+        reduction = {"reduction": settings.loss_reduction, "max_seq_len": settings.max_seq_len}
+        loss, pg = compute_policy_loss(
+            settings.policy_loss,
+            logprobs,
+            batch.values["old_logprobs"].to(dev),
+            batch.values["advantages"].to(dev),
+            mask,
+            eps_clip_low=settings.eps_clip_low,
+            eps_clip_high=settings.eps_clip_high,
+            clip_ratio_c=settings.clip_ratio_c,
+            **reduction,
+        )
+        stats = {"clip_fraction": pg["clip_fraction"], "approx_kl": pg["approx_kl"]}
+        if "ref_logprobs" in batch.values:
+            ref = batch.values["ref_logprobs"].to(dev)
+            kl = kl_loss(logprobs, ref, mask, settings.kl_estimator, **reduction)
+            loss = loss + settings.kl_loss_coef * kl
+            stats["kl_loss"] = float(kl.detach())
+        bonus = settings.entropy_loss_coef != 0
+        # Without a bonus the entropy is only a metric: keep it out of the autograd graph.
+        with contextlib.nullcontext() if bonus else torch.no_grad():
+            entropy = entropy_from_logits(out.logits[None], temperature=settings.temperature)[0]
+        stats["entropy"] = float(entropy.detach().mean()) if entropy.numel() else 0.0
+        if bonus:
+            per_target = torch.zeros_like(logprobs).masked_scatter(mask > 0, entropy)
+            loss = loss - settings.entropy_loss_coef * reduce_loss(per_target, mask, **reduction)
+        return loss, stats
+
+    return objective
+
+
+def sft_objective(batch: ModelBatch, out: TargetOutputs) -> tuple[Tensor, dict[str, float]]:
+    """Cross-entropy of the loss-mask tokens (token mean), and greedy token accuracy."""
+    accuracy = (out.logits.detach().argmax(-1) == out.targets).float().mean()
+    return -out.logprobs.mean(), {"token_accuracy": float(accuracy)}

@@ -1,0 +1,58 @@
+"""Plain settings of the policy worker and of one PPO update.
+
+Dataclasses, not the pydantic config: the worker runs inside Ray actors and tests where the
+whole config does not exist, and the trainer maps ``trainer.policy.*`` and
+``trainer.algorithm.*`` onto these few values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULERS = ("constant_with_warmup", "cosine", "linear")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Optimizer, schedule and adapter settings (``trainer.policy.*`` of the config).
+
+    ``num_training_steps`` counts optimizer steps (one per mini-batch) and is required by
+    the ``cosine`` and ``linear`` schedules. ``lora_rank`` 0 trains every weight.
+    ``kl_reference`` keeps a frozen copy of the initial weights for the KL term when there
+    is no LoRA (with LoRA the reference is the adapter switched off, and this is ignored).
+    """
+
+    lr: float = 1e-6
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    scheduler: str = "constant_with_warmup"
+    num_warmup_steps: int = 0
+    num_training_steps: int | None = None
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: str | list[str] = "all-linear"
+    kl_reference: bool = False
+    gradient_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class PPOSettings:
+    """Loss settings of one PPO update (``trainer.algorithm.*``).
+
+    ``policy_loss`` is a name in ``clew.algorithms.POLICY_LOSSES`` (the config's "regular"
+    is "ppo_clip"). The KL term is added when the update is given reference logprobs;
+    ``temperature`` must be the rollout's sampling temperature.
+    """
+
+    policy_loss: str = "ppo_clip"
+    eps_clip_low: float = 0.2
+    eps_clip_high: float = 0.2
+    clip_ratio_c: float | None = None
+    loss_reduction: str = "token_mean"
+    max_seq_len: int | None = None
+    kl_loss_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_loss_coef: float = 0.0
+    temperature: float = 1.0

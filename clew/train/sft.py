@@ -1,0 +1,230 @@
+"""Supervised warm-up from solver demonstrations, before RL.
+
+A policy trained from scratch starts by writing random tokens; GRPO then sees reward 0 in
+every sample and has nothing to learn from. A few hundred steps of imitating the BFS
+solver teach the action format and the basics of moving, so RL starts where rewards vary.
+
+Demonstrations are played in the real env and tokenized through ``ChatFormat`` exactly as
+the rollout engine builds an episode (first turn ``first=True``, later turns after a reply
+that ended with ``<|im_end|>``), so SFT trains on the very sequences the policy will later
+extend. With ``detour_prob`` > 0 some turns take a wrong move on purpose (an open cell off
+the shortest path, or a bump into a wall) and the solver recovers from there, as VisGym
+pads its demonstrations: the policy then sees states off the optimal path and how to come
+back from them. Detour replies are in the context but out of the loss by default
+(``train_on_detours``), so the policy learns to recover without learning to stray.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from clew.data.rows import MazeRow
+from clew.envs import make
+from clew.envs.maze.actions import Action, format_action
+from clew.envs.maze.generate import DIRECTIONS
+from clew.envs.maze.solver import distances_to, shortest_actions
+from clew.errors import ConfigError, DataError
+from clew.models.chat import ChatFormat
+from clew.train.batch import Sample
+from clew.train.worker import PolicyWorker, WorkerSettings
+
+EvalFn = Callable[[torch.nn.Module, ChatFormat, int], dict[str, float]]
+LogFn = Callable[[int, dict[str, float]], None]
+
+
+@dataclass
+class Demonstration(Sample):
+    """One solver episode as a training sequence, with what was played."""
+
+    actions: list[str] = field(default_factory=list)
+    detour_turns: list[int] = field(default_factory=list)  # 0-based turns that were detours
+    reward: float = 0.0
+    row_seed: int = 0
+
+
+def _next_action(
+    env: Any, dist: np.ndarray, rng: random.Random, detour_prob: float
+) -> tuple[Action, bool]:
+    """The solver's action, or with probability ``detour_prob`` an affordable wrong one."""
+    maze, agent = env.maze, env.agent
+    stop_cost = 0 if env.success_on_reach else 1
+    if agent == maze.goal and not env.success_on_reach:
+        best = Action("stop")
+    else:
+        best = Action("move", shortest_actions(maze, start=agent)[0])
+    if detour_prob <= 0 or rng.random() >= detour_prob:
+        return best, False
+    remaining = env.max_turns - env.turn
+    choices = []
+    for d, (dr, dc) in enumerate(DIRECTIONS):
+        target = (agent[0] + dr, agent[1] + dc)
+        # A detour leads away from the goal (or bumps a wall and stays): never a move that
+        # is itself on a shortest path.
+        if maze.is_open(target):
+            if dist[target] < dist[agent]:
+                continue
+            needed_after = int(dist[target]) + stop_cost
+        else:
+            needed_after = int(dist[agent]) + stop_cost
+        # The wrong turn uses one turn; the solver must still finish inside the budget.
+        if remaining - 1 >= needed_after:
+            choices.append(d)
+    if not choices:
+        return best, False
+    return Action("move", rng.choice(choices)), True
+
+
+def play_demonstration(
+    row: MazeRow,
+    chat: ChatFormat,
+    rng: random.Random,
+    detour_prob: float = 0.0,
+    train_on_detours: bool = False,
+) -> Demonstration | None:
+    """Play ``row`` with the solver; None if the optimal play does not fit its turn budget."""
+    env = make(row.env_id, **row.options())
+    obs = env.reset(int(row.seed))
+    if env.turns_needed() > env.max_turns:
+        return None
+    dist = distances_to(env.maze, env.maze.goal)
+    demo = Demonstration([], [], [], row_seed=int(row.seed))
+    turn = 0
+    while True:
+        chunk = chat.user_turn(obs.text, obs.images, first=turn == 0, after_reply_end=True)
+        demo.token_ids += chunk.token_ids
+        demo.loss_mask += [0] * len(chunk.token_ids)
+        demo.images += obs.images
+        action, detour = _next_action(env, dist, rng, detour_prob)
+        text = format_action(action, env.action_format)
+        reply = chat.reply_tokens(text)
+        demo.token_ids += reply
+        demo.loss_mask += [0 if detour and not train_on_detours else 1] * len(reply)
+        demo.actions.append(text)
+        if detour:
+            demo.detour_turns.append(turn)
+        obs, reward, done, _ = env.step(text)
+        demo.reward = float(reward)
+        turn += 1
+        if done:
+            return demo
+
+
+def demonstrations(
+    rows: Sequence[MazeRow],
+    chat: ChatFormat,
+    detour_prob: float = 0.0,
+    seed: int = 0,
+    train_on_detours: bool = False,
+) -> list[Demonstration]:
+    """Solver episodes for ``rows`` (rows whose optimal play exceeds max_turns are skipped).
+
+    Each row's detours depend only on ``seed`` and the row's seed, not on the row order.
+    """
+    if not 0.0 <= detour_prob <= 1.0:
+        raise ConfigError(f"detour_prob must be in [0, 1], got {detour_prob}")
+    out = []
+    for row in rows:
+        rng = random.Random(seed * 1_000_003 + int(row.seed))
+        demo = play_demonstration(row, chat, rng, detour_prob, train_on_detours)
+        if demo is not None:
+            out.append(demo)
+    return out
+
+
+@dataclass
+class SFTResult:
+    """Where the model went and how training went."""
+
+    output_dir: Path
+    losses: list[float]
+    evals: list[dict[str, float]]
+    num_demonstrations: int
+
+
+def run_sft(
+    model_dir: str | Path,
+    train_rows: Sequence[MazeRow],
+    output_dir: str | Path,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    lora_rank: int = 0,
+    lora_alpha: float = 16.0,
+    lora_dropout: float = 0.0,
+    weight_decay: float = 0.0,
+    max_grad_norm: float = 1.0,
+    warmup_steps: int = 0,
+    scheduler: str = "constant_with_warmup",
+    micro_batch_size: int | None = None,
+    detour_prob: float = 0.0,
+    seed: int = 0,
+    dtype: str = "float32",
+    device: str = "cpu",
+    eval_fn: EvalFn | None = None,
+    eval_interval: int = 0,
+    log: LogFn | None = None,
+) -> SFTResult:
+    """Train on solver demonstrations of ``train_rows`` and save a loadable policy directory.
+
+    Each step is one optimizer step on ``batch_size`` whole episodes drawn without
+    replacement (reshuffled each pass; with detours, each pass plays new detours).
+    ``eval_fn(model, chat, step)`` runs every ``eval_interval`` steps and after the last.
+    ``output_dir`` gets full weights (LoRA merged in) and the processor, so
+    ``clew.models.load_policy`` reads it like any checkpoint.
+    """
+    if steps < 1 or batch_size < 1:
+        raise ConfigError(f"steps and batch_size must be positive, got {steps} and {batch_size}")
+    output_dir = Path(output_dir)
+    if output_dir.resolve() == Path(model_dir).resolve():
+        raise ConfigError(f"output_dir {output_dir} is the starting model; choose another folder")
+    torch.manual_seed(seed)
+    settings = WorkerSettings(
+        lr=lr,
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
+        scheduler=scheduler,
+        num_warmup_steps=warmup_steps,
+        num_training_steps=steps,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+    )
+    worker = PolicyWorker.from_pretrained(model_dir, settings, dtype=dtype, device=device)
+    chat = worker.chat
+    demos = demonstrations(train_rows, chat, detour_prob, seed)
+    if not demos:
+        raise DataError("no training row can be solved within its turn budget; nothing to imitate")
+    rng = random.Random(seed)
+    queue: list[Demonstration] = []
+    passes = 0
+    losses: list[float] = []
+    evals: list[dict[str, float]] = []
+    for step in range(1, steps + 1):
+        batch: list[Demonstration] = []
+        while len(batch) < batch_size:
+            if not queue:
+                if passes and detour_prob > 0:
+                    demos = demonstrations(train_rows, chat, detour_prob, seed + passes)
+                queue = list(demos)
+                rng.shuffle(queue)
+                passes += 1
+            batch.append(queue.pop())
+        stats = worker.sft_step(batch, micro_batch_size or batch_size)
+        losses.append(stats["sft/loss"])
+        if eval_fn is not None and ((eval_interval and step % eval_interval == 0) or step == steps):
+            metrics = eval_fn(worker.model, chat, step)
+            evals.append(metrics)
+            stats = stats | metrics
+        if log is not None:
+            log(step, stats)
+    worker.save_pretrained(output_dir, merged=True)
+    chat.processor.save_pretrained(output_dir)
+    return SFTResult(output_dir, losses, evals, len(demos))

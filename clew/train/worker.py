@@ -1,0 +1,393 @@
+"""The policy worker: one model, its optimizer, and the forward/backward passes of training.
+
+A plain class so that it can be tested and used in one process; a Ray actor later wraps
+it behind the same methods. It owns the model the rollout engine samples from (the very
+module object, so weights never need syncing) and puts it back in eval mode after every
+update, which is the mode the engine expects.
+
+Logprobs are computed the way the engine samples: the vision placeholder ids are masked to
+-inf and the logits divided by the sampling temperature before ``log_softmax``, so the
+PPO ratio is exactly 1 (up to float error) at the first update. Only the positions whose
+target is a loss-mask token go through the output projection: every loss here is masked to
+generated tokens, and image and prompt tokens are most of an episode, so projecting them
+onto the vocabulary would be the largest tensor of the step for nothing. Values the worker
+returns off the loss mask are therefore 0.
+
+The KL reference: with LoRA it is the base model with the adapter switched off
+(``disable_adapter``), which costs no memory. Without LoRA it is a frozen copy of the
+initial weights, taken when the worker is built (``WorkerSettings.kl_reference``) or at the
+first reference call before any optimizer step; it doubles the model's memory, so it is
+only made when KL is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers.modeling_utils
+from torch import Tensor
+
+from clew.algorithms import logprobs_from_logits
+from clew.errors import ClewError
+from clew.inference.engine import banned_token_ids, mask_banned
+from clew.models import count_parameters, load_policy
+from clew.models.chat import ChatFormat
+from clew.train.batch import ModelBatch, SequenceLike, Vision, collate, encode_vision
+from clew.train.batch import micro_batches as chunked
+from clew.train.lora import apply_lora, is_lora
+from clew.train.objectives import Objective, TargetOutputs, ppo_objective, sft_objective
+from clew.train.optim import build_optimizer, clipped_step, to_cpu
+from clew.train.settings import PPOSettings, WorkerSettings
+
+__all__ = ["PPOSettings", "PolicyWorker", "WorkerSettings", "apply_lora"]
+
+# Whether the model's forward takes a boolean [B, L] ``logits_to_keep`` (transformers >= 5.2x).
+BOOLEAN_LOGITS_TO_KEEP = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
+
+
+class PolicyWorker:
+    """Owns the policy (optionally LoRA-wrapped), AdamW and the LR schedule."""
+
+    def __init__(
+        self, model: torch.nn.Module, chat: ChatFormat, settings: WorkerSettings | None = None
+    ) -> None:
+        self.settings = settings = settings or WorkerSettings()
+        if settings.gradient_checkpointing:
+            # Non-reentrant checkpointing needs no input that requires grad, so it also works
+            # when LoRA has frozen the embeddings.
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        if settings.lora_rank > 0:
+            model = apply_lora(
+                model,
+                settings.lora_rank,
+                settings.lora_alpha,
+                settings.lora_dropout,
+                settings.lora_target_modules,
+            )
+        else:
+            model.requires_grad_(True)
+        self.model = model
+        self.chat = chat
+        self.device = next(model.parameters()).device
+        self.lora = is_lora(model)
+        self.banned = banned_token_ids(chat).to(self.device)
+        dtype = next(model.parameters()).dtype
+        self.autocast = self.device.type == "cuda" and dtype == torch.bfloat16
+        self.optimizer, self.scheduler = build_optimizer(model, settings)
+        self.optimizer_steps = 0
+        self.reference: torch.nn.Module | None = None
+        if settings.kl_reference and not self.lora:
+            self.ensure_reference()
+        self.model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        settings: WorkerSettings | None = None,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        system_prompt: str | None = None,
+    ) -> PolicyWorker:
+        model, processor = load_policy(path, dtype, device)
+        return cls(model, ChatFormat(processor, system_prompt), settings)
+
+    def trainable_parameters(self) -> int:
+        return count_parameters(self.model, trainable_only=True)
+
+    def ensure_reference(self) -> None:
+        """Keep a frozen copy of the current weights as the KL reference (full fine-tuning)."""
+        if self.lora or self.reference is not None:
+            return
+        if self.optimizer_steps:
+            raise ClewError(
+                "the KL reference must be the initial policy, but the model has already taken "
+                f"{self.optimizer_steps} optimizer steps; build the worker with "
+                "WorkerSettings(kl_reference=True) or use LoRA (the reference is then the base "
+                "model with the adapter off)"
+            )
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+
+    @contextlib.contextmanager
+    def _policy(self, adapter_enabled: bool) -> Iterator[torch.nn.Module]:
+        if adapter_enabled:
+            yield self.model
+        elif self.lora:
+            with self.model.disable_adapter():
+                yield self.model
+        else:
+            self.ensure_reference()
+            assert self.reference is not None
+            yield self.reference
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+
+    def _target_logits(self, model: torch.nn.Module, batch: ModelBatch) -> Tensor:
+        """Logits ``[K, V]`` (float32, banned ids at -inf) at the K loss-mask targets, row-major."""
+        b, width = batch.input_ids.shape
+        keep = torch.zeros(b, width, dtype=torch.bool, device=self.device)
+        keep[:, :-1] = (batch.target_mask > 0).to(self.device)
+        # Older transformers (5.17 on the GPU image) take only positions shared by the whole
+        # batch; project the union of the rows' positions there and pick each row's own.
+        cols = None if BOOLEAN_LOGITS_TO_KEEP else keep.any(0).nonzero().squeeze(-1)
+        with self._autocast():
+            out = model(
+                **batch.model_inputs(self.device),
+                logits_to_keep=keep if cols is None else cols,
+                use_cache=False,
+            )
+        logits = out.logits if cols is None else out.logits[keep[:, cols]]
+        return mask_banned(logits.float(), self.banned)
+
+    def _forward(
+        self, model: torch.nn.Module, batch: ModelBatch, temperature: float
+    ) -> TargetOutputs:
+        logits = self._target_logits(model, batch)
+        mask = (batch.target_mask > 0).to(self.device)
+        targets = batch.targets.to(self.device)[mask]
+        logprobs = logprobs_from_logits(logits[None], targets[None], temperature=temperature)[0]
+        per_target = torch.zeros(mask.shape, dtype=logprobs.dtype, device=self.device)
+        return TargetOutputs(logits, logprobs, per_target.masked_scatter(mask, logprobs), targets)
+
+    def _vision(self, seqs: Sequence[SequenceLike]) -> list[Vision]:
+        return [encode_vision(s, self.chat) for s in seqs]
+
+    @staticmethod
+    def _by_length(seqs: Sequence[SequenceLike], indices: Sequence[int]) -> list[int]:
+        # Micro-batches of similar lengths waste less compute on padding; the order of
+        # sequences inside a mini-batch changes nothing in its (summed) gradient.
+        return sorted(indices, key=lambda i: len(seqs[i].token_ids))
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self,
+        seqs: Sequence[SequenceLike],
+        temperature: float = 1.0,
+        micro_batch_size: int = 8,
+        adapter_enabled: bool = True,
+    ) -> list[Tensor]:
+        """Per sequence, float32 CPU ``[len - 1]``: the logprob of ``token_ids[1:]`` (0 off the mask).
+
+        ``adapter_enabled=False`` gives the KL reference's logprobs (see the module docstring).
+        """
+        self.model.eval()
+        out: list[Tensor] = [torch.zeros(0)] * len(seqs)
+        vision = self._vision(seqs)
+        with self._policy(adapter_enabled) as model:
+            for idx in chunked(self._by_length(seqs, range(len(seqs))), micro_batch_size):
+                batch = collate([seqs[i] for i in idx], self.chat, vision=[vision[i] for i in idx])
+                out_b = self._forward(model, batch, temperature).per_target.cpu()
+                for i, row in zip(idx, batch.unpad(out_b), strict=True):
+                    out[i] = row.clone()
+        return out
+
+    def _accumulate(
+        self,
+        seqs: Sequence[SequenceLike],
+        indices: Sequence[int],
+        vision: Sequence[Vision],
+        values: dict[str, Sequence[Tensor]],
+        micro_batch_size: int,
+        objective: Objective,
+        temperature: float,
+        by_tokens: bool,
+    ) -> dict[str, float] | None:
+        """Zero the grads and backpropagate the loss of ``seqs[indices]`` over micro-batches.
+
+        Each micro-batch's loss is reduced over the micro-batch and scaled by its share of
+        the mini-batch (``by_tokens``: its share of loss-mask tokens, for ``token_mean``;
+        else its share of sequences, for the per-sequence reductions), so the accumulated
+        gradient is that of the mini-batch loss whatever the micro-batch size. Statistics
+        are token-weighted means, except ``loss`` which is the mini-batch loss. None when the
+        mini-batch has no loss-mask token (nothing to learn from).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        tokens = {i: sum(seqs[i].loss_mask[1:]) for i in indices}
+        total_tokens = sum(tokens.values())
+        if total_tokens == 0:
+            return None
+        stats: dict[str, float] = {"loss": 0.0, "tokens": float(total_tokens)}
+        self.model.train()
+        try:
+            for idx in chunked(self._by_length(seqs, indices), micro_batch_size):
+                n_tok = sum(tokens[i] for i in idx)
+                if n_tok == 0:
+                    continue  # contributes exactly 0 to every reduction
+                batch = collate(
+                    [seqs[i] for i in idx],
+                    self.chat,
+                    vision=[vision[i] for i in idx],
+                    values={k: [v[i] for i in idx] for k, v in values.items()},
+                )
+                outputs = self._forward(self.model, batch, temperature)
+                loss, micro_stats = objective(batch, outputs)
+                share = n_tok / total_tokens if by_tokens else len(idx) / len(indices)
+                (loss * share).backward()
+                stats["loss"] += float(loss.detach()) * share
+                for k, v in micro_stats.items():
+                    stats[k] = stats.get(k, 0.0) + v * n_tok / total_tokens
+        finally:
+            self.model.eval()
+        return stats
+
+    def _optimizer_step(self) -> dict[str, float]:
+        stats = clipped_step(self.optimizer, self.scheduler, self.settings.max_grad_norm)
+        self.optimizer_steps += 1
+        return stats
+
+    def _ppo_values(
+        self,
+        seqs: Sequence[SequenceLike],
+        old_logprobs: Sequence[Tensor],
+        advantages: Sequence[Tensor],
+        ref_logprobs: Sequence[Tensor] | None,
+    ) -> dict[str, Sequence[Tensor]]:
+        values: dict[str, Sequence[Tensor]] = {
+            "old_logprobs": old_logprobs,
+            "advantages": advantages,
+        }
+        if ref_logprobs is not None:
+            values["ref_logprobs"] = ref_logprobs
+        for name, v in values.items():
+            if len(v) != len(seqs):
+                raise ValueError(f"{len(seqs)} sequences but {len(v)} entries of {name}")
+        return values
+
+    def accumulate_gradients(
+        self,
+        seqs: Sequence[SequenceLike],
+        old_logprobs: Sequence[Tensor],
+        advantages: Sequence[Tensor],
+        ref_logprobs: Sequence[Tensor] | None,
+        settings: PPOSettings,
+        micro_batch_size: int,
+    ) -> dict[str, float] | None:
+        """The PPO gradient of all ``seqs`` as one mini-batch, left in ``.grad`` (no step)."""
+        values = self._ppo_values(seqs, old_logprobs, advantages, ref_logprobs)
+        return self._accumulate(
+            seqs,
+            range(len(seqs)),
+            self._vision(seqs),
+            values,
+            micro_batch_size,
+            ppo_objective(settings),
+            settings.temperature,
+            settings.loss_reduction == "token_mean",
+        )
+
+    def ppo_update(
+        self,
+        seqs: Sequence[SequenceLike],
+        old_logprobs: Sequence[Tensor],
+        advantages: Sequence[Tensor],
+        ref_logprobs: Sequence[Tensor] | None,
+        settings: PPOSettings,
+        mini_batch_size: int,
+        micro_batch_size: int,
+        epochs: int = 1,
+    ) -> dict[str, float]:
+        """PPO over ``epochs`` passes, one optimizer step per mini-batch of sequences.
+
+        Per-token inputs are per sequence, token- or target-aligned (see
+        ``clew.train.batch.target_values``); advantages are 0 off the loss mask. KL is added
+        when ``ref_logprobs`` is given. Returns means over the optimizer steps.
+        """
+        values = self._ppo_values(seqs, old_logprobs, advantages, ref_logprobs)
+        vision = self._vision(seqs)
+        objective = ppo_objective(settings)
+        steps: list[dict[str, float]] = []
+        for _ in range(epochs):
+            for indices in chunked(list(range(len(seqs))), mini_batch_size):
+                stats = self._accumulate(
+                    seqs,
+                    indices,
+                    vision,
+                    values,
+                    micro_batch_size,
+                    objective,
+                    settings.temperature,
+                    settings.loss_reduction == "token_mean",
+                )
+                if stats is not None:
+                    steps.append(stats | self._optimizer_step())
+        keys = ("loss", "clip_fraction", "approx_kl", "kl_loss", "entropy", "grad_norm", "lr")
+        out = {f"policy/{k}": _mean(steps, k) for k in keys}
+        out["policy/optimizer_steps"] = float(len(steps))
+        return out
+
+    def sft_step(self, seqs: Sequence[SequenceLike], micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step of cross-entropy on loss-mask tokens (token mean over ``seqs``).
+
+        The logprobs are the sampler's (banned vision ids masked, temperature 1), so SFT
+        trains the distribution the engine samples from.
+        """
+        indices = range(len(seqs))
+        stats = self._accumulate(
+            seqs, indices, self._vision(seqs), {}, micro_batch_size, sft_objective, 1.0, True
+        )
+        if stats is None:
+            raise ValueError("the SFT batch has no loss-mask tokens")
+        stats |= self._optimizer_step()
+        return {f"sft/{k}": v for k, v in stats.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Trainable weights (the adapter only, with LoRA), optimizer and scheduler, on CPU."""
+        return {
+            "trainable": {
+                n: p.detach().to("cpu", copy=True)
+                for n, p in self.model.named_parameters()
+                if p.requires_grad
+            },
+            "optimizer": to_cpu(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "optimizer_steps": self.optimizer_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        params = dict(self.model.named_parameters())
+        trainable = state["trainable"]
+        missing = sorted(n for n, p in params.items() if p.requires_grad and n not in trainable)
+        unknown = sorted(n for n in trainable if n not in params)
+        if missing or unknown:
+            raise ClewError(
+                "the worker state does not fit this model (different LoRA settings or "
+                f"architecture?): missing {missing[:3]}, unexpected {unknown[:3]}"
+            )
+        with torch.no_grad():
+            for n, t in trainable.items():
+                params[n].copy_(t)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer_steps = int(state.get("optimizer_steps", 0))
+
+    def save_pretrained(self, directory: str | Path, merged: bool = False) -> Path:
+        """Save the adapter (LoRA) or the full model; ``merged`` writes LoRA merged into full weights.
+
+        Merging works on a copy (the worker keeps training its adapter), so it briefly needs
+        a second model's memory.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.lora and merged:
+            full = copy.deepcopy(self.model).merge_and_unload()
+            full.save_pretrained(directory)
+            del full
+        else:
+            self.model.save_pretrained(directory)
+        return directory
+
+
+def _mean(rows: list[dict[str, float]], key: str) -> float:
+    vals = [r[key] for r in rows if key in r]
+    return sum(vals) / len(vals) if vals else 0.0

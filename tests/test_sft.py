@@ -1,0 +1,149 @@
+"""Tests for clew.train.sft: solver demonstrations and the supervised warm-up run."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from clew.data.rows import generate_rows
+from clew.envs import make
+from clew.envs.maze.actions import Action, format_action, parse_action
+from clew.envs.maze.solver import shortest_actions
+from clew.models import build_model, load_policy
+from clew.models.chat import ChatFormat
+from clew.train.sft import demonstrations, play_demonstration, run_sft
+
+OPTIONS = {"cell_px": 28, "action_format": "keyword"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Two OpenMP threads on a shared 2-core machine slow the tiny model down many times over.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("tiny", tmp_path_factory.mktemp("tiny"), image_size=140, overwrite=True).path
+
+
+@pytest.fixture(scope="module")
+def chat(model_dir) -> ChatFormat:
+    return ChatFormat(load_policy(model_dir)[1])
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return generate_rows("maze_2d/tiny", 12, env_options=OPTIONS)
+
+
+def reply_runs(token_ids: list[int], loss_mask: list[int]) -> list[list[int]]:
+    """The maximal runs of loss-mask tokens."""
+    runs, current = [], []
+    for token, m in zip(token_ids, loss_mask, strict=True):
+        if m:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+def test_demonstrations_train_only_on_replies_that_replay_the_solver(chat, rows):
+    demos = demonstrations(rows, chat)
+    assert len(demos) == len(rows)
+    for row, demo in zip(rows, demos, strict=True):
+        env = make(row.env_id, **row.options())
+        env.reset(row.seed)
+        solver = [Action("move", d) for d in shortest_actions(env.maze)] + [Action("stop")]
+        runs = reply_runs(demo.token_ids, demo.loss_mask)
+        assert [parse_action(chat.decode(r), "keyword") for r in runs] == solver
+        assert all(r[-1] == chat.im_end_id for r in runs)
+        assert demo.actions == [format_action(a, "keyword") for a in solver]
+        assert demo.reward == 1.0 and demo.detour_turns == []
+        assert len(demo.images) == len(solver)
+        # Exactly what the rollout engine would build: user turn, reply, user turn, ...
+        expected: list[int] = []
+        obs = env.reset(row.seed)
+        for turn, action in enumerate(demo.actions):
+            expected += chat.user_turn(obs.text, obs.images, first=turn == 0).token_ids
+            expected += chat.reply_tokens(action)
+            obs, *_ = env.step(action)
+        assert demo.token_ids == expected
+        assert sum(demo.loss_mask) == sum(len(r) for r in runs)
+
+
+def test_detours_stay_within_max_turns_and_still_end_on_the_goal(chat, rows):
+    detours = 0
+    for seed in range(3):
+        for demo in demonstrations(rows, chat, detour_prob=0.5, seed=seed):
+            assert len(demo.actions) <= rows[0].max_turns
+            assert demo.reward == 1.0
+            assert parse_action(demo.actions[-1], "keyword") == Action("stop")
+            runs = reply_runs(demo.token_ids, demo.loss_mask)
+            assert len(runs) == len(demo.actions) - len(demo.detour_turns)
+            detours += len(demo.detour_turns)
+    assert detours > 20
+
+
+def test_detour_replies_enter_the_loss_only_when_asked(chat, rows):
+    row = rows[0]
+    masked = play_demonstration(row, chat, random.Random(0), detour_prob=1.0)
+    trained = play_demonstration(
+        row, chat, random.Random(0), detour_prob=1.0, train_on_detours=True
+    )
+    assert masked is not None and trained is not None and masked.detour_turns
+    assert masked.token_ids == trained.token_ids
+    assert len(reply_runs(trained.token_ids, trained.loss_mask)) == len(trained.actions)
+
+
+def test_short_sft_run_lowers_the_loss_and_saves_a_loadable_policy(model_dir, rows, tmp_path):
+    evals: list[int] = []
+
+    def eval_fn(model, chat, step):
+        evals.append(step)
+        return {"eval/calls": float(len(evals))}
+
+    result = run_sft(
+        model_dir,
+        rows,
+        tmp_path / "sft",
+        steps=30,
+        batch_size=4,
+        lr=3e-3,
+        eval_fn=eval_fn,
+        eval_interval=10,
+    )
+    first, last = result.losses[0], sum(result.losses[-5:]) / 5
+    assert last < 0.25 * first, result.losses
+    assert evals == [10, 20, 30] and result.num_demonstrations == len(rows)
+    model, processor = load_policy(result.output_dir)
+    assert model.config.model_type == "qwen2_vl"
+    assert (
+        processor.tokenizer.convert_tokens_to_ids("<|im_end|>") == ChatFormat(processor).im_end_id
+    )
+
+
+def test_lora_sft_saves_merged_full_weights(model_dir, rows, tmp_path):
+    result = run_sft(
+        model_dir, rows[:4], tmp_path / "lora", steps=3, batch_size=2, lr=1e-2, lora_rank=4
+    )
+    assert not (result.output_dir / "adapter_config.json").exists()
+    assert json.loads((result.output_dir / "config.json").read_text())["model_type"] == "qwen2_vl"
+    before, after = (
+        load_file(model_dir / "model.safetensors"),
+        load_file(result.output_dir / "model.safetensors"),
+    )
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    # Only the language model's projections carry adapters (on disk the language model's
+    # keys read "model.layers.N..." and the vision tower's "visual...").
+    assert changed and all(k.endswith("_proj.weight") and "visual" not in k for k in changed)
+    load_policy(result.output_dir)

@@ -1,0 +1,231 @@
+"""Tests for clew.train: batch building and the PolicyWorker's logprobs, updates and state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clew.data.rows import generate_rows
+from clew.errors import ClewError
+from clew.inference.engine import InferenceEngine, SamplingParams
+from clew.models import build_model, load_policy
+from clew.models.chat import ChatFormat
+from clew.rollout.loop import RolloutSettings, play
+from clew.rollout.trajectory import Trajectory
+from clew.train import worker as worker_module
+from clew.train.batch import Sample, collate, micro_batches, target_values
+from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
+
+OPTIONS = {"cell_px": 28, "action_format": "keyword"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The tiny model gains little from a second thread, and on a shared 2-core machine two
+    # OpenMP threads competing with another process make each step up to 20x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("tiny", tmp_path_factory.mktemp("tiny"), image_size=140, overwrite=True).path
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return generate_rows("maze_2d/tiny", 2, env_options=OPTIONS)
+
+
+def make_worker(model_dir, **settings) -> PolicyWorker:
+    return PolicyWorker.from_pretrained(model_dir, WorkerSettings(**settings))
+
+
+def rollout(worker: PolicyWorker, rows, temperature: float = 1.0) -> list[Trajectory]:
+    engine = InferenceEngine(worker.model, worker.chat)
+    sampling = SamplingParams(temperature=temperature, max_tokens=6)
+    settings = RolloutSettings(n_samples_per_prompt=2, max_turns=3, sampling=sampling)
+    return play(engine, rows, settings, seed=0)
+
+
+@pytest.fixture(scope="module")
+def trajectories(model_dir, rows) -> list[Trajectory]:
+    """Episodes sampled by the untrained model (every fresh worker starts from it)."""
+    return rollout(make_worker(model_dir), rows)
+
+
+def masked(lp: torch.Tensor, seq) -> torch.Tensor:
+    return lp[torch.tensor(seq.loss_mask[1:], dtype=torch.bool)]
+
+
+def sum_logprob(worker: PolicyWorker, seq, **kwargs) -> float:
+    return float(masked(worker.compute_logprobs([seq], **kwargs)[0], seq).sum())
+
+
+def token_advantages(seqs, values: list[float]) -> list[torch.Tensor]:
+    return [
+        v * torch.tensor(s.loss_mask, dtype=torch.float32)
+        for s, v in zip(seqs, values, strict=True)
+    ]
+
+
+def max_diff(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(xs, ys, strict=True))
+
+
+def test_collate_right_pads_and_shifts_targets_by_one(model_dir):
+    chat = ChatFormat(load_policy(model_dir)[1])
+    a = Sample([5, 6, 7, 8], [0, 0, 1, 1])
+    b = Sample([9, 10], [0, 1])
+    batch = collate([a, b], chat, values={"adv": [torch.tensor([0, 0, 2.0, 3.0]), [4.0]]})
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8], [9, 10, chat.pad_id, chat.pad_id]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch.targets[0].tolist() == [6, 7, 8]
+    assert batch.target_mask.tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert batch.values["adv"].tolist() == [[0, 2, 3], [4, 0, 0]]
+    assert batch.position_ids.shape == (3, 2, 4)
+    assert batch.position_ids[:, 0].tolist() == [[0, 1, 2, 3]] * 3
+    assert micro_batches(list(range(5)), 2) == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="one per token"):
+        target_values([1.0, 2.0], 5)
+
+
+def test_collate_rejects_placeholders_without_images(model_dir):
+    chat = ChatFormat(load_policy(model_dir)[1])
+    with pytest.raises(ValueError, match="image placeholder"):
+        collate([Sample([1, chat.image_token_id, 2], [0, 0, 1])], chat)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_worker_logprobs_match_engine_sampling_logprobs(model_dir, rows, temperature):
+    worker = make_worker(model_dir)
+    trajs = rollout(worker, rows, temperature)
+    computed = worker.compute_logprobs(trajs, temperature=temperature, micro_batch_size=3)
+    diffs = [
+        (masked(lp, t) - masked(torch.tensor(t.logprobs[1:]), t)).abs().max().item()
+        for t, lp in zip(trajs, computed, strict=True)
+    ]
+    assert sum(t.generated_tokens for t in trajs) > 0
+    assert max(diffs) < 1e-4, f"max |worker - engine| logprob difference: {max(diffs):.3g}"
+
+
+def test_logprobs_are_the_same_without_boolean_logits_to_keep(model_dir, trajectories, monkeypatch):
+    worker = make_worker(model_dir)
+    boolean = worker.compute_logprobs(trajectories, micro_batch_size=4)
+    monkeypatch.setattr(worker_module, "BOOLEAN_LOGITS_TO_KEEP", False)
+    union = worker.compute_logprobs(trajectories, micro_batch_size=4)
+    assert max_diff(boolean, union) < 1e-5
+
+
+def test_lora_trains_only_adapters_on_language_model_projections(model_dir):
+    worker = make_worker(model_dir, lora_rank=4)
+    trainable = [n for n, p in worker.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    wrapped = [n for n, m in worker.model.named_modules() if hasattr(m, "lora_A")]
+    assert all(".language_model.layers." in n for n in wrapped)
+    kinds = {n.rsplit(".", 1)[-1] for n in wrapped}
+    assert kinds == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    full = make_worker(model_dir)
+    assert 0 < worker.trainable_parameters() < full.trainable_parameters() // 10
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_ppo_update_moves_logprob_in_the_direction_of_the_advantage(model_dir, trajectories, sign):
+    worker = make_worker(model_dir, lr=1e-3)
+    seq = trajectories[0]
+    before = sum_logprob(worker, seq)
+    stats = worker.ppo_update(
+        [seq],
+        [torch.tensor(seq.logprobs)],
+        token_advantages([seq], [sign]),
+        None,
+        PPOSettings(),
+        mini_batch_size=1,
+        micro_batch_size=1,
+    )
+    after = sum_logprob(worker, seq)
+    assert sign * (after - before) > 0.1, (before, after)
+    assert stats["policy/optimizer_steps"] == 1
+    assert stats["policy/clip_fraction"] == 0  # the first step starts at ratio 1
+    assert stats["policy/lr"] == pytest.approx(1e-3)
+    assert stats["policy/entropy"] > 0 and stats["policy/grad_norm"] > 0
+
+
+def test_lora_reference_is_the_base_model_with_the_adapter_off(model_dir, trajectories):
+    base = make_worker(model_dir).compute_logprobs(trajectories)
+    worker = make_worker(model_dir, lora_rank=4, lr=1e-2)
+    ref = worker.compute_logprobs(trajectories, adapter_enabled=False)
+    settings = PPOSettings(kl_loss_coef=0.1)
+    adv = token_advantages(trajectories, [1.0, -1.0, 0.5, -0.5])
+    old = [torch.tensor(t.logprobs) for t in trajectories]
+    stats = worker.ppo_update(trajectories, old, adv, ref, settings, 2, 1, epochs=2)
+    assert stats["policy/optimizer_steps"] == 4 and stats["policy/kl_loss"] > 0
+    on = worker.compute_logprobs(trajectories)
+    off = worker.compute_logprobs(trajectories, adapter_enabled=False)
+    assert max_diff(on, base) > 1e-3
+    assert max_diff(off, base) < 1e-5
+
+
+def test_full_finetuning_reference_is_a_frozen_copy_of_the_initial_weights(model_dir, trajectories):
+    base = make_worker(model_dir).compute_logprobs(trajectories)
+    worker = make_worker(model_dir, lr=1e-3, kl_reference=True)
+    seqs = trajectories[:2]
+    worker.ppo_update(
+        seqs,
+        [torch.tensor(t.logprobs) for t in seqs],
+        token_advantages(seqs, [1.0, -1.0]),
+        None,
+        PPOSettings(),
+        2,
+        2,
+    )
+    off = worker.compute_logprobs(trajectories, adapter_enabled=False)
+    assert max_diff(off, base) < 1e-5
+    late = make_worker(model_dir, lr=1e-3)
+    late.sft_step(seqs, 2)
+    with pytest.raises(ClewError, match="initial policy"):
+        late.compute_logprobs(seqs, adapter_enabled=False)
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
+def test_micro_batches_accumulate_to_the_full_batch_gradient(model_dir, trajectories, reduction):
+    worker = make_worker(model_dir)
+    old = [lp - 0.05 * i for i, lp in enumerate(worker.compute_logprobs(trajectories))]
+    adv = token_advantages(trajectories, [1.0, -0.5, 2.0, -1.5])
+    settings = PPOSettings(loss_reduction=reduction)
+    grads = []
+    for micro in (len(trajectories), 1):
+        stats = worker.accumulate_gradients(trajectories, old, adv, None, settings, micro)
+        grads.append(torch.cat([p.grad.flatten() for p in worker.model.parameters()]))
+        assert stats is not None and stats["loss"] != 0
+    scale = grads[0].abs().max().item()
+    assert torch.allclose(grads[0], grads[1], atol=1e-5 * scale, rtol=1e-4)
+
+
+def test_state_dict_round_trip_restores_logprobs_and_optimizer(model_dir, trajectories):
+    settings = dict(
+        lora_rank=4, lr=1e-2, scheduler="cosine", num_warmup_steps=1, num_training_steps=10
+    )
+    seqs, old = trajectories[:2], [torch.tensor(t.logprobs) for t in trajectories[:2]]
+    adv = token_advantages(seqs, [1.0, -1.0])
+
+    def update(w: PolicyWorker) -> dict[str, float]:
+        return w.ppo_update(seqs, old, adv, None, PPOSettings(), 1, 1)
+
+    a = make_worker(model_dir, **settings)
+    update(a)
+    state = a.state_dict()
+    assert all("lora_" in n for n in state["trainable"])
+    b = make_worker(model_dir, **settings)
+    b.load_state_dict(state)
+    assert max_diff(a.compute_logprobs(trajectories), b.compute_logprobs(trajectories)) == 0
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k]["exp_avg"], sb[k]["exp_avg"])
+        assert torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"])
+    assert b.optimizer_steps == 2 and b.scheduler.get_last_lr() == a.scheduler.get_last_lr()
+    assert update(a)["policy/lr"] == update(b)["policy/lr"]
+    assert max_diff(a.compute_logprobs(trajectories), b.compute_logprobs(trajectories)) < 1e-6
