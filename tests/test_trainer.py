@@ -4,65 +4,18 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from PIL import Image
+from envs_for_tests import digits_rows
 
 from clew.config import load_config
-from clew.data.rows import MazeRow, write_rows
-from clew.envs import register
-from clew.envs.base import Observation
+from clew.data.rows import write_rows
 from clew.models import build_model
 from clew.run import train
 
 
-class DigitsEnv:
-    """One turn; the reward is the share of the reply's characters that are digits.
-
-    A dense reward a random policy already earns a little of, so a few GRPO steps must
-    raise it: a test of the loop's plumbing (generate, advantages, update), not of mazes.
-    """
-
-    max_turns = 1
-
-    def __init__(self, **options):
-        self.done = False
-
-    def reset(self, seed):
-        self.done = False
-        return Observation([Image.new("RGB", (28, 28), (seed % 255, 0, 0))], "Write digits.")
-
-    def step(self, text):
-        self.done = True
-        reward = sum(c.isdigit() for c in text) / max(len(text), 1)
-        return Observation([], "done"), reward, True, {"done_reason": "stop"}
-
-
-register("test/digits", DigitsEnv, accepted_options=set(), description="digits bandit")
-
-
-def _rows(n: int, split: str) -> list[MazeRow]:
-    return [
-        MazeRow(
-            "test/digits",
-            json.dumps({}),
-            seed,
-            split,
-            "Write digits.",
-            0,
-            1,
-            1,
-            True,
-            f"{split}{seed}",
-        )
-        for seed in range(n)
-    ]
-
-
-@pytest.mark.slow
 def test_grpo_raises_the_training_reward(tmp_path):
     model_dir = tmp_path / "tiny"
     build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28, overwrite=True)
-    write_rows(_rows(64, "train"), tmp_path / "train.parquet")
+    write_rows(digits_rows(64), tmp_path / "train.parquet")
     cfg = load_config(
         None,
         [

@@ -1,0 +1,211 @@
+"""Full checkpoints: kill -9 and resume gives the same run, bad checkpoints are handled."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from envs_for_tests import digits_rows
+from s3_server import s3_bucket, s3_endpoint  # noqa: F401
+
+from clew.checkpoint.layout import POINTER_FILE
+from clew.config import load_config
+from clew.data.rows import write_rows
+from clew.errors import CheckpointError
+from clew.models import build_model
+from clew.run import build_worker_group, train
+
+TESTS = Path(__file__).parent
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    build_model("tiny", root / "tiny", corpus=["0123456789 " * 20], image_size=28, overwrite=True)
+    write_rows(digits_rows(4 * STEPS), root / "train.parquet")
+    return root
+
+
+def _overrides(root: Path, run: str, ckpt: str, *extra: str) -> list[str]:
+    return [
+        f"data.train_data=['{root / 'train.parquet'}']",
+        f"trainer.policy.model.path={root / 'tiny'}",
+        f"trainer.log_path={root / 'runs'}",
+        f"trainer.run_name={run}",
+        f"trainer.ckpt_path={ckpt}",
+        "trainer.logger=jsonl",
+        "trainer.train_batch_size=4",
+        "trainer.policy_mini_batch_size=2",
+        "trainer.micro_train_batch_size_per_gpu=8",
+        "trainer.eval_before_train=false",
+        "trainer.ckpt_interval=2",
+        "trainer.policy.optimizer_config.lr=3.0e-3",
+        "trainer.policy.optimizer_config.num_warmup_steps=3",
+        "generator.n_samples_per_prompt=4",
+        "generator.max_turns=1",
+        "generator.sampling_params.max_generate_length=6",
+        "generator.max_input_length=512",
+        "trainer.max_prompt_length=128",
+        *extra,
+    ]
+
+
+def _launch(overrides: list[str], env: dict[str, str]) -> subprocess.Popen:
+    code = "import sys, envs_for_tests; from clew.cli import main; sys.exit(main(['train', *sys.argv[1:]]))"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *overrides],
+        env={**os.environ, **env, "PYTHONPATH": str(TESTS), "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _history(root: Path, run: str) -> dict[int, dict]:
+    lines = (root / "runs" / run / "metrics.jsonl").read_text().splitlines()
+    out = {}
+    for line in lines:
+        rec = json.loads(line)
+        out[rec["step"]] = {
+            k: v for k, v in rec.items() if not k.startswith(("timing/", "throughput/"))
+        }
+    return out
+
+
+def _pointer_exists(ckpt: str, storage_env: dict[str, str]) -> bool:
+    if ckpt.startswith("s3://"):
+        from clew.checkpoint.storage import Storage
+
+        os.environ.update(storage_env)
+        return Storage.for_path(ckpt).exists(f"{ckpt}/{POINTER_FILE}")
+    return (Path(ckpt) / POINTER_FILE).exists()
+
+
+def _kill_and_resume(root: Path, ckpt_of, env: dict[str, str], tag: str) -> None:
+    straight, killed = f"{tag}-straight", f"{tag}-killed"
+    _run_kill_and_resume(root, ckpt_of, env, straight, killed)
+
+
+def _run_kill_and_resume(root, ckpt_of, env, straight_name, killed_name) -> None:
+    straight = _launch(_overrides(root, straight_name, ckpt_of(straight_name)), env)
+    out, _ = straight.communicate(timeout=600)
+    assert straight.returncode == 0, out
+    victim = _launch(_overrides(root, killed_name, ckpt_of(killed_name)), env)
+    deadline = time.time() + 300
+    while not _pointer_exists(ckpt_of(killed_name), env):
+        assert victim.poll() is None, victim.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    resumed = _launch(
+        _overrides(root, killed_name, ckpt_of(killed_name), "trainer.resume_mode=latest"), env
+    )
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    assert "resumed from" in out
+    a, b = _history(root, straight_name), _history(root, killed_name)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for step in a:
+        assert a[step] == b[step], f"step {step} differs after resume"
+
+
+def test_kill_after_checkpoint_and_resume_matches_the_uninterrupted_run(setup):
+    _kill_and_resume(setup, lambda run: str(setup / "ckpts" / run), {}, "local")
+
+
+def test_kill_and_resume_matches_with_checkpoints_in_s3(setup, s3_bucket, s3_endpoint):  # noqa: F811
+    env = {
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    _kill_and_resume(setup, lambda run: f"s3://{s3_bucket}/ckpts/{run}", env, "s3")
+
+
+def _cfg(root: Path, run: str, *extra: str):
+    return load_config(None, _overrides(root, run, str(root / "ckpts" / run), *extra))
+
+
+def test_corrupt_latest_checkpoint_falls_back_with_a_warning(setup):
+    train(_cfg(setup, "corrupt", "trainer.epochs=1"))
+    ckpt = setup / "ckpts" / "corrupt"
+    assert (ckpt / POINTER_FILE).read_text().strip() == str(STEPS)
+    state = ckpt / f"global_step_{STEPS}" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:-100])  # truncated
+    cfg = _cfg(setup, "corrupt", "trainer.epochs=2")
+    from clew.checkpoint.state import Checkpointer
+    from clew.trainer import Trainer
+
+    trainer = Trainer(
+        cfg,
+        build_worker_group(cfg, 4 * STEPS),
+        digits_rows(4 * STEPS),
+        [],
+        None,
+        setup / "runs" / "corrupt",
+        None,
+    )
+    with pytest.warns(UserWarning, match=f"global_step_{STEPS}"):
+        step = Checkpointer(cfg, setup / "runs" / "corrupt").maybe_resume(trainer)
+    assert step == STEPS - 2
+
+
+def test_incompatible_checkpoint_is_refused_with_the_differences(setup):
+    train(_cfg(setup, "compat", "trainer.ckpt_interval=6"))
+    with pytest.raises(CheckpointError, match="lora.rank: checkpoint 0, this run 4"):
+        train(_cfg(setup, "compat", "trainer.policy.model.lora.rank=4", "trainer.epochs=2"))
+
+
+def test_resume_path_that_is_not_a_checkpoint_is_refused(setup, tmp_path):
+    with pytest.raises(CheckpointError, match="not a clew checkpoint"):
+        train(
+            _cfg(
+                setup, "badpath", "trainer.resume_mode=from_path", f"trainer.resume_path={tmp_path}"
+            )
+        )
+
+
+def test_exported_adapter_loads_with_peft_and_matches_the_trainer(setup):
+    from peft import PeftModel
+
+    from clew.checkpoint.state import Checkpointer
+    from clew.metrics import make_loggers
+    from clew.models import load_policy
+    from clew.trainer import Trainer
+
+    cfg = _cfg(
+        setup,
+        "export",
+        "trainer.policy.model.lora.rank=8",
+        "trainer.ckpt_interval=-1",
+        "trainer.policy.optimizer_config.lr=0.05",
+    )
+    run_dir = setup / "runs" / "export"
+    group = build_worker_group(cfg, 4 * STEPS)
+    loggers = make_loggers("jsonl", run_dir, "p", "export")
+    Trainer(
+        cfg, group, digits_rows(4 * STEPS), [], loggers, run_dir, Checkpointer(cfg, run_dir)
+    ).fit()
+    policy_dir = run_dir / "exports" / f"global_step_{STEPS}" / "policy"
+    assert (policy_dir / "adapter_model.safetensors").is_file()
+    assert (policy_dir / "adapter_config.json").is_file()
+    assert (policy_dir / "tokenizer.json").is_file()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    base, _ = load_policy(setup / "tiny")
+    with torch.no_grad():
+        plain = base(input_ids=ids).logits
+        loaded = PeftModel.from_pretrained(base, str(policy_dir)).eval()(input_ids=ids).logits
+        group.worker.model.eval()
+        trained = group.worker.model(input_ids=ids).logits
+    assert not torch.allclose(loaded, plain, atol=1e-4)  # the adapter learned something
+    torch.testing.assert_close(loaded, trained, atol=1e-5, rtol=1e-5)
