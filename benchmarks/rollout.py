@@ -35,22 +35,30 @@ def baseline(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> d
         for _ in range(n_samples):
             env = make(row.env_id, **row.options())
             obs = env.reset(row.seed)
-            episodes.append({"env": env, "msgs": [_user(obs)], "images": list(obs.images), "done": False})
+            episodes.append(
+                {"env": env, "msgs": [_user(obs)], "images": list(obs.images), "done": False}
+            )
     steps = gen_tokens = prefill_tokens = 0
     torch.manual_seed(0)
     for _ in range(max_turns):
         active = [e for e in episodes if not e["done"]]
         if not active:
             break
-        texts = [processor.apply_chat_template(e["msgs"], add_generation_prompt=True) for e in active]
+        texts = [
+            processor.apply_chat_template(e["msgs"], add_generation_prompt=True) for e in active
+        ]
         inputs = processor(
             text=texts, images=[e["images"] for e in active], padding=True, return_tensors="pt"
         ).to(model.device)
         prefill_tokens += int(inputs["attention_mask"].sum())
         with torch.no_grad():
             out = model.generate(
-                **inputs, max_new_tokens=max_tokens, do_sample=True, temperature=1.0,
-                pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                **inputs,
+                max_new_tokens=max_tokens,
+                do_sample=True,
+                temperature=1.0,
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
             )
         new = out[:, inputs["input_ids"].shape[1] :]
         for e, ids in zip(active, new, strict=True):
@@ -71,7 +79,9 @@ def _user(obs) -> dict:
 
 
 def clew_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict[str, float]:
-    settings = RolloutSettings(n_samples, max_turns, 32768, SamplingParams(1.0, max_tokens=max_tokens))
+    settings = RolloutSettings(
+        n_samples, max_turns, 32768, SamplingParams(1.0, max_tokens=max_tokens)
+    )
     trajs = play(policy.engine, rows, settings, seed=0)
     prefill = sum(len(t.token_ids) - t.generated_tokens for t in trajs)
     return {
@@ -94,14 +104,24 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--skip-baseline", action="store_true")
     args = p.parse_args()
-    rows = generate_rows(args.env_id, args.prompts, env_options={"cell_px": 28, "action_format": "keyword"})
+    rows = generate_rows(
+        args.env_id, args.prompts, env_options={"cell_px": 28, "action_format": "keyword"}
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.model or build_model(args.preset, tmp, corpus=text_corpus(), overwrite=True).path
+        path = (
+            args.model or build_model(args.preset, tmp, corpus=text_corpus(), overwrite=True).path
+        )
         policy = open_policy(path, device=args.device)
-        sides = [("clew engine", clew_side)] + ([] if args.skip_baseline else [("baseline generate", baseline)])
-        print(f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
-              f"{args.max_tokens} tokens/turn, {args.preset} on {policy.engine.device}")
-        print(f"{'side':<18} {'episodes/s':>10} {'env steps/s':>11} {'gen tok/s':>10} {'prefill tok/s':>13} {'seconds':>8}")
+        sides = [("clew engine", clew_side)] + (
+            [] if args.skip_baseline else [("baseline generate", baseline)]
+        )
+        print(
+            f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
+            f"{args.max_tokens} tokens/turn, {args.preset} on {policy.engine.device}"
+        )
+        print(
+            f"{'side':<18} {'episodes/s':>10} {'env steps/s':>11} {'gen tok/s':>10} {'prefill tok/s':>13} {'seconds':>8}"
+        )
         results = {}
         for name, fn in sides:
             if policy.engine.device.type == "cuda":
@@ -112,10 +132,14 @@ def main() -> None:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             results[name] = r["episodes"] / dt
-            print(f"{name:<18} {r['episodes'] / dt:>10.2f} {r['steps'] / dt:>11.1f} "
-                  f"{r['gen'] / dt:>10.0f} {r['prefill'] / dt:>13.0f} {dt:>8.1f}")
+            print(
+                f"{name:<18} {r['episodes'] / dt:>10.2f} {r['steps'] / dt:>11.1f} "
+                f"{r['gen'] / dt:>10.0f} {r['prefill'] / dt:>13.0f} {dt:>8.1f}"
+            )
         if len(results) == 2:
-            print(f"speed-up (episodes/s): {results['clew engine'] / results['baseline generate']:.2f}x")
+            print(
+                f"speed-up (episodes/s): {results['clew engine'] / results['baseline generate']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

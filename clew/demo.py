@@ -1,41 +1,148 @@
-"""The main job a newcomer runs first (``make demo``): every stage on the built-in default.
+"""The main job a newcomer runs first (``make demo``): the whole pipeline on one CPU.
 
-Stages so far: the train and eval datasets with their statistics, and a picture of the
-solver playing one eval maze. Training, evaluation and the report join as they land.
+Datasets, a policy built offline, SFT from solver demonstrations, GRPO from the SFT
+checkpoint, evaluation of both on the same fixed eval mazes, a report (plot and GIF).
+
+The task is ``maze_2d/room`` (7x7 grid, open room, start and goal anywhere inside) with
+14 px cells and a policy whose vision patch is one cell (``patch_size=14``,
+``merge_size=1``: one vision token per cell). Why not ``maze_2d/easy``: learning mazes
+from pixels takes hundreds of thousands of samples (see NOTES), hours on two CPU cores,
+while the room keeps the visual skill (find yourself and the goal in the picture, move,
+stop on the goal) and drops the path planning. The GPU recipe (BENCHMARKS.md) trains on
+``maze_2d/easy`` itself.
 """
 
 from __future__ import annotations
 
+import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from clew.data.rows import dataset_stats, format_stats, generate_rows, write_rows
-from clew.envs import make
-from clew.envs.maze.actions import Action, format_action
-from clew.envs.maze.solver import shortest_actions
-from clew.envs.media import replay, write_episode
-
-DEMO_ENV = "maze_2d/easy"
 
 
-def run_demo(
-    output_dir: str | Path, env_id: str = DEMO_ENV, train_rows: int = 256, eval_rows: int = 64
-) -> Path:
+@dataclass(frozen=True)
+class DemoPlan:
+    env_id: str = "maze_2d/room"
+    cell_px: int = 14
+    train_rows: int = 2048
+    eval_rows: int = 64
+    preset: str = "tiny"
+    sft_steps: int = 150
+    sft_batch_size: int = 16
+    sft_lr: float = 1e-3
+    sft_detour_prob: float = 0.2
+    grpo_steps: int = 20
+    grpo_prompts: int = 8
+    grpo_samples: int = 8
+    grpo_lr: float = 2e-4
+    seed: int = 0
+
+
+def _say(msg: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_demo(output_dir: str | Path, plan: DemoPlan = DemoPlan()) -> dict[str, float]:
+    from clew.config import load_config
+    from clew.envs.base import text_corpus
+    from clew.metrics import draw_report
+    from clew.models import build_model
+    from clew.run import run_dir_of, train
+    from clew.train.sft import run_sft
+
     out = Path(output_dir)
+    opts = {"cell_px": plan.cell_px, "action_format": "keyword"}
     data = out / "data"
-    for split, n in (("train", train_rows), ("eval", eval_rows)):
-        rows = generate_rows(env_id, n, split)
-        path = write_rows(rows, data / f"{split}.parquet")
-        print(f"== {split} set: {path}")
-        print(format_stats(dataset_stats(rows)))
-    first_eval = generate_rows(env_id, 1, "eval")[0]
-    env = make(env_id, **first_eval.options())
-    env.reset(first_eval.seed)
-    texts = [
-        format_action(Action("move", d), env.action_format) for d in shortest_actions(env.maze)
-    ]
-    texts.append(format_action(Action("stop"), env.action_format))
-    gif, png = write_episode(
-        replay(env_id, first_eval.seed, texts, first_eval.options()), out / "solver_episode"
+    rows = {}
+    for split, n in (("train", plan.train_rows), ("eval", plan.eval_rows)):
+        rows[split] = generate_rows(plan.env_id, n, split, env_options=opts)
+        write_rows(rows[split], data / f"{split}.parquet")
+        _say(
+            f"{split} set: {data / f'{split}.parquet'}\n{format_stats(dataset_stats(rows[split]))}"
+        )
+
+    side = 7 * plan.cell_px
+    base = build_model(
+        plan.preset,
+        out / "models" / "base",
+        corpus=text_corpus(),
+        seed=plan.seed,
+        image_size=side,
+        patch_size=plan.cell_px,
+        merge_size=1,
+        overwrite=True,
     )
-    print(f"== the solver on eval maze seed {first_eval.seed}: {gif}, {png}")
-    return out
+    _say(f"built the {plan.preset} policy ({base.num_parameters:,} parameters) at {base.path}")
+
+    _say(f"SFT: {plan.sft_steps} steps of {plan.sft_batch_size} solver episodes")
+    sft_dir = out / "models" / "sft"
+    run_sft(
+        base.path,
+        rows["train"],
+        sft_dir,
+        steps=plan.sft_steps,
+        batch_size=plan.sft_batch_size,
+        lr=plan.sft_lr,
+        warmup_steps=10,
+        detour_prob=plan.sft_detour_prob,
+        seed=plan.seed,
+        log=lambda step, s: (
+            _say(f"sft step {step} loss {s['sft/loss']:.3f}") if step % 25 == 0 else None
+        ),
+    )
+
+    run_name = "grpo"
+    overrides = [
+        f"data.train_data=['{data / 'train.parquet'}']",
+        f"data.val_data=['{data / 'eval.parquet'}']",
+        f"trainer.policy.model.path={sft_dir}",
+        f"trainer.log_path={out / 'runs'}",
+        f"trainer.run_name={run_name}",
+        "trainer.logger=['console','tensorboard']",
+        f"trainer.train_batch_size={plan.grpo_prompts}",
+        f"trainer.policy_mini_batch_size={plan.grpo_prompts}",
+        f"trainer.micro_train_batch_size_per_gpu={plan.grpo_prompts * plan.grpo_samples}",
+        f"trainer.micro_forward_batch_size_per_gpu={plan.grpo_prompts * plan.grpo_samples}",
+        f"trainer.epochs={max(1, plan.grpo_steps * plan.grpo_prompts // plan.train_rows + 1)}",
+        f"trainer.eval_interval={max(plan.grpo_steps // 4, 1)}",
+        "trainer.eval_before_train=true",
+        f"trainer.ckpt_interval={plan.grpo_steps}",
+        f"trainer.hf_save_interval={plan.grpo_steps}",
+        "trainer.resume_mode=none",
+        f"trainer.max_steps={plan.grpo_steps}",
+        f"trainer.seed={plan.seed}",
+        f"trainer.policy.optimizer_config.lr={plan.grpo_lr}",
+        "trainer.policy.optimizer_config.weight_decay=0.0",
+        f"generator.n_samples_per_prompt={plan.grpo_samples}",
+        "generator.max_turns=12",
+        "generator.sampling_params.max_generate_length=8",
+        "generator.max_input_length=2048",
+        "trainer.max_prompt_length=512",
+    ]
+    cfg = load_config(None, overrides)
+    _say(
+        f"GRPO: {plan.grpo_steps} steps of {plan.grpo_prompts} mazes x {plan.grpo_samples} samples"
+    )
+    run_dir = run_dir_of(cfg)
+    train(cfg)
+    history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [(h["step"], h["eval/all/pass_at_1"]) for h in history if "eval/all/pass_at_1" in h]
+    png = draw_report(run_dir)
+    start, final = evals[0][1], evals[-1][1]
+    gifs = sorted(
+        (run_dir / "exports" / "eval").glob(f"global_step_{evals[-1][0]}/gifs/solved*.gif")
+    )
+    summary = {
+        "sft_pass_at_1": start,
+        "final_pass_at_1": final,
+        "gain_points": 100 * (final - start),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _say(
+        f"eval pass@1 on {len(rows['eval'])} fixed {plan.env_id} mazes: SFT start {start:.1%}, "
+        f"after GRPO {final:.1%} ({summary['gain_points']:+.1f} points)"
+    )
+    _say(f"report: {png}" + (f"; a solved maze: {gifs[0]}" if gifs else ""))
+    return summary

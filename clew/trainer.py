@@ -94,6 +94,8 @@ class Trainer:
             last_eval = self.evaluate()
             self.loggers.log(self.metrics.flush(0), 0)
         for rows in self.sampler:
+            if 0 <= t.max_steps <= self.state.global_step:
+                break
             self.state.global_step += 1
             step = self.state.global_step
             with self.metrics.timer("step"):

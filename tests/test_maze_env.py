@@ -260,3 +260,26 @@ def test_registry_lists_easy_and_hard_with_visgym_budgets():
     assert specs["maze_2d/easy"].defaults == {"grid_size": 9, "max_turns": 20}
     assert specs["maze_2d/hard"].defaults == {"grid_size": 11, "max_turns": 30}
     assert make("maze_2d/hard").reset(0).images[0].size == (275, 275)
+
+
+def test_room_layout_has_no_inner_walls_and_places_start_and_goal_anywhere():
+    env = make("maze_2d/room")
+    starts = set()
+    for seed in range(50):
+        env.reset(seed)
+        assert not env.maze.walls[1:-1, 1:-1].any() and env.maze.walls[0].all()
+        assert env.maze.start != env.maze.goal
+        starts.add(env.maze.start)
+        sx, sy = env.maze.start
+        gx, gy = env.maze.goal
+        assert env.optimal_path_length() == abs(sx - gx) + abs(sy - gy)
+    assert len(starts) > 10
+    with pytest.raises(EnvError, match="layout must be one of"):
+        make("maze_2d/easy", layout="cave")
+
+
+def test_eval_sets_hold_distinct_mazes():
+    from clew.data.rows import generate_rows
+
+    rows = generate_rows("maze_2d/room", 64, "eval")
+    assert len({r.layout_key for r in rows}) == 64

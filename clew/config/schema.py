@@ -259,6 +259,9 @@ class TrainerConfig(Section):
     )
     seed: int = Field(42, description="Seed for data order, sampling and initialisation.")
     epochs: int = Field(1, description="Passes over the training prompts.")
+    max_steps: int = Field(
+        -1, description="Stop after this many training steps in all; -1 runs every epoch."
+    )
     train_batch_size: int = Field(
         16, description="Prompts per training step (each sampled n_samples_per_prompt times)."
     )

@@ -56,8 +56,15 @@ def generate_rows(
     split: str = "train",
     seed_start: int | None = None,
     env_options: dict[str, Any] | None = None,
+    distinct: bool | None = None,
 ) -> list[MazeRow]:
-    """``num_rows`` rows of ``split``, from consecutive seeds whose layouts fall in it."""
+    """``num_rows`` rows of ``split``, from consecutive seeds whose layouts fall in it.
+
+    ``distinct`` (default: True for eval, False for train) skips seeds whose layout is
+    already in the set, so an eval set of N rows is N different mazes.
+    """
+    distinct = split == "eval" if distinct is None else distinct
+    seen: set[str] = set()
     if split not in SPLITS:
         raise DataError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if not isinstance(num_rows, int) or num_rows <= 0:
@@ -70,7 +77,8 @@ def generate_rows(
     while len(rows) < num_rows:
         env.reset(seed)
         key = env.maze.layout_key()
-        if split_of_layout(key) == split:
+        if split_of_layout(key) == split and not (distinct and key in seen):
+            seen.add(key)
             rows.append(
                 MazeRow(
                     env_id=env_id,

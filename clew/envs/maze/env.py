@@ -18,16 +18,19 @@ from clew.envs.maze.actions import ACTION_FORMATS, Action, format_help, parse_ac
 from clew.envs.maze.generate import (
     DIRECTION_NAMES,
     DIRECTIONS,
+    LAYOUTS,
     Cell,
     Maze,
     check_size,
-    generate_maze,
+    generate_layout,
 )
 from clew.envs.maze.render import render_background, stamp_agent
 from clew.envs.maze.solver import distances_to
 from clew.errors import EnvError
 
-MAZE_OPTIONS = frozenset({"grid_size", "cell_px", "max_turns", "action_format", "success_on_reach"})
+MAZE_OPTIONS = frozenset(
+    {"grid_size", "cell_px", "max_turns", "action_format", "success_on_reach", "layout"}
+)
 
 
 def task_prompt(grid_size: int, max_turns: int, action_format: str, success_on_reach: bool) -> str:
@@ -55,6 +58,7 @@ class MazeEnv:
         max_turns: int = 20,
         action_format: str = "tuple",
         success_on_reach: bool = False,
+        layout: str = "maze",
     ) -> None:
         try:
             check_size(grid_size)
@@ -72,6 +76,9 @@ class MazeEnv:
             raise EnvError(
                 f"option success_on_reach must be true or false, got {success_on_reach!r}"
             )
+        if layout not in LAYOUTS:
+            raise EnvError(f"option layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        self.layout = layout
         self.grid_size = grid_size
         self.cell_px = cell_px
         self.max_turns = max_turns
@@ -86,7 +93,7 @@ class MazeEnv:
         self._dist: np.ndarray | None = None
 
     def reset(self, seed: int) -> Observation:
-        self.maze = generate_maze(self.grid_size, int(seed))
+        self.maze = generate_layout(self.layout, self.grid_size, int(seed))
         self.agent = self.maze.start
         self.turn = 0
         self.done = False

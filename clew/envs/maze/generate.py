@@ -97,3 +97,29 @@ def generate_maze(size: int, seed: int) -> Maze:
     if rng.integers(2):
         a, b = b, a
     return Maze(walls=walls, start=a, goal=b)
+
+
+LAYOUTS = ("maze", "room")
+
+
+def generate_room(size: int, seed: int) -> Maze:
+    """An open room: the wall ring only, start and goal on distinct interior cells.
+
+    The navigation skill without the planning: the agent must find itself and the goal in
+    the picture and walk toward it. clew's CPU main job trains on it (see the README).
+    """
+    check_size(size)
+    rng = np.random.default_rng(seed)
+    walls = np.ones((size, size), dtype=bool)
+    walls[1:-1, 1:-1] = False
+    inner = size - 2
+    a, b = rng.choice(inner * inner, size=2, replace=False)
+    start = (int(a // inner) + 1, int(a % inner) + 1)
+    goal = (int(b // inner) + 1, int(b % inner) + 1)
+    return Maze(walls=walls, start=start, goal=goal)
+
+
+def generate_layout(layout: str, size: int, seed: int) -> Maze:
+    if layout == "room":
+        return generate_room(size, seed)
+    return generate_maze(size, seed)
