@@ -392,11 +392,20 @@ def _export(p: argparse.ArgumentParser) -> Handler:
 @command("demo", "the main job on the built-in default (what `make demo` runs)")
 def _demo(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--output-dir", default="runs/demo")
+    p.add_argument("--sft-steps", type=positive_int, default=None)
+    p.add_argument("--grpo-steps", type=positive_int, default=None)
 
     def run(args: argparse.Namespace) -> int:
-        from clew.demo import run_demo
+        from dataclasses import replace
 
-        run_demo(args.output_dir)
+        from clew.demo import DemoPlan, run_demo
+
+        plan = DemoPlan()
+        if args.sft_steps:
+            plan = replace(plan, sft_steps=args.sft_steps)
+        if args.grpo_steps:
+            plan = replace(plan, grpo_steps=args.grpo_steps)
+        run_demo(args.output_dir, plan)
         return 0
 
     return run

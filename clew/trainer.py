@@ -41,6 +41,7 @@ def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
         n_samples_per_prompt=g.eval_n_samples_per_prompt if evaluation else g.n_samples_per_prompt,
         max_turns=g.max_turns,
         max_input_length=g.max_input_length,
+        keep_last_k_images=g.keep_last_k_images,
         sampling=SamplingParams(
             temperature=sp.temperature,
             top_p=sp.top_p,

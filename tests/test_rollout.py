@@ -200,3 +200,29 @@ def test_eval_reports_pass_at_1_and_dumps_trajectories(policy, rows, tmp_path):
     assert metrics["eval/all/solvable_ceiling"] == 0.0
     lines = (tmp_path / "trajectories.jsonl").read_text().splitlines()
     assert len(lines) == 3 and len(list((tmp_path / "gifs").glob("*.gif"))) == 2
+
+
+def test_keep_last_k_images_hides_old_images_the_same_way_in_engine_and_trainer(policy, rows):
+    from dataclasses import replace
+
+    from clew.train.worker import PolicyWorker
+
+    model, chat = policy
+    settings = replace(_settings(max_turns=4), keep_last_k_images=1)
+    trajs = play(InferenceEngine(model, chat), rows, settings, seed=5)
+    assert all(
+        t.image_window == 1 and len(t.chunk_starts) == t.turns for t in trajs if t.turns == 4
+    )
+    worker = PolicyWorker(model, chat)
+    recomputed = worker.compute_logprobs(trajs, 1.0, 4)
+    worst = 0.0
+    for t, lp in zip(trajs, recomputed, strict=True):
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+        worst = max(worst, float((lp[mask] - torch.tensor(t.logprobs[1:])[mask]).abs().max()))
+    assert worst < 1e-4, f"largest logprob difference {worst:.2e}"
+    # Seeing every image instead gives other logprobs: the old images really were hidden.
+    for t in trajs:
+        t.image_window = None
+    unmasked = worker.compute_logprobs(trajs, 1.0, 4)
+    assert max(float((a - b).abs().max()) for a, b in zip(unmasked, recomputed, strict=True)) > 1e-3
+    model.eval()

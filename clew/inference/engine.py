@@ -139,8 +139,10 @@ class InferenceEngine:
         self.banned_token_ids = banned_token_ids(chat)
         self._cache_kw = _cache_kwarg(model)
 
-    def session(self, size: int, seed: int | None = None) -> Session:
-        return Session(self, size, seed)
+    def session(
+        self, size: int, seed: int | None = None, keep_last_k_images: int | None = None
+    ) -> Session:
+        return Session(self, size, seed, keep_last_k_images)
 
     def max_sequences(self, tokens_per_sequence: int) -> int:
         """How many sequences of this length fit the cache budget (at least 1 if any fits)."""
@@ -161,8 +163,18 @@ class InferenceEngine:
 class Session:
     """A batch of sequences sharing one KV cache; rows are addressed by their index at creation."""
 
-    def __init__(self, engine: InferenceEngine, size: int, seed: int | None) -> None:
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        size: int,
+        seed: int | None,
+        keep_last_k_images: int | None = None,
+    ) -> None:
         self.engine = engine
+        self.keep_last_k = keep_last_k_images
+        # Which image (per sequence, counted from 0) each cache column holds; -1 for text.
+        self.image_of_col = torch.zeros(size, 0, dtype=torch.long, device=engine.device)
+        self.images_seen = [0] * size
         self.rows: list[int] = list(range(size))  # sequence ids, in cache row order
         self.cache = DynamicCache()
         self.mask = torch.zeros(size, 0, dtype=torch.long, device=engine.device)
@@ -192,7 +204,8 @@ class Session:
         self.rows = [self.rows[i] for i in keep]
         idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
         self.mask = self.mask.index_select(0, idx)
-        for name in ("next_pos", "lengths", "pending"):
+        self.image_of_col = self.image_of_col.index_select(0, idx)
+        for name in ("next_pos", "lengths", "pending", "images_seen"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in keep])
         self._select(batch=idx)
@@ -200,6 +213,7 @@ class Session:
             cols = self.mask.any(0).nonzero().squeeze(-1)
             if len(cols) < self.mask.shape[1]:
                 self.mask = self.mask.index_select(1, cols)
+                self.image_of_col = self.image_of_col.index_select(1, cols)
                 self._select(cols=cols)
 
     def _select(self, batch: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> None:
@@ -243,16 +257,26 @@ class Session:
         input_ids = torch.full((b, width), chat.pad_id, dtype=torch.long)
         positions = torch.zeros(3, b, width, dtype=torch.long)
         new_mask = torch.zeros(b, width, dtype=torch.long)
+        image_ids = torch.full((b, width), -1, dtype=torch.long)
         for r, (ids, pos) in enumerate(zip(token_lists, pos_lists, strict=True)):
             # Left-padded, so every sequence's last real token is the chunk's last column.
-            input_ids[r, width - len(ids) :] = torch.tensor(ids)
+            row = torch.tensor(ids)
+            input_ids[r, width - len(ids) :] = row
             positions[:, r, width - len(ids) :] = pos
             new_mask[r, width - len(ids) :] = 1
+            is_image = row == chat.image_token_id
+            if is_image.any():
+                starts = is_image & ~torch.cat([torch.tensor([False]), is_image[:-1]])
+                image_ids[r, width - len(ids) :] = torch.where(
+                    is_image, self.images_seen[r] + starts.long().cumsum(0) - 1, -1
+                )
+                self.images_seen[r] += int(starts.sum())
+        self._hide_old_images()
         extra = {}
         if pix:
             extra["pixel_values"] = torch.cat(pix).to(dev)
             extra["image_grid_thw"] = torch.cat(grids).to(dev)
-        logits = self._forward(input_ids, positions, new_mask, **extra)
+        logits = self._forward(input_ids, positions, new_mask, image_ids, **extra)
         gens = {seq: Generation() for seq in self.rows}
         active = torch.ones(b, dtype=torch.bool)
         for step in range(params.max_tokens):
@@ -284,6 +308,14 @@ class Session:
             logits = self._forward(step_ids, step_pos, step_mask)
         return gens
 
+    def _hide_old_images(self) -> None:
+        """Mask the cache columns of images older than the last ``keep_last_k`` of each row."""
+        if not self.keep_last_k or self.image_of_col.numel() == 0:
+            return
+        limit = torch.tensor(self.images_seen, device=self.mask.device)[:, None] - self.keep_last_k
+        hidden = (self.image_of_col >= 0) & (self.image_of_col < limit)
+        self.mask = self.mask.masked_fill(hidden, 0)
+
     def _hit_stop_string(self, g: Generation, params: SamplingParams) -> bool:
         if not params.stop:
             return False
@@ -291,10 +323,18 @@ class Session:
         return any(s in tail for s in params.stop)
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, new_mask: torch.Tensor, **extra
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        new_mask: torch.Tensor,
+        image_ids: torch.Tensor | None = None,
+        **extra,
     ) -> torch.Tensor:
         dev = self.engine.device
         self.mask = torch.cat([self.mask, new_mask.to(dev)], dim=1)
+        if image_ids is None:
+            image_ids = torch.full(input_ids.shape, -1, dtype=torch.long)
+        self.image_of_col = torch.cat([self.image_of_col, image_ids.to(dev)], dim=1)
         out = self.engine.model(
             input_ids=input_ids.to(dev),
             attention_mask=self.mask,

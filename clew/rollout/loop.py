@@ -32,6 +32,7 @@ class RolloutSettings:
     max_turns: int = 20
     max_input_length: int = 8192
     sampling: SamplingParams = SamplingParams()
+    keep_last_k_images: int | None = None
 
 
 @dataclass
@@ -87,9 +88,14 @@ def play(
                     f"least {len(chunk.token_ids) + settings.sampling.max_tokens}"
                 )
             ep.traj.add_observation(chunk, obs.images)
+            ep.traj.image_window = settings.keep_last_k_images
             episodes[i] = ep
             chunks[i] = chunk
-        session = engine.session(len(specs[lo : lo + wave]), seed=seed * 100_003 + w)
+        session = engine.session(
+            len(specs[lo : lo + wave]),
+            seed=seed * 100_003 + w,
+            keep_last_k_images=settings.keep_last_k_images,
+        )
         session.drop([i for i in range(len(specs[lo : lo + wave])) if i not in episodes])
         turn_cap = settings.max_turns
         while episodes:

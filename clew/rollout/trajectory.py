@@ -31,6 +31,8 @@ class Trajectory:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     images: list[Image.Image] = field(default_factory=list)
+    chunk_starts: list[int] = field(default_factory=list)  # where each observation begins
+    image_window: int | None = None  # generator.keep_last_k_images the episode ran with
     actions: list[str] = field(default_factory=list)
     infos: list[dict[str, Any]] = field(default_factory=list)
     reward: float = 0.0
@@ -39,6 +41,7 @@ class Trajectory:
     error: str | None = None
 
     def add_observation(self, chunk: Chunk, images: list[Image.Image]) -> None:
+        self.chunk_starts.append(len(self.token_ids))
         self.token_ids += chunk.token_ids
         self.loss_mask += [0] * len(chunk.token_ids)
         self.logprobs += [0.0] * len(chunk.token_ids)

@@ -28,6 +28,7 @@ from PIL import Image
 from torch import Tensor
 
 from clew.inference.positions import sequence_positions
+from clew.inference.visibility import visibility_mask
 from clew.models.chat import ChatFormat
 
 T = TypeVar("T")
@@ -71,6 +72,8 @@ class ModelBatch:
     target_mask: Tensor  # Float[B, L - 1]
     lengths: list[int]
     values: dict[str, Tensor] = field(default_factory=dict)  # Float[B, L - 1] each
+    # Bool[B, 1, L, L] when some sequence hid old images (generator.keep_last_k_images).
+    visibility: Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -80,11 +83,22 @@ class ModelBatch:
     def num_target_tokens(self) -> int:
         return int(self.target_mask.sum().item())
 
-    def model_inputs(self, device: torch.device | str) -> dict[str, Tensor]:
-        """Keyword arguments of the model's forward, on ``device``."""
+    def model_inputs(
+        self, device: torch.device | str, dtype: torch.dtype = torch.float32
+    ) -> dict[str, Tensor]:
+        """Keyword arguments of the model's forward, on ``device``.
+
+        With ``visibility``, the attention mask is a 4D additive mask in ``dtype`` (0 where
+        attention is allowed), which transformers passes to attention as it is.
+        """
+        mask = self.attention_mask.to(device)
+        if self.visibility is not None:
+            allowed = self.visibility.to(device)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+            mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
         inputs = {
             "input_ids": self.input_ids.to(device),
-            "attention_mask": self.attention_mask.to(device),
+            "attention_mask": mask,
             "position_ids": self.position_ids.to(device),
         }
         if self.pixel_values is not None:
@@ -179,6 +193,19 @@ def collate(
         if pixels is not None and grid is not None:
             pix.append(pixels)
             grids.append(grid)
+    visibility = None
+    if any(getattr(seq, "image_window", None) for seq in seqs):
+        visibility = torch.zeros(b, 1, width, width, dtype=torch.bool)
+        for row, seq in enumerate(seqs):
+            n = lengths[row]
+            k = getattr(seq, "image_window", None)
+            if k:
+                vis = visibility_mask(list(seq.token_ids), seq.chunk_starts, chat.image_token_id, k)
+            else:
+                vis = torch.ones(n, n, dtype=torch.bool).tril()
+            visibility[row, 0, :n, :n] = vis
+            # Padded queries see their row's real tokens, so no attention row is empty.
+            visibility[row, 0, n:, :n] = True
     padded: dict[str, Tensor] = {}
     for name, per_seq in (values or {}).items():
         out = torch.zeros(b, width - 1, dtype=torch.float32)
@@ -195,6 +222,7 @@ def collate(
         target_mask=loss_mask[:, 1:].clone(),
         lengths=lengths,
         values=padded,
+        visibility=visibility,
     )
 
 

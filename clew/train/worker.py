@@ -79,6 +79,7 @@ class PolicyWorker:
         self.lora = is_lora(model)
         self.banned = banned_token_ids(chat).to(self.device)
         dtype = next(model.parameters()).dtype
+        self.dtype = dtype
         self.autocast = self.device.type == "cuda" and dtype == torch.bfloat16
         self.optimizer, self.scheduler = build_optimizer(model, settings)
         self.optimizer_steps = 0
@@ -143,7 +144,7 @@ class PolicyWorker:
         cols = None if BOOLEAN_LOGITS_TO_KEEP else keep.any(0).nonzero().squeeze(-1)
         with self._autocast():
             out = model(
-                **batch.model_inputs(self.device),
+                **batch.model_inputs(self.device, self.dtype),
                 logits_to_keep=keep if cols is None else cols,
                 use_cache=False,
             )

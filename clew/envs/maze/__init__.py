@@ -14,7 +14,7 @@ MAZE_IDS: dict[str, dict] = {
     "maze_2d/hard": {"grid_size": 11, "max_turns": 30},
     "maze_2d/small": {"grid_size": 7, "max_turns": 16},
     "maze_2d/tiny": {"grid_size": 5, "max_turns": 10},
-    "maze_2d/room": {"grid_size": 7, "max_turns": 12, "layout": "room"},
+    "maze_2d/room": {"grid_size": 7, "max_turns": 12, "layout": "room", "success_on_reach": True},
 }
 
 for _env_id, _defaults in MAZE_IDS.items():
