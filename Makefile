@@ -39,3 +39,6 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+
+docs: setup
+	$(BIN)/python -c "from clew.docs import write_docs; write_docs('docs')"

@@ -128,6 +128,10 @@ def read_rows(path: str | os.PathLike) -> list[MazeRow]:
         table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several types for a non-parquet file
         raise DataError(f"{path} is not a readable parquet file: {exc}") from None
+    return _rows_of(table, path)
+
+
+def _rows_of(table: pa.Table, path: object) -> list[MazeRow]:
     expected = set(MazeRow.__dataclass_fields__)
     missing = expected - set(table.column_names)
     if missing:
