@@ -19,7 +19,11 @@ def config_page() -> str:
 def metrics_page() -> str:
     from clew.metrics import catalog_markdown
 
-    return "# Metrics\n\nGenerated from `clew/metrics/catalog.py` by `make docs`.\n\n" + catalog_markdown() + "\n"
+    return (
+        "# Metrics\n\nGenerated from `clew/metrics/catalog.py` by `make docs`.\n\n"
+        + catalog_markdown()
+        + "\n"
+    )
 
 
 def write_docs(folder: str | Path) -> None:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from clew.algorithms._registry import lookup, register
 from clew.algorithms.stats import upcast_float
+from clew.registry import lookup, register
 
 GroupIds = Tensor | Sequence[Hashable]
 

@@ -22,9 +22,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from clew.algorithms._registry import lookup, register
 from clew.algorithms.losses import reduce_loss
 from clew.algorithms.stats import upcast_float
+from clew.registry import lookup, register
 
 KL_LOG_RATIO_CLAMP = 20.0
 

@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from clew.algorithms._registry import lookup, register
 from clew.algorithms.stats import masked_mean, masked_sum, upcast_float
+from clew.registry import lookup, register
 
 REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
 

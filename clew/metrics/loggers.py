@@ -29,6 +29,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from clew.errors import ConfigError
 from clew.metrics.catalog import HEADLINE
 from clew.metrics.history import history_path, repair_tail
+from clew.registry import register
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +64,7 @@ ALWAYS_ON = "jsonl"
 def register_logger(name: str) -> Callable[[FactoryT], FactoryT]:
     """Decorator registering a logger factory under ``name``; duplicate names are an error."""
 
-    def decorator(factory: FactoryT) -> FactoryT:
-        if name in LOGGERS:
-            raise ValueError(f"logger {name!r} is already registered")
-        LOGGERS[name] = factory
-        return factory
-
-    return decorator
+    return register(LOGGERS, name, "logger")
 
 
 def format_value(value: float) -> str:

@@ -1,4 +1,4 @@
-"""Name -> function registries shared by the algorithm modules.
+"""Name -> function registries: advantage estimators, losses, KL estimators, loggers.
 
 Advantage estimators, policy losses and KL estimators are chosen by a name in the config
 (SkyRL-style ``trainer.algorithm.*`` values). A plain dict plus a decorator keeps adding one a
