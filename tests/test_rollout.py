@@ -226,3 +226,35 @@ def test_keep_last_k_images_hides_old_images_the_same_way_in_engine_and_trainer(
     unmasked = worker.compute_logprobs(trajs, 1.0, 4)
     assert max(float((a - b).abs().max()) for a, b in zip(unmasked, recomputed, strict=True)) > 1e-3
     model.eval()
+
+
+def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
+    from clew.inference.engine import filter_logits
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    assert torch.isfinite(filter_logits(logits, 1, 1.0)).tolist() == [[True, False, False, False]]
+    assert torch.isfinite(filter_logits(logits, 3, 1.0)).tolist() == [[True, True, True, False]]
+    # softmax = [0.61, 0.22, 0.14, 0.03]: a nucleus of 0.7 needs the first two.
+    assert torch.isfinite(filter_logits(logits, -1, 0.7)).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(filter_logits(logits, -1, 1.0)).all()
+
+
+def test_stop_strings_and_max_tokens_end_a_reply(policy, rows):
+    model, chat = policy
+    engine = InferenceEngine(model, chat)
+    env = make(rows[0].env_id, **rows[0].options())
+    obs = env.reset(rows[0].seed)
+    first = chat.user_turn(obs.text, obs.images, first=True)
+    free = engine.session(1, seed=0).extend_and_generate({0: first}, SamplingParams(max_tokens=12))[
+        0
+    ]
+    assert len(free.token_ids) <= 12
+    if free.finish_reason == "length":
+        assert len(free.token_ids) == 12
+    text = chat.decode(free.token_ids[:3])
+    if text.strip():
+        stop = text.strip()[-1]
+        again = engine.session(1, seed=0).extend_and_generate(
+            {0: first}, SamplingParams(max_tokens=12, stop=(stop,))
+        )[0]
+        assert again.finish_reason == "stop" and len(again.token_ids) <= 3
