@@ -175,6 +175,9 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--preset", default="tiny", help="tiny | small | base (see clew.models.factory)")
     p.add_argument("--output", required=True, help="folder for the Hugging Face checkpoint")
     p.add_argument("--image-size", type=positive_int, default=None, help="largest image side in px")
+    p.add_argument("--arch", default="qwen2_vl", help="qwen2_vl | qwen3_vl")
+    p.add_argument("--patch-size", type=positive_int, default=None, help="vision patch in px")
+    p.add_argument("--merge-size", type=positive_int, default=2, help="patches merged per side")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overwrite", action="store_true")
 
@@ -190,6 +193,9 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
             corpus=text_corpus(),
             seed=args.seed,
             image_size=args.image_size,
+            arch=args.arch,
+            patch_size=args.patch_size,
+            merge_size=args.merge_size,
             overwrite=args.overwrite,
         )
         print(f"wrote {args.preset} model ({built.num_parameters:,} parameters) to {built.path}")

@@ -1,4 +1,4 @@
-"""Build a Qwen2-VL-architecture policy with random weights, entirely offline.
+"""Build a Qwen2-VL- or Qwen3-VL-architecture policy with random weights, entirely offline.
 
 No model hub is reachable where clew trains, so a policy that is to be trained from
 scratch is built here from a config: the real ``Qwen2VLForConditionalGeneration`` code with
@@ -19,17 +19,28 @@ each extra entry adds ``2 * hidden`` parameters, input and output embeddings, so
 ``tiny`` trains on a CPU (tests, the CPU main job); ``small`` is the size the NOTES probe
 showed learning mazes from pixels on one GPU; ``base`` is for multi-GPU runs.
 
-Image geometry: ``patch_size`` (14) and ``spatial_merge_size`` (2) make one language token
-per ``14 * 2 = 28`` px square, so a maze drawn with 28 px cells gives one vision token per
-cell: 252 px (9x9 cells) -> 81 tokens, 140 px (5x5) -> 25 tokens, each plus the two
-``<|vision_start|>``/``<|vision_end|>`` delimiters. The image processor resizes an image only
-when its sides are not multiples of 28 (it rounds them) or its pixel count falls outside
-``[min_pixels, max_pixels]``. We set ``min_pixels`` to one merged token (28 * 28) rather
-than Qwen's 56 * 56, and ``max_pixels`` to ``image_size ** 2`` when ``image_size`` is given
-(Qwen's 1280 merged tokens otherwise), so every square maze image from 28 px up to that size
-whose side is a multiple of 28 reaches the model pixel for pixel, and anything larger is
-scaled down to the token budget rather than lengthening every sequence. ``merge_size=1``
-with ``patch_size`` equal to the cell size gives one vision token per cell without merging.
+``arch="qwen3_vl"`` builds ``Qwen3VLForConditionalGeneration`` from the same presets
+(``clew.models.qwen3`` says what differs: a learned, interpolated absolute position
+embedding in the vision tower, deepstack taps, Qwen3 attention, interleaved M-RoPE,
+patch 16 by default). Its vision tower is larger: one more merger per deepstack tap
+(``Preset.vision_deepstack``: tiny (0,), small (1, 3), base (3, 7, 11)) and the position
+table, ``(image_size / patch_size) ** 2`` entries (Qwen3-VL's 2304 without ``image_size``).
+Measured, 402 vocabulary entries, patch 16 and ``image_size=256``: tiny 1,926,976
+(1.09M vision), small 8,315,008 (2.21M), base 166,287,104 (61.8M).
+
+Image geometry (Qwen2-VL's; Qwen3-VL's default patch is 16, so read 16 and 32 px for 14 and
+28 there unless ``patch_size=14`` is given): ``patch_size`` (14) and ``spatial_merge_size``
+(2) make one language token per ``14 * 2 = 28`` px square, so a maze drawn with 28 px cells
+gives one vision token per cell: 252 px (9x9 cells) -> 81 tokens, 140 px (5x5) -> 25 tokens,
+each plus the two ``<|vision_start|>``/``<|vision_end|>`` delimiters. The image processor
+resizes an image only when its sides are not multiples of 28 (it rounds them) or its pixel
+count falls outside ``[min_pixels, max_pixels]``. We set ``min_pixels`` to one merged token
+(28 * 28) rather than Qwen's 56 * 56, and ``max_pixels`` to ``image_size ** 2`` when
+``image_size`` is given (Qwen's 1280 merged tokens otherwise), so every square maze image
+from 28 px up to that size whose side is a multiple of 28 reaches the model pixel for pixel,
+and anything larger is scaled down to the token budget rather than lengthening every
+sequence. ``merge_size=1`` with ``patch_size`` equal to the cell size gives one vision token
+per cell without merging.
 """
 
 from __future__ import annotations
@@ -45,13 +56,19 @@ import torch
 import transformers
 from transformers import (
     GenerationConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
 )
 
 from clew.errors import ConfigError
 from clew.models.processor import ClewVLProcessor, make_image_processor
+from clew.models.qwen3 import DEFAULT_PATCH_SIZE as QWEN3_PATCH_SIZE
+from clew.models.qwen3 import IMAGE_MEAN as QWEN3_IMAGE_MEAN
+from clew.models.qwen3 import IMAGE_STD as QWEN3_IMAGE_STD
+from clew.models.qwen3 import build_qwen3_config
 from clew.models.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -63,7 +80,7 @@ from clew.models.tokenizer import (
     build_tokenizer,
 )
 
-__all__ = ["PRESETS", "BuiltModel", "Preset", "build_model", "count_parameters"]
+__all__ = ["ARCHS", "PRESETS", "BuiltModel", "Preset", "build_model", "count_parameters"]
 
 BUILD_INFO_FILE = "clew_build.json"
 
@@ -82,12 +99,14 @@ class Preset:
     vision_num_heads: int
     vision_mlp_ratio: int
     approx_parameters: str
+    # Qwen3-VL only: vision layers whose features are added after language layers 0, 1, ...
+    vision_deepstack: tuple[int, ...] = ()
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(128, 3, 4, 2, 512, 128, 1, 4, 4, "1.5M"),
-    "small": Preset(256, 6, 4, 2, 1024, 128, 4, 4, 4, "7.4M"),
-    "base": Preset(768, 12, 12, 4, 3072, 512, 12, 8, 4, "149M"),
+    "tiny": Preset(128, 3, 4, 2, 512, 128, 1, 4, 4, "1.5M", vision_deepstack=(0,)),
+    "small": Preset(256, 6, 4, 2, 1024, 128, 4, 4, 4, "7.4M", vision_deepstack=(1, 3)),
+    "base": Preset(768, 12, 12, 4, 3072, 512, 12, 8, 4, "149M", vision_deepstack=(3, 7, 11)),
 }
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -102,7 +121,7 @@ class BuiltModel:
     """What ``build_model`` made: the saved directory and the objects it was saved from."""
 
     path: Path
-    model: Qwen2VLForConditionalGeneration
+    model: PreTrainedModel  # Qwen2VLForConditionalGeneration or Qwen3VLForConditionalGeneration
     processor: ClewVLProcessor
     num_parameters: int
 
@@ -213,14 +232,46 @@ def _prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
 
 
+ARCHS = ("qwen2_vl", "qwen3_vl")
+_DEFAULT_PATCH_SIZE = {"qwen2_vl": 14, "qwen3_vl": QWEN3_PATCH_SIZE}
+
+
+def _qwen2_config(
+    spec: Preset,
+    tokenizer: PreTrainedTokenizerFast,
+    geometry: Mapping[str, int],
+    text_overrides: Mapping[str, Any],
+    vision_overrides: Mapping[str, Any],
+) -> Qwen2VLConfig:
+    text_config = _text_config(spec, tokenizer, text_overrides)
+    vision_config = _vision_config(
+        spec,
+        text_config["hidden_size"],
+        geometry["patch_size"],
+        geometry["merge_size"],
+        geometry["temporal_patch_size"],
+        vision_overrides,
+    )
+    return Qwen2VLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+        video_token_id=tokenizer.convert_tokens_to_ids(VIDEO_TOKEN),
+        vision_start_token_id=tokenizer.convert_tokens_to_ids(VISION_START_TOKEN),
+        vision_end_token_id=tokenizer.convert_tokens_to_ids(VISION_END_TOKEN),
+        tie_word_embeddings=False,
+    )
+
+
 def build_model(
     preset: str,
     output_dir: str | Path,
     corpus: Sequence[str] | None = None,
     *,
+    arch: str = "qwen2_vl",
     seed: int = 0,
     image_size: int | None = None,
-    patch_size: int = 14,
+    patch_size: int | None = None,
     merge_size: int = 2,
     temporal_patch_size: int = 2,
     vocab_size: int = 1024,
@@ -229,13 +280,18 @@ def build_model(
     vision_overrides: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> BuiltModel:
-    """Build a random-weight Qwen2-VL policy and save it as a Hugging Face directory.
+    """Build a random-weight Qwen-VL policy and save it as a Hugging Face directory.
 
-    ``corpus`` is task text for the tokenizer, added to ``default_corpus()``. ``image_size``
-    (pixels, square side) caps the image processor at that many pixels and must be a
-    multiple of ``patch_size * merge_size`` (see the module docstring). ``text_overrides``
-    and ``vision_overrides`` replace single ``Qwen2VLTextConfig`` / ``Qwen2VLVisionConfig``
-    fields of the preset. The same arguments and seed give the same weights and tokenizer.
+    ``arch``: "qwen2_vl" (``Qwen2VLForConditionalGeneration``) or "qwen3_vl"
+    (``Qwen3VLForConditionalGeneration``, see ``clew.models.qwen3``). ``corpus`` is task
+    text for the tokenizer, added to ``default_corpus()``. ``image_size`` (pixels, square
+    side) caps the image processor at that many pixels and must be a multiple of
+    ``patch_size * merge_size`` (see the module docstring); ``patch_size`` defaults to the
+    architecture's own (14 for Qwen2-VL, 16 for Qwen3-VL). ``text_overrides`` and
+    ``vision_overrides`` replace single fields of the text / vision config
+    (``Qwen2VLTextConfig`` / ``Qwen2VLVisionConfig``, or their Qwen3-VL twins, e.g.
+    ``num_position_embeddings`` or ``deepstack_visual_indexes``). The same arguments and
+    seed give the same weights and tokenizer.
 
     The directory holds config.json, generation_config.json, model.safetensors, the
     tokenizer (tokenizer.json, tokenizer_config.json), chat_template.jinja,
@@ -243,8 +299,12 @@ def build_model(
     """
     if preset not in PRESETS:
         raise ConfigError(f"unknown model preset {preset!r}; accepted: {', '.join(PRESETS)}")
+    if arch not in ARCHS:
+        raise ConfigError(f"unknown model arch {arch!r}; accepted: {', '.join(ARCHS)}")
     if dtype not in _DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; accepted: {', '.join(_DTYPES)}")
+    if patch_size is None:
+        patch_size = _DEFAULT_PATCH_SIZE[arch]
     if patch_size < 1 or merge_size < 1:
         raise ConfigError(f"patch_size and merge_size must be >= 1, got {patch_size}, {merge_size}")
     factor = patch_size * merge_size
@@ -259,37 +319,37 @@ def build_model(
     _prepare_output_dir(output_dir, overwrite)
 
     tokenizer = build_tokenizer(corpus, vocab_size=vocab_size)
-    text_config = _text_config(spec, tokenizer, text_overrides or {})
-    vision_config = _vision_config(
-        spec,
-        text_config["hidden_size"],
-        patch_size,
-        merge_size,
-        temporal_patch_size,
-        vision_overrides or {},
-    )
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (IMAGE_TOKEN, VIDEO_TOKEN)}
-    config = Qwen2VLConfig(
-        text_config=text_config,
-        vision_config=vision_config,
-        image_token_id=ids[IMAGE_TOKEN],
-        video_token_id=ids[VIDEO_TOKEN],
-        vision_start_token_id=tokenizer.convert_tokens_to_ids(VISION_START_TOKEN),
-        vision_end_token_id=tokenizer.convert_tokens_to_ids(VISION_END_TOKEN),
-        tie_word_embeddings=False,
-    )
+    geometry = {
+        "patch_size": patch_size,
+        "merge_size": merge_size,
+        "temporal_patch_size": temporal_patch_size,
+    }
+    model_class: type[PreTrainedModel]
+    if arch == "qwen3_vl":
+        config = build_qwen3_config(
+            spec, tokenizer, geometry, image_size, text_overrides or {}, vision_overrides or {}
+        )
+        model_class = Qwen3VLForConditionalGeneration
+        normalize = {"image_mean": QWEN3_IMAGE_MEAN, "image_std": QWEN3_IMAGE_STD}
+    else:
+        config = _qwen2_config(
+            spec, tokenizer, geometry, text_overrides or {}, vision_overrides or {}
+        )
+        model_class = Qwen2VLForConditionalGeneration
+        normalize = {}
 
     # fork_rng: building a model must not reseed the caller's global generator.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
+        model = model_class(config)
     model = model.to(_DTYPES[dtype])
     model.eval()
     # Stop on <|im_end|> (end of turn) or <|endoftext|>; greedy unless the caller samples.
+    text = config.text_config
     model.generation_config = GenerationConfig(
-        bos_token_id=text_config["bos_token_id"],
-        eos_token_id=[text_config["eos_token_id"], text_config["pad_token_id"]],
-        pad_token_id=text_config["pad_token_id"],
+        bos_token_id=text.bos_token_id,
+        eos_token_id=[text.eos_token_id, text.pad_token_id],
+        pad_token_id=text.pad_token_id,
         do_sample=False,
     )
 
@@ -298,6 +358,7 @@ def build_model(
         merge_size=merge_size,
         temporal_patch_size=temporal_patch_size,
         max_pixels=None if image_size is None else image_size * image_size,
+        **normalize,
     )
     processor = ClewVLProcessor(image_processor, tokenizer, chat_template=tokenizer.chat_template)
 
@@ -309,6 +370,7 @@ def build_model(
     num_parameters = count_parameters(model)
     info = {
         "preset": preset,
+        "arch": arch,
         "seed": seed,
         "num_parameters": num_parameters,
         "vocab_size": len(tokenizer),

@@ -9,6 +9,11 @@ subclass declares just an image processor and a tokenizer; everything else (imag
 placeholder expansion, ``mm_token_type_ids``, chat templates, save and load) is inherited
 from ``Qwen2VLProcessor`` unchanged.
 
+It serves Qwen3-VL directories too: ``Qwen3VLProcessor`` expands ``<|image_pad|>`` exactly
+as ``Qwen2VLProcessor`` does (``grid_thw.prod() // merge_size**2`` tokens per image) and
+differs only for videos (per-frame timestamps), and Qwen3-VL checkpoints use the same
+Qwen2-VL image processor class (patch 16, mean and std 0.5 in their config).
+
 The image processor is the PIL one (``Qwen2VLImageProcessorPil``), which needs no
 torchvision, on every machine: ``from_pretrained`` swaps in the PIL twin where torchvision
 would have been picked, so pixel values are identical everywhere. A directory saved from this class records ``processor_class:
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import AutoProcessor, PreTrainedConfig, Qwen2VLImageProcessorPil, Qwen2VLProcessor
@@ -94,6 +100,8 @@ def make_image_processor(
     temporal_patch_size: int = 2,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    image_mean: Sequence[float] | None = None,
+    image_std: Sequence[float] | None = None,
 ) -> Qwen2VLImageProcessorPil:
     """A PIL Qwen2-VL image processor with the given patch geometry and pixel budget.
 
@@ -101,15 +109,23 @@ def make_image_processor(
     pixel count inside ``[min_pixels, max_pixels]``; images already a multiple and inside
     the range pass through unresized. Defaults: ``min_pixels`` one merged token
     (``factor**2``), ``max_pixels`` ``factor**2 * 1280`` (Qwen2-VL's own cap of 1280 merged
-    tokens).
+    tokens). ``image_mean`` / ``image_std``: per-channel normalization, CLIP's (Qwen2-VL's)
+    unless given; Qwen3-VL uses 0.5 / 0.5. Qwen3-VL checkpoints use this same image processor
+    class, so it serves both architectures.
     """
     factor = patch_size * merge_size
+    normalize: dict[str, Any] = {}
+    if image_mean is not None:
+        normalize["image_mean"] = list(image_mean)
+    if image_std is not None:
+        normalize["image_std"] = list(image_std)
     return Qwen2VLImageProcessorPil(
         patch_size=patch_size,
         merge_size=merge_size,
         temporal_patch_size=temporal_patch_size,
         min_pixels=factor * factor if min_pixels is None else min_pixels,
         max_pixels=factor * factor * 1280 if max_pixels is None else max_pixels,
+        **normalize,
     )
 
 

@@ -1,0 +1,176 @@
+"""A tiny Qwen3-VL policy built offline: save/load, M-RoPE positions, KV-reused rollout logprobs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import Qwen3VLForConditionalGeneration
+
+from clew.data.rows import generate_rows
+from clew.errors import ConfigError
+from clew.inference.engine import InferenceEngine, SamplingParams
+from clew.inference.positions import sequence_positions
+from clew.models import build_model, load_policy
+from clew.models.chat import ChatFormat, Chunk, join_chunks
+from clew.models.qwen3 import qwen3_mrope_section
+from clew.rollout.loop import RolloutSettings, play
+
+# maze_2d/small at 16 px cells is a 112 px image: 8 x 8 patches of 14 px, 4 x 4 merged tokens.
+OPTIONS = {"cell_px": 16, "action_format": "keyword"}
+
+
+def _image(size: int, seed: int = 0) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3") / "tiny"
+    return build_model("tiny", path, arch="qwen3_vl", image_size=112, patch_size=14)
+
+
+@pytest.fixture(scope="module")
+def policy(built):
+    model, processor = load_policy(built.path)
+    return model, ChatFormat(processor)
+
+
+def _two_image_sequence(chat: ChatFormat):
+    first = chat.user_turn("Where next?", [_image(112, 0)], first=True)
+    second = chat.user_turn("You moved up.", [_image(112, 1)], first=False)
+    return join_chunks([first, Chunk(chat.reply_tokens("up")), second])
+
+
+def test_build_writes_a_qwen3_vl_directory(built) -> None:
+    config = json.loads((built.path / "config.json").read_text())
+    assert config["model_type"] == "qwen3_vl"
+    vision, text = config["vision_config"], config["text_config"]
+    assert vision["patch_size"] == 14 and vision["out_hidden_size"] == text["hidden_size"] == 128
+    assert vision["num_position_embeddings"] == 64  # (112 / 14) ** 2: one per patch
+    assert vision["deepstack_visual_indexes"] == [0]
+    assert sum(text["rope_parameters"]["mrope_section"]) == text["head_dim"] // 2 == 16
+    assert json.loads((built.path / "clew_build.json").read_text())["arch"] == "qwen3_vl"
+    assert isinstance(built.model, Qwen3VLForConditionalGeneration)
+    assert built.model.model.visual.pos_embed.weight.shape == (64, 128)
+    assert 1_000_000 < built.num_parameters < 3_000_000
+
+
+def test_load_policy_round_trip_gives_identical_logits(built, policy) -> None:
+    model, chat = policy
+    chunk = chat.user_turn("Where next?", [_image(112)], first=True)
+    assert chunk.token_ids.count(chat.image_token_id) == 16
+    ids = torch.tensor([chunk.token_ids])
+    inputs = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "pixel_values": chunk.pixel_values,
+        "image_grid_thw": chunk.image_grid_thw,
+        "mm_token_type_ids": (ids == chat.image_token_id).int(),
+    }
+    with torch.no_grad():
+        ours = built.model(**inputs).logits
+        theirs = model(**inputs).logits
+    assert torch.equal(ours, theirs)
+
+
+def test_positions_equal_qwen3_rope_index_with_two_images(policy) -> None:
+    model, chat = policy
+    seq = _two_image_sequence(chat)
+    assert seq.num_images == 2
+    ids = torch.tensor([seq.token_ids])
+    theirs, _ = model.model.get_rope_index(
+        ids,
+        mm_token_type_ids=(ids == chat.image_token_id).int(),
+        image_grid_thw=seq.image_grid_thw,
+        attention_mask=torch.ones_like(ids),
+    )
+    ours = sequence_positions(
+        seq.token_ids, seq.image_grid_thw, chat.image_token_id, chat.merge_size
+    )
+    assert torch.equal(ours, theirs[:, 0])
+
+
+def test_kv_reused_logprobs_match_a_full_recompute(policy) -> None:
+    model, chat = policy
+    rows = generate_rows("maze_2d/small", 2, env_options=OPTIONS)
+    settings = RolloutSettings(
+        n_samples_per_prompt=2,
+        max_turns=3,
+        max_input_length=4096,
+        sampling=SamplingParams(temperature=1.0, max_tokens=6),
+    )
+    trajs = play(InferenceEngine(model, chat), rows, settings, seed=3)
+    banned = InferenceEngine(model, chat).banned_token_ids
+    worst = 0.0
+    for t in trajs:
+        assert t.turns >= 2  # a later turn appends an image chunk to a filled cache
+        ids = torch.tensor([t.token_ids])
+        pixel_values, grid = t.vision_inputs(chat)
+        with torch.no_grad():
+            logits = model(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                pixel_values=pixel_values,
+                image_grid_thw=grid,
+                mm_token_type_ids=(ids == chat.image_token_id).int(),
+            ).logits[0, :-1]
+        logits[:, banned] = float("-inf")
+        full = torch.log_softmax(logits.float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+        worst = max(worst, float((full[mask] - torch.tensor(t.logprobs[1:])[mask]).abs().max()))
+    assert worst < 1e-4, f"largest logprob difference {worst:.2e}"
+
+
+def test_qwen3_mrope_section_follows_qwen3_vl() -> None:
+    assert qwen3_mrope_section(128) == [24, 20, 20]
+    for head_dim in (16, 32, 64, 96):
+        t, h, w = qwen3_mrope_section(head_dim)
+        assert t + h + w == head_dim // 2 and 3 * max(h, w) <= head_dim // 2
+
+
+def test_bad_qwen3_settings_are_refused(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="arch"):
+        build_model("tiny", tmp_path / "a", arch="llava")
+    with pytest.raises(ConfigError, match="multiple of patch_size"):
+        build_model("tiny", tmp_path / "b", arch="qwen3_vl", image_size=112)  # patch 16: 32 px
+    with pytest.raises(ConfigError, match="square"):
+        build_model(
+            "tiny",
+            tmp_path / "c",
+            arch="qwen3_vl",
+            vision_overrides={"num_position_embeddings": 50},
+        )
+    with pytest.raises(ConfigError, match="deepstack"):
+        build_model(
+            "tiny",
+            tmp_path / "d",
+            arch="qwen3_vl",
+            vision_overrides={"deepstack_visual_indexes": [1]},
+        )
+
+
+def test_trainer_logprobs_match_the_engine_with_old_images_hidden(policy) -> None:
+    from clew.train.worker import PolicyWorker
+
+    model, chat = policy
+    rows = generate_rows("maze_2d/small", 2, env_options=OPTIONS)
+    settings = RolloutSettings(
+        n_samples_per_prompt=2,
+        max_turns=4,
+        max_input_length=4096,
+        sampling=SamplingParams(temperature=1.0, max_tokens=6),
+        keep_last_k_images=1,
+    )
+    trajs = play(InferenceEngine(model, chat), rows, settings, seed=5)
+    recomputed = PolicyWorker(model, chat).compute_logprobs(trajs, 1.0, 4)
+    model.eval()
+    worst = 0.0
+    for t, lp in zip(trajs, recomputed, strict=True):
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+        worst = max(worst, float((lp[mask] - torch.tensor(t.logprobs[1:])[mask]).abs().max()))
+    assert worst < 1e-4, f"largest logprob difference {worst:.2e}"
