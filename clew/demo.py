@@ -36,7 +36,7 @@ class DemoPlan:
     grpo_steps: int = 20
     grpo_prompts: int = 8
     grpo_samples: int = 8
-    grpo_lr: float = 2e-4
+    grpo_lr: float = 1e-4
     seed: int = 0
 
 

@@ -58,7 +58,18 @@ def _next_action(
     if agent == maze.goal and not env.success_on_reach:
         best = Action("stop")
     else:
-        best = Action("move", shortest_actions(maze, start=agent)[0])
+        # Where several moves are optimal (open rooms), pick one at random: a fixed
+        # tie-break makes long runs of one action, and a policy imitating them learns to
+        # repeat its last move instead of reading the picture.
+        optimal = [
+            d
+            for d, (dr, dc) in enumerate(DIRECTIONS)
+            if maze.is_open((agent[0] + dr, agent[1] + dc))
+            and dist[agent[0] + dr, agent[1] + dc] == dist[agent] - 1
+        ]
+        best = Action(
+            "move", rng.choice(optimal) if optimal else shortest_actions(maze, start=agent)[0]
+        )
     if detour_prob <= 0 or rng.random() >= detour_prob:
         return best, False
     remaining = env.max_turns - env.turn
