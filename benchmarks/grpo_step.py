@@ -51,43 +51,59 @@ def main() -> None:
         rows = generate_rows(args.env_id, args.prompts * args.steps, env_options=opts)
         write_rows(rows, tmp / "train.parquet")
         model = build_model(args.preset, tmp / "model", corpus=text_corpus(), overwrite=True).path
-        cfg = load_config(None, [
-            f"data.train_data=['{tmp / 'train.parquet'}']",
-            f"trainer.policy.model.path={model}",
-            f"trainer.policy.model.lora.rank={args.lora_rank}",
-            "trainer.policy.model.lora.alpha=32",
-            f"trainer.log_path={tmp / 'runs'}", "trainer.run_name=bench", "trainer.logger=jsonl",
-            f"trainer.device={args.device}",
-            f"trainer.train_batch_size={args.prompts}",
-            f"trainer.policy_mini_batch_size={max(args.prompts // 2, 1)}",
-            f"trainer.micro_train_batch_size_per_gpu={args.micro_batch}",
-            f"trainer.micro_forward_batch_size_per_gpu={args.micro_batch}",
-            "trainer.eval_before_train=false", "trainer.ckpt_interval=-1", "trainer.resume_mode=none",
-            f"generator.n_samples_per_prompt={args.samples}",
-            f"generator.max_turns={args.max_turns}",
-            f"generator.sampling_params.max_generate_length={args.max_tokens}",
-            "generator.sampling_params.temperature=1.0",
-            "generator.max_input_length=8192", "trainer.max_prompt_length=1024",
-            "trainer.policy.optimizer_config.lr=1.0e-5",
-        ])
+        cfg = load_config(
+            None,
+            [
+                f"data.train_data=['{tmp / 'train.parquet'}']",
+                f"trainer.policy.model.path={model}",
+                f"trainer.policy.model.lora.rank={args.lora_rank}",
+                "trainer.policy.model.lora.alpha=32",
+                f"trainer.log_path={tmp / 'runs'}",
+                "trainer.run_name=bench",
+                "trainer.logger=jsonl",
+                f"trainer.device={args.device}",
+                f"trainer.train_batch_size={args.prompts}",
+                f"trainer.policy_mini_batch_size={max(args.prompts // 2, 1)}",
+                f"trainer.micro_train_batch_size_per_gpu={args.micro_batch}",
+                f"trainer.micro_forward_batch_size_per_gpu={args.micro_batch}",
+                "trainer.eval_before_train=false",
+                "trainer.ckpt_interval=-1",
+                "trainer.resume_mode=none",
+                f"generator.n_samples_per_prompt={args.samples}",
+                f"generator.max_turns={args.max_turns}",
+                f"generator.sampling_params.max_generate_length={args.max_tokens}",
+                "generator.sampling_params.temperature=1.0",
+                "generator.max_input_length=8192",
+                "trainer.max_prompt_length=1024",
+                "trainer.policy.optimizer_config.lr=1.0e-5",
+            ],
+        )
         t0 = time.perf_counter()
         train(cfg)
         wall = time.perf_counter() - t0
-        history = [json.loads(x) for x in (run_dir_of(cfg) / "metrics.jsonl").read_text().splitlines()]
-        print(f"GRPO step: {args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
-              f"{args.preset}, LoRA rank {args.lora_rank}; {len(history)} steps in {wall:.1f} s (with start-up)")
+        history = [
+            json.loads(x) for x in (run_dir_of(cfg) / "metrics.jsonl").read_text().splitlines()
+        ]
+        print(
+            f"GRPO step: {args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
+            f"{args.preset}, LoRA rank {args.lora_rank}; {len(history)} steps in {wall:.1f} s (with start-up)"
+        )
         print("step " + " ".join(f"{ph:>10}" for ph in PHASES) + "   episodes  turns/ep")
         for h in history:
             cells = " ".join(f"{h.get(f'timing/{ph}', 0.0):>10.2f}" for ph in PHASES)
-            print(f"{h['step']:>4} {cells}   {args.prompts * args.samples:>8} {h.get('train/turns_mean', 0):>9.1f}")
+            print(
+                f"{h['step']:>4} {cells}   {args.prompts * args.samples:>8} {h.get('train/turns_mean', 0):>9.1f}"
+            )
         if not args.skip_baseline:
             from clew.inference.runtime import open_policy
 
             policy = open_policy(model, device=args.device)
             t0 = time.perf_counter()
             baseline(policy, rows[: args.prompts], args.samples, args.max_turns, args.max_tokens)
-            print(f"baseline generate phase (re-encoding model.generate, same batch): "
-                  f"{time.perf_counter() - t0:.2f} s")
+            print(
+                f"baseline generate phase (re-encoding model.generate, same batch): "
+                f"{time.perf_counter() - t0:.2f} s"
+            )
 
 
 if __name__ == "__main__":
