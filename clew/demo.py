@@ -103,8 +103,10 @@ def run_demo(output_dir: str | Path, plan: DemoPlan = DemoPlan()) -> dict[str, f
         "trainer.logger=['console','tensorboard']",
         f"trainer.train_batch_size={plan.grpo_prompts}",
         f"trainer.policy_mini_batch_size={plan.grpo_prompts}",
-        f"trainer.micro_train_batch_size_per_gpu={plan.grpo_prompts * plan.grpo_samples}",
-        f"trainer.micro_forward_batch_size_per_gpu={plan.grpo_prompts * plan.grpo_samples}",
+        # 16 sequences per forward: CPU attention with a mask materialises its scores,
+        # so larger micro-batches cost gigabytes for little speed.
+        "trainer.micro_train_batch_size_per_gpu=16",
+        "trainer.micro_forward_batch_size_per_gpu=16",
         f"trainer.epochs={max(1, plan.grpo_steps * plan.grpo_prompts // plan.train_rows + 1)}",
         f"trainer.eval_interval={max(plan.grpo_steps // 4, 1)}",
         "trainer.eval_before_train=true",
