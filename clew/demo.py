@@ -29,14 +29,15 @@ class DemoPlan:
     train_rows: int = 2048
     eval_rows: int = 64
     preset: str = "tiny"
-    sft_steps: int = 150
+    sft_steps: int = 200
     sft_batch_size: int = 16
     sft_lr: float = 1e-3
-    sft_detour_prob: float = 0.2
+    sft_detour_prob: float = 0.0
     grpo_steps: int = 20
     grpo_prompts: int = 8
     grpo_samples: int = 8
-    grpo_lr: float = 1e-4
+    grpo_lr: float = 2e-4
+    loss_reduction: str = "sequence_mean"
     seed: int = 0
 
 
@@ -116,6 +117,7 @@ def run_demo(output_dir: str | Path, plan: DemoPlan = DemoPlan()) -> dict[str, f
         f"trainer.max_steps={plan.grpo_steps}",
         f"trainer.seed={plan.seed}",
         f"trainer.policy.optimizer_config.lr={plan.grpo_lr}",
+        f"trainer.algorithm.loss_reduction={plan.loss_reduction}",
         "trainer.policy.optimizer_config.weight_decay=0.0",
         f"generator.n_samples_per_prompt={plan.grpo_samples}",
         "generator.max_turns=12",
