@@ -24,8 +24,8 @@ test-all: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not gpu"
 
 lint: setup
-	$(BIN)/ruff check clew tests benchmarks
-	$(BIN)/ruff format --check clew tests benchmarks
+	$(BIN)/ruff check clew tests benchmarks experiments
+	$(BIN)/ruff format --check clew tests benchmarks experiments
 
 format: setup
 	$(BIN)/ruff format clew tests benchmarks
