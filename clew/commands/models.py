@@ -1,0 +1,115 @@
+"""Commands on policies: init-model, eval, export."""
+
+from __future__ import annotations
+
+import argparse
+
+from clew.commands.registry import Handler, command, positive_int
+from clew.errors import ClewError
+
+
+@command("init-model", "build a Qwen-VL policy with random weights, offline")
+def _init_model(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("--preset", default="tiny", help="tiny | small | base (see clew.models.factory)")
+    p.add_argument("--output", required=True, help="folder for the Hugging Face checkpoint")
+    p.add_argument("--image-size", type=positive_int, default=None, help="largest image side in px")
+    p.add_argument("--arch", default="qwen2_vl", help="qwen2_vl | qwen3_vl")
+    p.add_argument("--patch-size", type=positive_int, default=None, help="vision patch in px")
+    p.add_argument("--merge-size", type=positive_int, default=2, help="patches merged per side")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true")
+
+    def run(args: argparse.Namespace) -> int:
+        from clew.envs.base import text_corpus
+        from clew.models import PRESETS, build_model
+
+        if args.preset not in PRESETS:
+            raise ClewError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+        built = build_model(
+            args.preset,
+            args.output,
+            corpus=text_corpus(),
+            seed=args.seed,
+            image_size=args.image_size,
+            arch=args.arch,
+            patch_size=args.patch_size,
+            merge_size=args.merge_size,
+            overwrite=args.overwrite,
+        )
+        print(f"wrote {args.preset} model ({built.num_parameters:,} parameters) to {built.path}")
+        return 0
+
+    return run
+
+
+@command("eval", "play every maze of a dataset once, greedily, and report the solve rate")
+def _eval(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--adapter", help="LoRA adapter directory (adapter_config.json)")
+    p.add_argument("--data", required=True, help="eval parquet from `clew dataset --split eval`")
+    p.add_argument(
+        "--output-dir", default="runs/eval", help="metrics.json, trajectories.jsonl, gifs/"
+    )
+    p.add_argument(
+        "--max-turns", type=positive_int, default=None, help="default: each env's budget"
+    )
+    p.add_argument("--max-generate-length", type=positive_int, default=64)
+    p.add_argument("--max-input-length", type=positive_int, default=8192)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--num-gifs", type=int, default=4)
+
+    def run(args: argparse.Namespace) -> int:
+        from clew.data.rows import read_rows
+        from clew.evaluation import evaluate
+        from clew.inference.engine import SamplingParams
+        from clew.inference.runtime import open_policy
+        from clew.rollout.loop import RolloutSettings
+
+        rows = read_rows(args.data)
+        policy = open_policy(args.model, args.adapter, device=args.device)
+        settings = RolloutSettings(
+            n_samples_per_prompt=1,
+            max_turns=args.max_turns or max(r.max_turns for r in rows),
+            max_input_length=args.max_input_length,
+            sampling=SamplingParams(temperature=0.0, max_tokens=args.max_generate_length),
+        )
+        metrics, _ = evaluate(
+            policy.engine, rows, settings, output_dir=args.output_dir, num_gifs=args.num_gifs
+        )
+        for k, v in metrics.items():
+            print(f"{k}: {v:.4f}")
+        print(f"trajectories and GIFs in {args.output_dir}")
+        return 0
+
+    return run
+
+
+@command(
+    "export", "write a run's policy as a standalone checkpoint (adapter, or merged full weights)"
+)
+def _export(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("--model", required=True, help="the base checkpoint the adapter was trained on")
+    p.add_argument(
+        "--adapter",
+        required=True,
+        help="an exported adapter folder (export_path/global_step_N/policy)",
+    )
+    p.add_argument("--output", required=True)
+    p.add_argument("--merge", action="store_true", help="merge the adapter into full weights")
+
+    def run(args: argparse.Namespace) -> int:
+        from clew.models import load_policy
+        from clew.models.adapters import load_adapter
+
+        if not args.merge:
+            raise ClewError(
+                "only --merge is supported: an adapter folder is already an adapter export"
+            )
+        model, processor = load_policy(args.model)
+        merged = load_adapter(model, args.adapter).merge_and_unload()
+        merged.save_pretrained(args.output)
+        processor.save_pretrained(args.output)
+        print(f"wrote merged weights to {args.output}")
+        return 0
+
+    return run

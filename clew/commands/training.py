@@ -1,0 +1,147 @@
+"""Commands that train: train, sft, report, demo."""
+
+from __future__ import annotations
+
+import argparse
+
+from clew.commands.registry import Handler, command, positive_int
+
+
+@command("train", "GRPO training; takes SkyRL-style dotted overrides (key=value)")
+def _train(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("--config", help="YAML config file (overrides apply on top)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. trainer.epochs=2")
+
+    def run(args: argparse.Namespace) -> int:
+        from clew.config import load_config
+        from clew.run import train
+
+        cfg = load_config(args.config, args.overrides)
+        metrics = train(cfg)
+        for k, v in sorted(metrics.items()):
+            print(f"{k}: {v:.4f}")
+        return 0
+
+    return run
+
+
+@command("sft", "supervised fine-tuning on solver demonstrations (makes a GRPO starting point)")
+def _sft(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("--model", required=True, help="starting checkpoint directory")
+    p.add_argument("--data", required=True, help="train parquet from `clew dataset`")
+    p.add_argument("--output", required=True, help="folder for the fine-tuned checkpoint")
+    p.add_argument("--eval-data", help="eval parquet: report pass@1 during SFT")
+    p.add_argument("--steps", type=positive_int, default=300)
+    p.add_argument("--batch-size", type=positive_int, default=16, help="episodes per step")
+    p.add_argument("--micro-batch-size", type=positive_int, default=None)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--lora-rank", type=int, default=0, help="0 trains all weights")
+    p.add_argument(
+        "--detour-prob", type=float, default=0.0, help="share of detour turns (VisGym-style)"
+    )
+    p.add_argument("--eval-interval", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+
+    def run(args: argparse.Namespace) -> int:
+        from clew.data.rows import read_rows
+        from clew.inference.runtime import pick_device
+        from clew.train.sft import run_sft
+
+        rows = read_rows(args.data)
+        eval_fn = None
+        if args.eval_data:
+            eval_fn = _sft_eval_fn(read_rows(args.eval_data))
+        device = pick_device(args.device)
+        result = run_sft(
+            args.model,
+            rows,
+            args.output,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            micro_batch_size=args.micro_batch_size,
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            lora_rank=args.lora_rank,
+            detour_prob=args.detour_prob,
+            seed=args.seed,
+            device=str(device),
+            dtype="bfloat16" if device.type == "cuda" else "float32",
+            eval_fn=eval_fn,
+            eval_interval=args.eval_interval,
+            log=lambda step, stats: (
+                print(
+                    f"sft step {step} | loss {stats['sft/loss']:.4f}"
+                    + "".join(
+                        f" | {k} {v:.3f}" for k, v in stats.items() if k.startswith("eval/all/pass")
+                    ),
+                    flush=True,
+                )
+                if step % 10 == 0 or "eval/all/pass_at_1" in stats
+                else None
+            ),
+        )
+        print(
+            f"wrote the SFT checkpoint to {result.output_dir} ({result.num_demonstrations} demonstrations)"
+        )
+        return 0
+
+    return run
+
+
+def _sft_eval_fn(rows):
+    from clew.evaluation import eval_metrics
+    from clew.inference.engine import InferenceEngine, SamplingParams
+    from clew.rollout.loop import RolloutSettings, play
+
+    turns = max(r.max_turns for r in rows)
+    settings = RolloutSettings(1, turns, 8192, SamplingParams(temperature=0.0, max_tokens=16))
+
+    def eval_fn(model, chat, step):
+        was_training = model.training
+        model.eval()
+        trajs = play(InferenceEngine(model, chat), rows, settings, seed=0)
+        model.train(was_training)
+        return eval_metrics(trajs, rows, turns)
+
+    return eval_fn
+
+
+@command("report", "draw a run's solve rate and reward against step (PNG) and print a summary")
+def _report(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("run_dir", help="a run folder holding metrics.jsonl")
+    p.add_argument("--output", help="PNG path (default RUN_DIR/report.png)")
+
+    def run(args: argparse.Namespace) -> int:
+        from clew.metrics import draw_report, summarize
+
+        png = draw_report(args.run_dir, args.output)
+        for k, v in summarize(args.run_dir).items():
+            print(f"{k}: {v}")
+        print(f"wrote {png}")
+        return 0
+
+    return run
+
+
+@command("demo", "the main job on the built-in default (what `make demo` runs)")
+def _demo(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("--output-dir", default="runs/demo")
+    p.add_argument("--sft-steps", type=positive_int, default=None)
+    p.add_argument("--grpo-steps", type=positive_int, default=None)
+
+    def run(args: argparse.Namespace) -> int:
+        from dataclasses import replace
+
+        from clew.demo import DemoPlan, run_demo
+
+        plan = DemoPlan()
+        if args.sft_steps:
+            plan = replace(plan, sft_steps=args.sft_steps)
+        if args.grpo_steps:
+            plan = replace(plan, grpo_steps=args.grpo_steps)
+        run_demo(args.output_dir, plan)
+        return 0
+
+    return run
