@@ -20,8 +20,10 @@ def read_trajectory_line(path: str | Path, index: int) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"trajectory file {path} does not exist")
+    count = 0
     with path.open() as f:
         for i, line in enumerate(f):
+            count = i + 1
             if i == index:
                 try:
                     rec = json.loads(line)
@@ -31,4 +33,4 @@ def read_trajectory_line(path: str | Path, index: int) -> dict[str, Any]:
                 if missing:
                     raise DataError(f"{path} line {i + 1} lacks {', '.join(missing)}")
                 return rec
-    raise DataError(f"{path} has no line {index} (it has {i + 1 if 'i' in dir() else 0} lines)")
+    raise DataError(f"{path} has no line {index} (it has {count} lines)")
