@@ -20,13 +20,7 @@ from clew.train.sft import demonstrations, play_demonstration, run_sft
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two OpenMP threads on a shared 2-core machine slow the tiny model down many times over.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

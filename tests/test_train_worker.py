@@ -19,14 +19,7 @@ from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model gains little from a second thread, and on a shared 2-core machine two
-    # OpenMP threads competing with another process make each step up to 20x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -69,11 +69,9 @@ from clew.models.qwen3 import DEFAULT_PATCH_SIZE as QWEN3_PATCH_SIZE
 from clew.models.qwen3 import IMAGE_MEAN as QWEN3_IMAGE_MEAN
 from clew.models.qwen3 import IMAGE_STD as QWEN3_IMAGE_STD
 from clew.models.qwen3 import build_qwen3_config
+from clew.models.text_config import base_text_config
 from clew.models.tokenizer import (
-    BOS_TOKEN,
-    EOS_TOKEN,
     IMAGE_TOKEN,
-    PAD_TOKEN,
     VIDEO_TOKEN,
     VISION_END_TOKEN,
     VISION_START_TOKEN,
@@ -155,21 +153,7 @@ def mrope_section(head_dim: int) -> list[int]:
 def _text_config(
     preset: Preset, tokenizer: PreTrainedTokenizerFast, overrides: Mapping[str, Any]
 ) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": preset.hidden_size,
-        "intermediate_size": preset.intermediate_size,
-        "num_hidden_layers": preset.num_hidden_layers,
-        "num_attention_heads": preset.num_attention_heads,
-        "num_key_value_heads": preset.num_key_value_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "use_sliding_window": False,
-        "bos_token_id": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
-        "eos_token_id": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
-        "pad_token_id": tokenizer.convert_tokens_to_ids(PAD_TOKEN),
-    }
+    config: dict[str, Any] = {**base_text_config(preset, tokenizer), "use_sliding_window": False}
     config.update(overrides)
     if config["hidden_size"] % config["num_attention_heads"]:
         raise ConfigError(

@@ -31,11 +31,9 @@ from typing import TYPE_CHECKING, Any
 from transformers import PreTrainedTokenizerFast, Qwen3VLConfig
 
 from clew.errors import ConfigError
+from clew.models.text_config import base_text_config
 from clew.models.tokenizer import (
-    BOS_TOKEN,
-    EOS_TOKEN,
     IMAGE_TOKEN,
-    PAD_TOKEN,
     VIDEO_TOKEN,
     VISION_END_TOKEN,
     VISION_START_TOKEN,
@@ -71,21 +69,7 @@ def qwen3_mrope_section(head_dim: int) -> list[int]:
 def _text_config(
     preset: Preset, tokenizer: PreTrainedTokenizerFast, overrides: Mapping[str, Any]
 ) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": preset.hidden_size,
-        "intermediate_size": preset.intermediate_size,
-        "num_hidden_layers": preset.num_hidden_layers,
-        "num_attention_heads": preset.num_attention_heads,
-        "num_key_value_heads": preset.num_key_value_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "attention_bias": False,
-        "bos_token_id": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
-        "eos_token_id": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
-        "pad_token_id": tokenizer.convert_tokens_to_ids(PAD_TOKEN),
-    }
+    config: dict[str, Any] = {**base_text_config(preset, tokenizer), "attention_bias": False}
     config.update(overrides)
     if "head_dim" not in config:
         # Qwen3VLTextConfig defaults head_dim to 128 whatever the width; derive it instead.
