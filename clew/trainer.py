@@ -107,13 +107,16 @@ class Trainer:
                 self.sync()
                 if self._due(t.eval_interval, step) and self.eval_rows:
                     last_eval = self.evaluate()
-                if self._due(t.ckpt_interval, step) and self.checkpointer is not None:
-                    with self.metrics.timer("checkpoint"):
-                        self.checkpointer.save(self)
-                if self._due(t.hf_save_interval, step) and self.checkpointer is not None:
-                    with self.metrics.timer("export"):
-                        self.checkpointer.export(self)
+            # Logged before the checkpoint, so a checkpoint of step N holds step N's metrics
+            # and a run killed right after it resumes with its history complete. The save's
+            # own time is therefore reported with the next step.
             self.log(step)
+            if self._due(t.ckpt_interval, step) and self.checkpointer is not None:
+                with self.metrics.timer("checkpoint"):
+                    self.checkpointer.save(self)
+            if self._due(t.hf_save_interval, step) and self.checkpointer is not None:
+                with self.metrics.timer("export"):
+                    self.checkpointer.export(self)
         if self.checkpointer is not None:
             self.checkpointer.export(self)
         return last_eval

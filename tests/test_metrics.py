@@ -240,3 +240,15 @@ def test_metrics_logged_to_jsonl_survive_json_round_trip_with_nan(tmp_path):
     _log_steps(tmp_path, [(1, {"policy/loss": float("nan")})])
     line = history_path(tmp_path).read_text()
     assert math.isnan(json.loads(line)["policy/loss"])
+
+
+def test_jsonl_logger_keeps_writing_after_the_history_is_truncated(tmp_path):
+    from clew.metrics import make_loggers, read_history, truncate_history
+
+    loggers = make_loggers("jsonl", tmp_path, "p", "r")
+    for step in (1, 2, 3):
+        loggers.log({"x": float(step)}, step)
+    truncate_history(tmp_path, 1)  # as a resume from step 1 does, after the loggers opened
+    loggers.log({"x": 2.5}, 2)
+    loggers.close()
+    assert [r["step"] for r in read_history(tmp_path)] == [1, 2]

@@ -85,7 +85,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     # timing/ and throughput/.
     MetricSpec(
         "timing/<phase>",
-        "Wall seconds spent in <phase> this step; phases: " + ", ".join(TIMING_PHASES) + ".",
+        "Wall seconds spent in <phase> this step; phases: "
+        + ", ".join(TIMING_PHASES)
+        + ". A checkpoint or export is saved after its step is logged, so its time is "
+        "reported with the next step.",
     ),
     MetricSpec("throughput/episodes_per_s", "Rollout episodes finished per wall second of step."),
     MetricSpec(

@@ -128,23 +128,24 @@ class JsonlLogger:
 
     Appends rather than truncates, so a resumed run continues its history (trim it first with
     ``truncate_history``); a partial line left by a killed process is cut before appending.
+    The file is opened for each line rather than held open: ``truncate_history`` replaces
+    the file on resume, and a handle held from before would write into the replaced one.
     """
 
     def __init__(self, ctx: LoggerContext) -> None:
         self.path = history_path(ctx.run_dir)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         repair_tail(self.path)
-        self._file = self.path.open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         record = {"step": step, **{k: float(v) for k, v in metrics.items() if k != "step"}}
-        self._file.write(json.dumps(record) + "\n")
-        # Flush per line: after a crash the history must reach the last completed step.
-        self._file.flush()
+        # One write per line, flushed on close: after a crash the history reaches the last
+        # completed step.
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        pass
 
 
 @register_logger("tensorboard")
