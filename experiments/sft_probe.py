@@ -1,6 +1,6 @@
 """SFT probe: build a tiny policy, SFT it on solver demonstrations, report greedy pass@1 as it trains.
 
-    python experiments/sft_probe.py OUT STEPS BATCH LR DETOUR ENV_ID CELL_PX PRESET EVAL_EVERY ARCH
+    python experiments/sft_probe.py OUT STEPS BATCH LR DETOUR ENV_ID CELL_PX PRESET EVAL_EVERY ARCH [KEEP_K]
     python experiments/sft_probe.py /tmp/probe6 150 16 1e-3 0.0 maze_2d/room 14 tiny 50 qwen2_vl
 
 Prints "EVAL step seconds pass@1 parse-error-rate mean-turns first-actions" lines.
@@ -26,6 +26,7 @@ steps, bs, lr, detour = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), 
 env_id = sys.argv[6]
 cell = int(sys.argv[7])
 preset = sys.argv[8] if len(sys.argv) > 8 else "tiny"
+KEEP = int(sys.argv[11]) if len(sys.argv) > 11 else None
 opts = {"cell_px": cell, "action_format": "keyword"}
 build_model(
     preset,
@@ -48,7 +49,9 @@ def eval_fn(model, chat, step):
     trajs = play(
         InferenceEngine(model, chat),
         ev,
-        RolloutSettings(1, turns, 4096, SamplingParams(temperature=0.0, max_tokens=8)),
+        RolloutSettings(
+            1, turns, 4096, SamplingParams(temperature=0.0, max_tokens=8), keep_last_k_images=KEEP
+        ),
         seed=0,
     )
     model.train()
@@ -74,6 +77,7 @@ run_sft(
     batch_size=bs,
     lr=lr,
     detour_prob=detour,
+    keep_last_k_images=KEEP,
     eval_fn=eval_fn,
     eval_interval=int(sys.argv[9]) if len(sys.argv) > 9 else 50,
     warmup_steps=10,

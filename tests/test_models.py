@@ -90,6 +90,17 @@ def test_tokenizer_adds_no_tokens_of_its_own(tokenizer) -> None:
     assert tokenizer("up")["input_ids"] == tokenizer("up", add_special_tokens=False)["input_ids"]
 
 
+def test_action_replies_are_tag_word_tag(tokenizer) -> None:
+    # One decision token per reply: the tags are whole tokens, never merged into the word.
+    for word in ("right", "up", "left", "down", "stop"):
+        ids = tokenizer(f"<action>{word}</action>", add_special_tokens=False)["input_ids"]
+        pieces = [tokenizer.decode([i]) for i in ids]
+        assert pieces == ["<action>", word, "</action>"], pieces
+    reply = "<action>up</action><|im_end|>"
+    ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "<action>up</action>"
+
+
 def test_tokenizer_training_is_deterministic() -> None:
     corpus = [f"You moved {word} {n} times." for word in ("up", "left") for n in range(30)]
     first = build_tokenizer(corpus, vocab_size=400)

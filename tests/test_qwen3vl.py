@@ -16,7 +16,7 @@ from clew.inference.engine import InferenceEngine, SamplingParams
 from clew.inference.positions import sequence_positions
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat, Chunk, join_chunks
-from clew.models.qwen3 import qwen3_mrope_section
+from clew.models.qwen3 import qwen3_mrope_section, sincos_position_table
 from clew.rollout.loop import RolloutSettings, play
 
 # maze_2d/small at 16 px cells is a 112 px image: 8 x 8 patches of 14 px, 4 x 4 merged tokens.
@@ -174,3 +174,16 @@ def test_trainer_logprobs_match_the_engine_with_old_images_hidden(policy) -> Non
         mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
         worst = max(worst, float((lp[mask] - torch.tensor(t.logprobs[1:])[mask]).abs().max()))
     assert worst < 1e-4, f"largest logprob difference {worst:.2e}"
+
+
+def test_position_table_starts_as_a_2d_sincos_grid(built) -> None:
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(built.path)
+    table = model.model.visual.pos_embed.weight.detach()
+    side = round(table.shape[0] ** 0.5)
+    assert torch.allclose(table, sincos_position_table(side, table.shape[1]))
+    # Row and column halves: cells in one row share the row half and differ in the other.
+    half = table.shape[1] // 2
+    assert torch.equal(table[0, :half], table[1, :half])
+    assert not torch.equal(table[0, half:], table[1, half:])
+    assert not torch.equal(table[0, :half], table[side, :half])

@@ -13,8 +13,10 @@ from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.envs.maze.actions import Action, format_action, parse_action
 from clew.envs.maze.solver import shortest_actions
+from clew.errors import ConfigError
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
+from clew.train.batch import collate
 from clew.train.sft import demonstrations, play_demonstration, run_sft
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
@@ -141,3 +143,46 @@ def test_lora_sft_saves_merged_full_weights(model_dir, rows, tmp_path):
     # keys read "model.layers.N..." and the vision tower's "visual...").
     assert changed and all(k.endswith("_proj.weight") and "visual" not in k for k in changed)
     load_policy(result.output_dir)
+
+
+def test_demonstrations_record_where_each_observation_starts(chat, rows):
+    demo = play_demonstration(rows[0], chat, random.Random(0))
+    assert len(demo.chunk_starts) == len(demo.actions) == len(demo.images)
+    assert demo.chunk_starts[0] == 0
+    # Each later observation starts right after a reply's <|im_end|>.
+    assert all(demo.token_ids[s - 1] == chat.im_end_id for s in demo.chunk_starts[1:])
+
+
+def test_sft_with_an_image_window_hides_old_images_and_stops_on_its_time_budget(
+    model_dir, chat, rows, tmp_path
+):
+    demos = demonstrations(rows[:2], chat)
+    for demo in demos:
+        demo.image_window = 1
+    batch = collate(demos, chat)
+    assert batch.visibility is not None
+    # The last token of a multi-image episode sees its last image, not its first.
+    longest = max(range(len(demos)), key=lambda i: len(demos[i].images))
+    assert len(demos[longest].images) > 1
+    ids = torch.tensor(demos[longest].token_ids)
+    image_cols = (ids == chat.image_token_id).nonzero()[:, 0]
+    last = len(ids) - 1
+    seen = batch.visibility[longest, 0, last, image_cols]
+    assert not seen[0] and seen[-1]
+
+    result = run_sft(
+        model_dir,
+        rows,
+        tmp_path / "timed",
+        steps=1000,
+        batch_size=2,
+        lr=1e-3,
+        keep_last_k_images=1,
+        max_seconds=0.0,
+    )
+    assert len(result.losses) == 1
+    load_policy(result.output_dir)
+    with pytest.raises(ConfigError, match="keep_last_k_images"):
+        run_sft(
+            model_dir, rows, tmp_path / "bad", steps=1, batch_size=1, lr=1e-3, keep_last_k_images=0
+        )

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from clew.commands.registry import Handler, command, positive_int
+from clew.errors import ClewError
 
 
 @command("train", "GRPO training; takes SkyRL-style dotted overrides (key=value)")
@@ -41,6 +44,20 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         "--detour-prob", type=float, default=0.0, help="share of detour turns (VisGym-style)"
     )
     p.add_argument("--eval-interval", type=int, default=0)
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop (evaluate and save) at the first step past this wall-clock budget",
+    )
+    p.add_argument("--metrics", help="append one JSON line of metrics per step to this file")
+    p.add_argument(
+        "--keep-last-k-images",
+        type=positive_int,
+        default=None,
+        help="train (and evaluate) with only the last K images visible, as "
+        "generator.keep_last_k_images will run the policy",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
 
@@ -52,8 +69,28 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         rows = read_rows(args.data)
         eval_fn = None
         if args.eval_data:
-            eval_fn = _sft_eval_fn(read_rows(args.eval_data))
+            eval_fn = _sft_eval_fn(read_rows(args.eval_data), args.keep_last_k_images)
         device = pick_device(args.device)
+        if args.max_minutes is not None and args.max_minutes <= 0:
+            raise ClewError(f"--max-minutes must be positive, got {args.max_minutes}")
+        metrics_file = Path(args.metrics) if args.metrics else None
+        if metrics_file is not None:
+            metrics_file.parent.mkdir(parents=True, exist_ok=True)
+
+        def log(step: int, stats: dict[str, float]) -> None:
+            if metrics_file is not None:
+                with metrics_file.open("a") as f:
+                    f.write(json.dumps({"step": step, **stats}) + "\n")
+            if step % 10 == 0 or "eval/all/pass_at_1" in stats:
+                passes = "".join(
+                    f" | {k} {v:.3f}" for k, v in stats.items() if k.startswith("eval/all/pass")
+                )
+                print(
+                    f"sft step {step} | loss {stats['sft/loss']:.4f} | "
+                    f"{stats['sft/elapsed_s']:.0f} s{passes}",
+                    flush=True,
+                )
+
         result = run_sft(
             args.model,
             rows,
@@ -65,22 +102,14 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
             warmup_steps=args.warmup_steps,
             lora_rank=args.lora_rank,
             detour_prob=args.detour_prob,
+            keep_last_k_images=args.keep_last_k_images,
+            max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
             seed=args.seed,
             device=str(device),
             dtype="bfloat16" if device.type == "cuda" else "float32",
             eval_fn=eval_fn,
             eval_interval=args.eval_interval,
-            log=lambda step, stats: (
-                print(
-                    f"sft step {step} | loss {stats['sft/loss']:.4f}"
-                    + "".join(
-                        f" | {k} {v:.3f}" for k, v in stats.items() if k.startswith("eval/all/pass")
-                    ),
-                    flush=True,
-                )
-                if step % 10 == 0 or "eval/all/pass_at_1" in stats
-                else None
-            ),
+            log=log,
         )
         print(
             f"wrote the SFT checkpoint to {result.output_dir} ({result.num_demonstrations} demonstrations)"
@@ -90,13 +119,19 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
     return run
 
 
-def _sft_eval_fn(rows):
+def _sft_eval_fn(rows, keep_last_k_images=None):
     from clew.evaluation import eval_metrics
     from clew.inference.engine import InferenceEngine, SamplingParams
     from clew.rollout.loop import RolloutSettings, play
 
     turns = max(r.max_turns for r in rows)
-    settings = RolloutSettings(1, turns, 8192, SamplingParams(temperature=0.0, max_tokens=16))
+    settings = RolloutSettings(
+        1,
+        turns,
+        8192,
+        SamplingParams(temperature=0.0, max_tokens=16),
+        keep_last_k_images=keep_last_k_images,
+    )
 
     def eval_fn(model, chat, step):
         was_training = model.training

@@ -68,7 +68,7 @@ from clew.models.processor import ClewVLProcessor, make_image_processor
 from clew.models.qwen3 import DEFAULT_PATCH_SIZE as QWEN3_PATCH_SIZE
 from clew.models.qwen3 import IMAGE_MEAN as QWEN3_IMAGE_MEAN
 from clew.models.qwen3 import IMAGE_STD as QWEN3_IMAGE_STD
-from clew.models.qwen3 import build_qwen3_config
+from clew.models.qwen3 import build_qwen3_config, init_position_table
 from clew.models.text_config import base_text_config
 from clew.models.tokenizer import (
     IMAGE_TOKEN,
@@ -326,6 +326,8 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
+    if arch == "qwen3_vl":
+        init_position_table(model)
     model = model.to(_DTYPES[dtype])
     model.eval()
     # Stop on <|im_end|> (end of turn) or <|endoftext|>; greedy unless the caller samples.

@@ -9,6 +9,7 @@ What Qwen3-VL changes against Qwen2-VL, as far as a small policy built from scra
   ``deepstack_visual_indexes`` taps intermediate vision layers: the features of the i-th
   listed layer pass their own merger and are added to the hidden states at the image
   tokens after language layer i (so the list must be no longer than the language model).
+  clew starts that table as a 2D sin-cos grid (``init_position_table``), not at random.
 - Language: Qwen3 attention (RMS-normed queries and keys, no qkv bias, an explicit
   ``head_dim``) and *interleaved* M-RoPE: the rotary frequencies cycle t, h, w rather than
   coming in three blocks. ``mrope_section`` still sums to ``head_dim / 2``; Qwen3-VL uses
@@ -28,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers import PreTrainedTokenizerFast, Qwen3VLConfig
 
 from clew.errors import ConfigError
@@ -184,3 +186,37 @@ def build_qwen3_config(
         vision_end_token_id=tokenizer.convert_tokens_to_ids(VISION_END_TOKEN),
         tie_word_embeddings=False,
     )
+
+
+def sincos_position_table(side: int, width: int) -> torch.Tensor:
+    """A ``[side * side, width]`` 2D sin-cos table (MAE's fixed ViT embedding), row-major.
+
+    Half the channels encode the row, half the column, each as sines and cosines over
+    geometric frequencies. The lowest frequencies are nearly linear in the coordinate, so
+    "left of" or "above" is a linear read-out from the first layer on.
+    """
+    if width % 4:
+        raise ConfigError(f"a 2D sin-cos table needs a width divisible by 4, got {width}")
+    quarter = width // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)
+    coords = torch.arange(side, dtype=torch.float64)
+    rows, cols = torch.meshgrid(coords, coords, indexing="ij")
+
+    def encode(pos: torch.Tensor) -> torch.Tensor:
+        angles = pos.reshape(-1, 1) * omega[None, :]
+        return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+    return torch.cat([encode(rows), encode(cols)], dim=1).float()
+
+
+def init_position_table(model: torch.nn.Module) -> None:
+    """Start Qwen3-VL's learned vision position table as a 2D sin-cos grid (still learned).
+
+    transformers initialises it at random, which is right for a checkpoint that will be
+    overwritten by pretrained weights; a policy trained from scratch otherwise has to learn
+    from reward or imitation alone which patch is where, which is most of what a maze asks.
+    """
+    embed = model.model.visual.pos_embed
+    side = round(embed.num_embeddings**0.5)
+    with torch.no_grad():
+        embed.weight.copy_(sincos_position_table(side, embed.embedding_dim))

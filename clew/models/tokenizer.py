@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 __all__ = [
@@ -95,6 +95,15 @@ CHAT_TEMPLATE = (
 )
 
 _ACTIONS = ("right", "up", "left", "down", "stop")
+
+# The keyword action format's tags, kept whole (added tokens, matched before the BPE). A BPE
+# trained on a small corpus otherwise learns merges across the tag boundary (">right",
+# ">stop" but ">" + "down"), which splits the one decision of a turn over one or two tokens
+# and makes the ">" that closes "</action>" look like the one that opens an action: a
+# policy trained from scratch then keeps writing after "</action>". Whole tags make every
+# reply "<action>", one action word, "</action>", "<|im_end|>". They are not special tokens:
+# decoding keeps them, so the env reads the reply as written.
+ACTION_TAG_TOKENS: tuple[str, ...] = ("<action>", "</action>")
 
 _PROMPT_SENTENCES = (
     "You are navigating a maze.",
@@ -183,12 +192,12 @@ def build_tokenizer(
 
     ``vocab_size`` is a ceiling: training stops early when the corpus has no pair left that
     occurs twice, so a small corpus gives a smaller vocabulary. It counts the 14 special
-    tokens and the 256 byte symbols, so it must be at least 270 + 1.
+    tokens, the 2 action tags and the 256 byte symbols, so it must be at least 272 + 1.
 
     Training is deterministic: the same corpus and ``vocab_size`` give the same vocabulary
     and merges, hence the same token ids, in every process.
     """
-    minimum = len(SPECIAL_TOKENS) + 256 + 1
+    minimum = len(SPECIAL_TOKENS) + len(ACTION_TAG_TOKENS) + 256 + 1
     if vocab_size < minimum:
         raise ValueError(
             f"vocab_size={vocab_size} is too small: a byte-level BPE with "
@@ -199,7 +208,8 @@ def build_tokenizer(
         if isinstance(corpus, str):
             raise TypeError("corpus must be a list of strings, not one string")
         texts.extend(corpus)
-    backend = _train_bpe(texts, vocab_size)
+    backend = _train_bpe(texts, vocab_size - len(ACTION_TAG_TOKENS))
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in ACTION_TAG_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=BOS_TOKEN,

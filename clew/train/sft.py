@@ -17,6 +17,7 @@ back from them. Detour replies are in the context but out of the loss by default
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,10 @@ class Demonstration(Sample):
     detour_turns: list[int] = field(default_factory=list)  # 0-based turns that were detours
     reward: float = 0.0
     row_seed: int = 0
+    # Where each observation chunk begins, and the image window the policy will run with
+    # (generator.keep_last_k_images): the batch hides older images exactly as the engine does.
+    chunk_starts: list[int] = field(default_factory=list)
+    image_window: int | None = None
 
 
 def _next_action(
@@ -109,6 +114,7 @@ def play_demonstration(
     turn = 0
     while True:
         chunk = chat.user_turn(obs.text, obs.images, first=turn == 0, after_reply_end=True)
+        demo.chunk_starts.append(len(demo.token_ids))
         demo.token_ids += chunk.token_ids
         demo.loss_mask += [0] * len(chunk.token_ids)
         demo.images += obs.images
@@ -176,6 +182,8 @@ def run_sft(
     scheduler: str = "constant_with_warmup",
     micro_batch_size: int | None = None,
     detour_prob: float = 0.0,
+    keep_last_k_images: int | None = None,
+    max_seconds: float | None = None,
     seed: int = 0,
     dtype: str = "float32",
     device: str = "cpu",
@@ -189,7 +197,10 @@ def run_sft(
     replacement (reshuffled each pass; with detours, each pass plays new detours).
     ``eval_fn(model, chat, step)`` runs every ``eval_interval`` steps and after the last.
     ``output_dir`` gets full weights (LoRA merged in) and the processor, so
-    ``clew.models.load_policy`` reads it like any checkpoint.
+    ``clew.models.load_policy`` reads it like any checkpoint. ``keep_last_k_images``
+    trains with the image window the policy will be run with (generator.keep_last_k_images).
+    ``max_seconds`` ends training (evaluated and saved as after the last step) at the first
+    step that finishes past that wall-clock budget.
     """
     if steps < 1 or batch_size < 1:
         raise ConfigError(f"steps and batch_size must be positive, got {steps} and {batch_size}")
@@ -210,7 +221,16 @@ def run_sft(
     )
     worker = PolicyWorker.from_pretrained(model_dir, settings, dtype=dtype, device=device)
     chat = worker.chat
-    demos = demonstrations(train_rows, chat, detour_prob, seed)
+    if keep_last_k_images is not None and keep_last_k_images < 1:
+        raise ConfigError(f"keep_last_k_images must be >= 1 or None, got {keep_last_k_images}")
+
+    def make_demos(pass_seed: int) -> list[Demonstration]:
+        out = demonstrations(train_rows, chat, detour_prob, pass_seed)
+        for demo in out:
+            demo.image_window = keep_last_k_images
+        return out
+
+    demos = make_demos(seed)
     if not demos:
         raise DataError("no training row can be solved within its turn budget; nothing to imitate")
     rng = random.Random(seed)
@@ -218,24 +238,30 @@ def run_sft(
     passes = 0
     losses: list[float] = []
     evals: list[dict[str, float]] = []
+    started = time.monotonic()
     for step in range(1, steps + 1):
         batch: list[Demonstration] = []
         while len(batch) < batch_size:
             if not queue:
                 if passes and detour_prob > 0:
-                    demos = demonstrations(train_rows, chat, detour_prob, seed + passes)
+                    demos = make_demos(seed + passes)
                 queue = list(demos)
                 rng.shuffle(queue)
                 passes += 1
             batch.append(queue.pop())
         stats = worker.sft_step(batch, micro_batch_size or batch_size)
         losses.append(stats["sft/loss"])
-        if eval_fn is not None and ((eval_interval and step % eval_interval == 0) or step == steps):
+        elapsed = time.monotonic() - started
+        last = step == steps or (max_seconds is not None and elapsed >= max_seconds)
+        stats["sft/elapsed_s"] = elapsed
+        if eval_fn is not None and ((eval_interval and step % eval_interval == 0) or last):
             metrics = eval_fn(worker.model, chat, step)
             evals.append(metrics)
             stats = stats | metrics
         if log is not None:
             log(step, stats)
+        if last:
+            break
     worker.save_pretrained(output_dir, merged=True)
     chat.processor.save_pretrained(output_dir)
     return SFTResult(output_dir, losses, evals, len(demos))
