@@ -5,8 +5,11 @@
 #   bash experiments/gpu_easy.sh grpo  WORK OUT   # GRPO from WORK/sft (resumes WORK/grpo)
 #
 # WORK holds what the next call needs (kept on the machine while it is held); OUT gets
-# the logs and metrics that come back. Every eval maze is solvable within the turn budget:
-# max_turns=32 covers the longest optimal path of a 9x9 perfect maze (30 moves + stop).
+# the logs and metrics that come back, and the SFT checkpoint and the latest GRPO policy as
+# 15 MiB parts (what comes back is at most 16 MiB a file): a later call on a fresh machine
+# restores them from the folder named by RESTORE (a carried copy of an earlier OUT).
+# Every eval maze is solvable within the turn budget: max_turns=32 covers the longest
+# optimal path of a 9x9 perfect maze (30 moves + stop).
 set -euo pipefail
 phase=$1
 work=$2
@@ -16,14 +19,31 @@ CLEW=${CLEW:-clew}
 SFT_MINUTES=${SFT_MINUTES:-7.5}
 SFT_STEPS=${SFT_STEPS:-4000}
 GRPO_STEPS=${GRPO_STEPS:-40}
+GRPO_MINUTES=${GRPO_MINUTES:-}
 TRAIN_ROWS=${TRAIN_ROWS:-20000}
 PRESET=${PRESET:-small}
 DEVICE=${DEVICE:-cuda}
+RESTORE=${RESTORE:-}
+PROMPTS=${PROMPTS:-24}
+SAMPLES=${SAMPLES:-8}
+MAX_TURNS=${MAX_TURNS:-32}
+MICRO=${MICRO:-48}
 opts=(--env-id maze_2d/easy --option cell_px=14 --option max_turns=32 --option action_format=keyword)
 
-if [ "$phase" = sft ]; then
+pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
+  tar czf - -C "$(dirname "$1")" "$(basename "$1")" | split -b 15m - "$out/$2.tgz.part-"
+}
+unpack() { # unpack NAME DEST_PARENT: restore from RESTORE/NAME.tgz.part-*
+  cat "$RESTORE/$1".tgz.part-* | tar xzf - -C "$2"
+}
+data() {
+  [ -f "$work/data/train.parquet" ] && return
   $CLEW dataset "${opts[@]}" --split train --num-rows "$TRAIN_ROWS" --output-dir "$work/data"
   $CLEW dataset "${opts[@]}" --split eval --num-rows 64 --output-dir "$work/data" --stats
+}
+
+if [ "$phase" = sft ]; then
+  data
   $CLEW init-model --preset "$PRESET" --arch qwen3_vl --image-size 126 --patch-size 14 \
     --merge-size 1 --output "$work/base" --overwrite
   $CLEW sft --model "$work/base" --data "$work/data/train.parquet" \
@@ -31,36 +51,48 @@ if [ "$phase" = sft ]; then
     --max-minutes "$SFT_MINUTES" --batch-size 64 --lr 1e-3 --warmup-steps 50 \
     --eval-interval 100 --keep-last-k-images 1 --device "$DEVICE" \
     --metrics "$out/sft_metrics.jsonl"
+  pack "$work/sft" sft
 elif [ "$phase" = grpo ]; then
-  $CLEW train \
+  data
+  if [ ! -d "$work/sft" ]; then unpack sft "$work"; fi
+  start=$work/sft
+  if [ ! -d "$work/runs/grpo" ] && [ -n "$RESTORE" ] && ls "$RESTORE"/policy.tgz.part-* >/dev/null 2>&1; then
+    # A fresh machine: go on from the last policy that came back (a new optimizer state).
+    unpack policy "$work" && start=$work/policy
+  fi
+  limit=()
+  [ -n "$GRPO_MINUTES" ] && limit=(timeout --signal=INT "$(( ${GRPO_MINUTES%.*} * 60 ))")
+  "${limit[@]}" $CLEW train \
     "data.train_data=['$work/data/train.parquet']" \
     "data.val_data=['$work/data/eval.parquet']" \
-    "trainer.policy.model.path=$work/sft" \
+    "trainer.policy.model.path=$start" \
     "trainer.log_path=$work/runs" \
     trainer.run_name=grpo \
     trainer.logger=console \
-    trainer.train_batch_size=24 \
-    trainer.policy_mini_batch_size=24 \
-    trainer.micro_train_batch_size_per_gpu=48 \
-    trainer.micro_forward_batch_size_per_gpu=48 \
+    "trainer.train_batch_size=$PROMPTS" \
+    "trainer.policy_mini_batch_size=$PROMPTS" \
+    "trainer.micro_train_batch_size_per_gpu=$MICRO" \
+    "trainer.micro_forward_batch_size_per_gpu=$MICRO" \
     trainer.epochs=100 \
     "trainer.max_steps=$GRPO_STEPS" \
     trainer.eval_interval=5 \
     trainer.eval_before_train=true \
     trainer.ckpt_interval=5 \
-    trainer.hf_save_interval=-1 \
+    trainer.hf_save_interval=5 \
     trainer.resume_mode=latest \
     "trainer.policy.optimizer_config.lr=${GRPO_LR:-1e-4}" \
     trainer.policy.optimizer_config.weight_decay=0.0 \
-    generator.n_samples_per_prompt=8 \
-    generator.max_turns=32 \
+    "generator.n_samples_per_prompt=$SAMPLES" \
+    "generator.max_turns=$MAX_TURNS" \
     generator.keep_last_k_images=1 \
     generator.sampling_params.temperature=${GRPO_TEMPERATURE:-1.0} \
     generator.sampling_params.max_generate_length=8 \
     generator.max_input_length=8192 \
     trainer.max_prompt_length=512 \
-    "trainer.device=$DEVICE"
-  cp "$work/runs/grpo/metrics.jsonl" "$out/grpo_metrics.jsonl"
+    "trainer.device=$DEVICE" || echo "clew train stopped (rc $?)"
+  cat "$work/runs/grpo/metrics.jsonl" >> "$out/grpo_metrics.jsonl" || true
+  last=$(ls -d "$work"/runs/grpo/exports/global_step_*/policy 2>/dev/null | sort -V | tail -1)
+  if [ -n "$last" ]; then rm -rf "$work/policy" && cp -r "$last" "$work/policy" && pack "$work/policy" policy; fi
 else
   echo "usage: $0 sft|grpo WORK OUT" >&2
   exit 2
