@@ -29,6 +29,9 @@ class DemoPlan:
     train_rows: int = 2048
     eval_rows: int = 64
     preset: str = "tiny"
+    arch: str = "qwen3_vl"
+    # The policy sees the current image only (generator.keep_last_k_images), in SFT and GRPO.
+    keep_last_k_images: int | None = 1
     sft_steps: int = 200
     sft_batch_size: int = 16
     sft_lr: float = 1e-3
@@ -37,7 +40,9 @@ class DemoPlan:
     grpo_prompts: int = 8
     grpo_samples: int = 8
     grpo_lr: float = 2e-4
+    grpo_temperature: float = 1.0
     loss_reduction: str = "sequence_mean"
+    extra_overrides: tuple[str, ...] = ()
     seed: int = 0
 
 
@@ -46,14 +51,15 @@ def _say(msg: str) -> None:
 
 
 def run_demo(output_dir: str | Path, plan: DemoPlan = DemoPlan()) -> dict[str, float]:
-    from clew.config import load_config
-    from clew.envs.base import text_corpus
-    from clew.metrics import draw_report
-    from clew.models import build_model
-    from clew.run import run_dir_of, train
-    from clew.train.sft import run_sft
-
+    """The whole main job: datasets, base policy, SFT, GRPO, report; returns the summary."""
     out = Path(output_dir)
+    rows = make_datasets(out, plan)
+    sft_dir = make_sft_start(out, plan, rows)
+    return grpo_from(out, plan, rows, sft_dir)
+
+
+def make_datasets(out: Path, plan: DemoPlan) -> dict[str, list]:
+    """Writes ``out/data/{train,eval}.parquet`` and returns their rows."""
     opts = {"cell_px": plan.cell_px, "action_format": "keyword"}
     data = out / "data"
     rows = {}
@@ -63,8 +69,16 @@ def run_demo(output_dir: str | Path, plan: DemoPlan = DemoPlan()) -> dict[str, f
         _say(
             f"{split} set: {data / f'{split}.parquet'}\n{format_stats(dataset_stats(rows[split]))}"
         )
+    return rows
 
-    side = 7 * plan.cell_px
+
+def make_sft_start(out: Path, plan: DemoPlan, rows: dict[str, list]) -> Path:
+    """Builds the base policy offline and SFTs it on solver demonstrations: GRPO's start."""
+    from clew.envs.base import text_corpus
+    from clew.models import build_model
+    from clew.train.sft import run_sft
+
+    side = rows["train"][0].options()["grid_size"] * plan.cell_px
     base = build_model(
         plan.preset,
         out / "models" / "base",
@@ -73,6 +87,7 @@ def run_demo(output_dir: str | Path, plan: DemoPlan = DemoPlan()) -> dict[str, f
         image_size=side,
         patch_size=plan.cell_px,
         merge_size=1,
+        arch=plan.arch,
         overwrite=True,
     )
     _say(f"built the {plan.preset} policy ({base.num_parameters:,} parameters) at {base.path}")
@@ -88,13 +103,25 @@ def run_demo(output_dir: str | Path, plan: DemoPlan = DemoPlan()) -> dict[str, f
         lr=plan.sft_lr,
         warmup_steps=10,
         detour_prob=plan.sft_detour_prob,
+        keep_last_k_images=plan.keep_last_k_images,
         seed=plan.seed,
         log=lambda step, s: (
             _say(f"sft step {step} loss {s['sft/loss']:.3f}") if step % 25 == 0 else None
         ),
     )
+    return sft_dir
 
-    run_name = "grpo"
+
+def grpo_from(
+    out: Path, plan: DemoPlan, rows: dict[str, list], sft_dir: Path, run_name: str = "grpo"
+) -> dict[str, float]:
+    """GRPO from ``sft_dir``, evaluated before training and after; writes the report."""
+    from clew.config import load_config
+    from clew.metrics import draw_report
+    from clew.run import run_dir_of, train
+
+    data = out / "data"
+    turns = rows["eval"][0].max_turns
     overrides = [
         f"data.train_data=['{data / 'train.parquet'}']",
         f"data.val_data=['{data / 'eval.parquet'}']",
@@ -120,12 +147,15 @@ def run_demo(output_dir: str | Path, plan: DemoPlan = DemoPlan()) -> dict[str, f
         f"trainer.algorithm.loss_reduction={plan.loss_reduction}",
         "trainer.policy.optimizer_config.weight_decay=0.0",
         f"generator.n_samples_per_prompt={plan.grpo_samples}",
-        "generator.max_turns=12",
+        f"generator.max_turns={turns}",
+        f"generator.sampling_params.temperature={plan.grpo_temperature}",
         "generator.sampling_params.max_generate_length=8",
         "generator.max_input_length=2048",
         "trainer.max_prompt_length=512",
     ]
-    cfg = load_config(None, overrides)
+    if plan.keep_last_k_images is not None:
+        overrides.append(f"generator.keep_last_k_images={plan.keep_last_k_images}")
+    cfg = load_config(None, [*overrides, *plan.extra_overrides])
     _say(
         f"GRPO: {plan.grpo_steps} steps of {plan.grpo_prompts} mazes x {plan.grpo_samples} samples"
     )

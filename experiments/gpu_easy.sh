@@ -2,6 +2,7 @@
 # The GPU recipe on maze_2d/easy (issue 4), one phase per device call (10 minutes each).
 #
 #   bash experiments/gpu_easy.sh sft   WORK OUT   # data, the small policy, SFT with eval curve
+#   bash experiments/gpu_easy.sh sft_more WORK OUT  # SFT_MINUTES more SFT from WORK/sft
 #   bash experiments/gpu_easy.sh grpo  WORK OUT   # GRPO from WORK/sft (resumes WORK/grpo)
 #
 # WORK holds what the next call needs (kept on the machine while it is held); OUT gets
@@ -52,6 +53,16 @@ if [ "$phase" = sft ]; then
     --eval-interval 100 --keep-last-k-images 1 --device "$DEVICE" \
     --metrics "$out/sft_metrics.jsonl"
   pack "$work/sft" sft
+elif [ "$phase" = sft_more ]; then
+  # More SFT from WORK/sft (restored if the machine is fresh), for SFT_MINUTES more.
+  data
+  if [ ! -d "$work/sft" ]; then unpack sft "$work"; fi
+  $CLEW sft --model "$work/sft" --data "$work/data/train.parquet" \
+    --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
+    --max-minutes "$SFT_MINUTES" --batch-size 64 --lr "${SFT_LR:-1e-3}" --warmup-steps 1 \
+    --eval-interval 100 --keep-last-k-images 1 --device "$DEVICE" \
+    --metrics "$out/sft_more_metrics.jsonl"
+  rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pack "$work/sft" sft
 elif [ "$phase" = grpo ]; then
   data
   if [ ! -d "$work/sft" ]; then unpack sft "$work"; fi

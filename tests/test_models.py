@@ -23,6 +23,7 @@ from clew.models import (
     load_policy,
 )
 from clew.models.factory import mrope_section
+from clew.models.pixels import fast_patches
 from clew.models.tokenizer import SPECIAL_TOKENS
 
 USER_TURN = [
@@ -331,3 +332,30 @@ def test_load_policy_falls_back_when_auto_processor_needs_video(
 def test_errors_are_clew_errors() -> None:
     assert issubclass(CheckpointError, ClewError)
     assert issubclass(ModelError, ClewError)
+
+
+@pytest.mark.parametrize(("merge", "size"), [(2, 252), (1, 140)])
+def test_fast_patches_equal_the_image_processor_bit_for_bit(
+    tmp_path: Path, merge: int, size: int
+) -> None:
+    built = build_model(
+        "tiny",
+        tmp_path / "m",
+        patch_size=14 if merge == 2 else 20,
+        merge_size=merge,
+        image_size=size,
+    )
+    ip = built.processor.image_processor
+    images = [_image(size, seed) for seed in range(5)]
+    pixels, grid = fast_patches(images, ip)
+    ref = ip(images=images, return_tensors="pt")
+    assert torch.equal(pixels, ref["pixel_values"])
+    assert torch.equal(grid, ref["image_grid_thw"])
+
+
+def test_fast_patches_leave_what_needs_resizing_to_the_processor(tiny: BuiltModel) -> None:
+    ip = tiny.processor.image_processor
+    assert fast_patches([_image(252), _image(224)], ip) is None  # mixed sizes
+    assert fast_patches([_image(250)], ip) is None  # not a multiple of patch x merge
+    assert fast_patches([_image(252).convert("L")], ip) is None  # not RGB
+    assert fast_patches([], ip) is None

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from clew.models.pixels import fast_patches
+
 
 @dataclass
 class Chunk:
@@ -61,6 +63,9 @@ class ChatFormat:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode_images(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+        fast = fast_patches(images, self.image_processor)
+        if fast is not None:
+            return fast
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
