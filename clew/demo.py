@@ -4,12 +4,18 @@ Datasets, a policy built offline, SFT from solver demonstrations, GRPO from the 
 checkpoint, evaluation of both on the same fixed eval mazes, a report (plot and GIF).
 
 The task is ``maze_2d/room`` (7x7 grid, open room, start and goal anywhere inside) with
-14 px cells and a policy whose vision patch is one cell (``patch_size=14``,
-``merge_size=1``: one vision token per cell). Why not ``maze_2d/easy``: learning mazes
-from pixels takes hundreds of thousands of samples (see NOTES), hours on two CPU cores,
-while the room keeps the visual skill (find yourself and the goal in the picture, move,
-stop on the goal) and drops the path planning. The GPU recipe (BENCHMARKS.md) trains on
-``maze_2d/easy`` itself.
+14 px cells and a Qwen3-VL policy whose vision patch is one cell (``patch_size=14``,
+``merge_size=1``: one vision token per cell) and that sees the current frame only
+(``keep_last_k_images=1``, in SFT and GRPO alike). Why not ``maze_2d/easy``: learning
+mazes from pixels takes hundreds of thousands of samples (see NOTES), hours on two CPU
+cores, while the room keeps the visual skill (find yourself and the goal in the picture,
+move, reach the goal) and drops the path planning. The GPU recipe (BENCHMARKS.md) trains
+on ``maze_2d/easy`` itself.
+
+The defaults are the measured recipe of BENCHMARKS.md ("The CPU main job"): a short SFT
+(150 steps) leaves a policy whose greedy play often loops into a wall while its sampled
+play solves about a third of the mazes; GRPO at the seed's sampling temperature (0.7),
+with two optimizer steps per batch, turns that into greedy solves.
 """
 
 from __future__ import annotations
@@ -32,15 +38,19 @@ class DemoPlan:
     arch: str = "qwen3_vl"
     # The policy sees the current image only (generator.keep_last_k_images), in SFT and GRPO.
     keep_last_k_images: int | None = 1
-    sft_steps: int = 200
+    sft_steps: int = 150
     sft_batch_size: int = 16
     sft_lr: float = 1e-3
     sft_detour_prob: float = 0.0
-    grpo_steps: int = 20
+    grpo_steps: int = 60
     grpo_prompts: int = 8
+    # Mini-batches of 4 prompts: two optimizer steps per batch of rollouts (the seed's ratio,
+    # 24 prompts in mini-batches of 12), with PPO's clipped ratio on the second.
+    grpo_mini_batch: int = 4
     grpo_samples: int = 8
     grpo_lr: float = 2e-4
-    grpo_temperature: float = 1.0
+    # Sampling temperature of GRPO's rollouts (the seed's 0.7); evaluation is greedy.
+    grpo_temperature: float = 0.7
     loss_reduction: str = "sequence_mean"
     extra_overrides: tuple[str, ...] = ()
     seed: int = 0
@@ -130,7 +140,7 @@ def grpo_from(
         f"trainer.run_name={run_name}",
         "trainer.logger=['console','tensorboard']",
         f"trainer.train_batch_size={plan.grpo_prompts}",
-        f"trainer.policy_mini_batch_size={plan.grpo_prompts}",
+        f"trainer.policy_mini_batch_size={plan.grpo_mini_batch}",
         # 16 sequences per forward: CPU attention with a mask materialises its scores,
         # so larger micro-batches cost gigabytes for little speed.
         "trainer.micro_train_batch_size_per_gpu=16",
