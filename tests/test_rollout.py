@@ -87,6 +87,15 @@ def test_engine_positions_equal_transformers_rope_index(policy, rows):
     assert torch.equal(ours, theirs[:, 0])
 
 
+def test_positions_of_text_and_one_image_and_a_grid_mismatch():
+    img = 9  # the image token id; a 2x4 grid with merge 2 gives 1x2 = 2 image tokens
+    grid = torch.tensor([[1, 2, 4]])
+    pos = sequence_positions([5, 5, img, img, 5], grid, img, 2)
+    assert pos.tolist() == [[0, 1, 2, 2, 4], [0, 1, 2, 2, 4], [0, 1, 2, 3, 4]]
+    with pytest.raises(ValueError, match="image tokens"):
+        sequence_positions([5, img, img, img], grid, img, 2)
+
+
 def test_loss_mask_marks_exactly_the_sampled_tokens(policy, rows):
     model, chat = policy
     trajs = play(InferenceEngine(model, chat), rows, _settings(), seed=1)

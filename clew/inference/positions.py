@@ -10,6 +10,7 @@ test checks these positions against transformers' own ``get_rope_index``.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -22,27 +23,32 @@ def mrope_positions(
 ) -> tuple[torch.Tensor, int]:
     """Positions ``[3, len(token_ids)]`` of a chunk that starts at ``start``, and the next start."""
     n = len(token_ids)
-    pos = torch.empty(3, n, dtype=torch.long)
-    grids = iter(image_grid_thw.tolist()) if image_grid_thw is not None else iter(())
-    i, p = 0, start
-    while i < n:
-        if token_ids[i] != image_token_id:
-            pos[:, i] = p
-            p += 1
-            i += 1
-            continue
-        t, h, w = next(grids)
+    pos = np.empty((3, n), dtype=np.int64)
+    image_at = np.flatnonzero(np.asarray(token_ids, dtype=np.int64) == image_token_id)
+    grids = image_grid_thw.tolist() if image_grid_thw is not None else []
+    # Whole runs at a time (text between images, then one image's block): a per-token loop
+    # cost 0.19 s for a batch of 64 SFT demonstrations.
+    i, p, k = 0, start, 0
+    for t, h, w in grids:
+        if k >= len(image_at):
+            break
+        first = int(image_at[k])
+        pos[:, i:first] = p + np.arange(first - i)
+        p += first - i
         h, w = h // merge_size, w // merge_size
         count = t * h * w
-        tt = torch.arange(t).view(-1, 1, 1).expand(t, h, w).reshape(-1)
-        hh = torch.arange(h).view(1, -1, 1).expand(t, h, w).reshape(-1)
-        ww = torch.arange(w).view(1, 1, -1).expand(t, h, w).reshape(-1)
-        pos[0, i : i + count] = p + tt
-        pos[1, i : i + count] = p + hh
-        pos[2, i : i + count] = p + ww
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+        pos[:, first : first + count] = p + np.stack([tt.ravel(), hh.ravel(), ww.ravel()])
         p += max(t, h, w)
-        i += count
-    return pos, p
+        i, k = first + count, k + count
+    if k != len(image_at):
+        raise ValueError(
+            f"{len(image_at)} image tokens but the image grids account for {k}: the chunk and "
+            "its image_grid_thw do not match"
+        )
+    pos[:, i:n] = p + np.arange(n - i)
+    p += n - i
+    return torch.from_numpy(pos), p
 
 
 def sequence_positions(
