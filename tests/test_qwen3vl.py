@@ -187,3 +187,17 @@ def test_position_table_starts_as_a_2d_sincos_grid(built) -> None:
     assert torch.equal(table[0, :half], table[1, :half])
     assert not torch.equal(table[0, half:], table[1, half:])
     assert not torch.equal(table[0, :half], table[side, :half])
+
+
+def test_a_user_turn_without_pixels_has_the_same_tokens_and_grids(policy) -> None:
+    _, chat = policy
+    images = [_image(112, 0), _image(112, 1)]
+    full = chat.user_turn("You moved up.", images, first=False)
+    lean = chat.user_turn("You moved up.", images, first=False, pixels=False)
+    assert lean.token_ids == full.token_ids
+    assert torch.equal(lean.image_grid_thw, full.image_grid_thw)
+    assert full.pixel_values is not None and lean.pixel_values is None
+    # Repeated text comes from the tokenization cache, unchanged and not aliased.
+    again = chat.user_turn("You moved up.", images, first=False, pixels=False)
+    again.token_ids.append(-1)
+    assert chat.user_turn("You moved up.", images, first=False).token_ids == full.token_ids

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["fast_patches"]
+__all__ = ["fast_grid", "fast_patches"]
 
 
 def _pixel_bounds(ip: Any) -> tuple[int, int] | None:
@@ -41,8 +41,7 @@ def _keeps_size(height: int, width: int, factor: int, lo: int, hi: int) -> bool:
     return height % factor == 0 and width % factor == 0 and lo <= height * width <= hi
 
 
-def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(pixel_values [N * gh * gw, C * T * P * P], image_grid_thw [N, 3])`` or ``None``."""
+def _settings(ip: Any) -> tuple[int, int, int, float, np.ndarray, np.ndarray] | None:
     try:
         patch = int(ip.patch_size)
         merge = int(ip.merge_size)
@@ -53,14 +52,33 @@ def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torc
         flags = (ip.do_rescale, ip.do_normalize)
     except (AttributeError, TypeError, ValueError):
         return None
-    bounds = _pixel_bounds(ip)
-    if not images or bounds is None or flags != (True, True):
+    return (patch, merge, temporal, scale, mean, std) if flags == (True, True) else None
+
+
+def fast_grid(images: list[Image.Image], ip: Any) -> torch.Tensor | None:
+    """``image_grid_thw [N, 3]`` of images the fast path covers (else ``None``), without pixels.
+
+    What a caller needs that only counts image tokens (building SFT demonstrations).
+    """
+    settings, bounds = _settings(ip), _pixel_bounds(ip)
+    if not images or settings is None or bounds is None:
         return None
+    patch, merge = settings[0], settings[1]
     width, height = images[0].size
     if any(im.mode != "RGB" or im.size != (width, height) for im in images):
         return None
     if not _keeps_size(height, width, patch * merge, *bounds):
         return None
+    return torch.tensor([[1, height // patch, width // patch]] * len(images), dtype=torch.int64)
+
+
+def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(pixel_values [N * gh * gw, C * T * P * P], image_grid_thw [N, 3])`` or ``None``."""
+    grid = fast_grid(images, ip)
+    settings = _settings(ip)
+    if grid is None or settings is None:
+        return None
+    patch, merge, temporal, scale, mean, std = settings
     # The processor's arithmetic (rescale in float64, cast to float32, normalise in float32)
     # has one result per channel and byte value: a 3 x 256 table gives the same floats,
     # bit for bit, with one lookup per pixel.
@@ -75,6 +93,4 @@ def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torc
     x = x.reshape(n, channels, gh // merge, merge, patch, gw // merge, merge, patch)
     x = x.transpose(0, 2, 5, 3, 6, 1, 4, 7)  # [N, gh/m, gw/m, m, m, C, P, P]
     x = np.broadcast_to(x[:, :, :, :, :, :, None], (*x.shape[:6], temporal, patch, patch))
-    pixel_values = torch.from_numpy(np.ascontiguousarray(x).reshape(n * gh * gw, -1))
-    grid = torch.tensor([[1, gh, gw]] * n, dtype=torch.int64)
-    return pixel_values, grid
+    return torch.from_numpy(np.ascontiguousarray(x).reshape(n * gh * gw, -1)), grid
