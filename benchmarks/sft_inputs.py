@@ -1,0 +1,116 @@
+"""The host-side inputs of SFT: pixel patches for a batch, and building demonstrations.
+
+1. Pixel patches. An SFT step (and the trainer's forward) encodes every frame of every
+   sequence in the batch. Baseline: the Qwen2-VL PIL image processor, called once per
+   sequence as the worker did before ``clew.models.pixels``; clew:
+   ``ChatFormat.encode_images`` (the vectorised path for same-size frames). Both outputs
+   are checked equal before timing.
+2. Demonstrations per second on ``maze_2d/easy`` (``clew.train.sft.demonstrations``).
+   Baseline: the same code with a ``ChatFormat`` that encodes every frame with the image
+   processor and tokenizes every text anew (what it did before); both must give the same
+   tokens.
+
+    python benchmarks/sft_inputs.py [--sequences 64] [--frames 14] [--cell-px 14] [--demos 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from clew.data.rows import generate_rows
+from clew.envs import make
+from clew.envs.maze.actions import Action, format_action
+from clew.envs.maze.solver import shortest_actions
+from clew.models import build_model
+from clew.models.chat import ChatFormat
+from clew.train.sft import demonstrations
+
+
+class BaselineChat(ChatFormat):
+    """Encodes every frame with the image processor and tokenizes every text anew."""
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode_images(self, images):
+        out = self.image_processor(images=images, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def user_turn(self, text, images, *, first, after_reply_end=True, pixels=True):
+        return super().user_turn(text, images, first=first, after_reply_end=after_reply_end)
+
+
+def best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def frames(n_seq: int, n_frames: int, cell_px: int) -> list[list]:
+    out = []
+    for seed in range(n_seq):
+        env = make("maze_2d/easy", cell_px=cell_px, max_turns=64)
+        seq = [env.reset(seed=seed).images[0]]
+        for d in shortest_actions(env.maze)[: n_frames - 1]:
+            obs, *_ = env.step(format_action(Action("move", d), env.action_format))
+            seq.append(obs.images[0])
+        out.append(seq)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sequences", type=int, default=64)
+    ap.add_argument("--frames", type=int, default=14)
+    ap.add_argument("--cell-px", type=int, default=14)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--demos", type=int, default=300)
+    args = ap.parse_args()
+    side = 9 * args.cell_px
+    with tempfile.TemporaryDirectory() as tmp:
+        built = build_model(
+            "tiny", Path(tmp) / "m", image_size=side, patch_size=args.cell_px, merge_size=1
+        )
+    chat = ChatFormat(built.processor)
+    batch = frames(args.sequences, args.frames, args.cell_px)
+    n_images = sum(len(s) for s in batch)
+
+    def baseline() -> list:
+        return [chat.image_processor(images=s, return_tensors="pt") for s in batch]
+
+    def clew() -> list:
+        return [chat.encode_images(s) for s in batch]
+
+    for ref, ours in zip(baseline(), clew(), strict=True):
+        assert torch.equal(ref["pixel_values"], ours[0])
+    for name, fn in (("image processor (baseline)", baseline), ("clew encode_images", clew)):
+        best = best_of(fn, args.repeats)
+        print(
+            f"{name:28s} {best * 1000:8.1f} ms per batch of {args.sequences} sequences "
+            f"({n_images} frames of {side} px): {n_images / best:9.0f} frames/s"
+        )
+
+    opts = {"cell_px": args.cell_px, "max_turns": 32, "action_format": "keyword"}
+    rows = generate_rows("maze_2d/easy", args.demos, "train", env_options=opts)
+    chats = {
+        "demonstrations (baseline)": BaselineChat(built.processor),
+        "clew demonstrations": chat,
+    }
+    made = {name: demonstrations(rows, c, 0.0, 0) for name, c in chats.items()}
+    first, second = made.values()
+    assert [d.token_ids for d in first] == [d.token_ids for d in second]
+    for name, c in chats.items():
+        best = best_of(lambda c=c: demonstrations(rows, c, 0.0, 0), args.repeats)
+        print(f"{name:28s} {args.demos / best:8.0f} per second ({args.demos} maze_2d/easy rows)")
+
+
+if __name__ == "__main__":
+    main()
