@@ -32,6 +32,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from clew.errors import CheckpointError, ConfigError, ModelError
 from clew.models.processor import ClewVLProcessor
+from clew.models.vision_attention import batch_vision_attention
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_policy", "resolve_dtype"]
 
@@ -180,7 +181,8 @@ def load_policy(
     dtype recorded in config.json) or a ``torch.dtype``. ``device``: "cpu", "cuda",
     "cuda:N" or a ``torch.device``. ``attn_implementation`` is passed to transformers
     ("sdpa", "eager", "flex_attention", ...); None keeps its default. The model is returned
-    in eval mode. Raises ``CheckpointError`` for a missing or incomplete directory,
+    in eval mode, its vision attention batched over same-size images
+    (``clew.models.vision_attention``). Raises ``CheckpointError`` for a missing or incomplete directory,
     ``ModelError`` for a config that is not a supported VL model, ``ConfigError`` for a bad
     dtype or device.
     """
@@ -198,5 +200,6 @@ def load_policy(
         raise CheckpointError(f"could not load the model weights from {path}: {error}") from error
     model = model.to(target)
     model.eval()
+    batch_vision_attention(model)
     processor = load_processor(path)
     return model, processor

@@ -1,0 +1,75 @@
+"""The vision tower over one SFT batch of frames: batched attention beside transformers'.
+
+Baseline: transformers' Qwen3-VL vision tower as loaded (sdpa, one attention call per
+image per layer). clew: the same weights with ``batch_vision_attention`` (one call per
+layer for same-size images). Forward and backward of the tower's features, best of
+``--repeats``; on CUDA the time includes a synchronize.
+
+    python benchmarks/vision_attention.py [--frames 912] [--preset small] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from clew.models import build_model
+from clew.models.chat import ChatFormat
+from clew.models.vision_attention import batch_vision_attention
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--frames", type=int, default=912)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        built = build_model(
+            args.preset,
+            Path(tmp) / "m",
+            image_size=126,
+            patch_size=14,
+            merge_size=1,
+            arch="qwen3_vl",
+        )
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    baseline = built.model.to(args.device, dtype).train()
+    ours = copy.deepcopy(baseline)
+    batch_vision_attention(ours)
+    rng = np.random.default_rng(0)
+    frames = [
+        Image.fromarray(rng.integers(0, 256, (126, 126, 3), dtype=np.uint8))
+        for _ in range(args.frames)
+    ]
+    pixels, grid = ChatFormat(built.processor).encode_images(frames)
+    pixels, grid = pixels.to(args.device, dtype), grid.to(args.device)
+
+    def step(model: torch.nn.Module) -> None:
+        out = model.model.get_image_features(pixels, grid)
+        feats = getattr(out, "pooler_output", out)
+        feats = torch.cat(list(feats)) if isinstance(feats, (list, tuple)) else feats
+        feats.float().square().mean().backward()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    for name, model in (("transformers, per image (baseline)", baseline), ("clew, batched", ours)):
+        step(model)
+        best = float("inf")
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            step(model)
+            best = min(best, time.perf_counter() - t)
+        print(f"{name:36s} {best * 1000:8.1f} ms forward+backward, {args.frames} frames")
+
+
+if __name__ == "__main__":
+    main()

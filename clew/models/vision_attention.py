@@ -1,0 +1,96 @@
+"""One attention call for all the images of a batch when they share a size.
+
+transformers' Qwen2-VL and Qwen3-VL vision towers attend image by image unless flash
+attention is installed (it is not, here or on the GPU image): the packed patches are split
+at ``cu_seqlens`` and each image gets its own attention call, in every vision layer. An
+SFT step of 64 maze episodes held 912 frames, so 3,654 separate calls (forward alone,
+``experiments/profile_sft.py`` on an H200), each too small to use the GPU. Maze frames
+all have one size, so the split pieces stack into one ``[images, heads, patches, dim]``
+batch and one ``scaled_dot_product_attention`` call computes the same attention.
+
+``batch_vision_attention(model)`` wraps the ``forward`` of each vision attention module
+with that path and keeps the original for anything else (images of different sizes, or a
+module whose layout this code does not recognise: it then leaves the model alone). The
+result equals the per-image path up to float rounding (tested).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["batch_vision_attention"]
+
+
+def _rotary_for(module: torch.nn.Module) -> Callable | None:
+    import importlib
+
+    try:
+        lib = importlib.import_module(type(module).__module__)
+    except ImportError:  # pragma: no cover - the module's own file always imports
+        return None
+    return getattr(lib, "apply_rotary_pos_emb_vision", None)
+
+
+def _batched_forward(original: Callable, rotary: Callable) -> Callable:
+    def forward(
+        self: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        *args: Any,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if args or position_embeddings is None or len(lengths) < 2:
+            return original(
+                hidden_states, cu_seqlens, *args, position_embeddings=position_embeddings, **kwargs
+            )
+        low, high = (int(x) for x in torch.aminmax(lengths))
+        if low != high:
+            return original(
+                hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs
+            )
+        seq, images, heads = hidden_states.shape[0], len(lengths), self.num_heads
+        q, k, v = self.qkv(hidden_states).reshape(seq, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
+        cos, sin = position_embeddings
+        q, k = rotary(q, k, cos, sin)
+
+        def per_image(t: torch.Tensor) -> torch.Tensor:  # [S, H, D] -> [images, H, L, D]
+            return t.reshape(images, low, heads, -1).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(
+            per_image(q), per_image(k), per_image(v), scale=self.scaling
+        )
+        return self.proj(out.transpose(1, 2).reshape(seq, -1))
+
+    return forward
+
+
+def batch_vision_attention(model: torch.nn.Module) -> int:
+    """Wraps every recognised vision attention module of ``model``; returns how many."""
+    visual = getattr(getattr(model, "model", model), "visual", None)
+    if visual is None:
+        return 0
+    wrapped = 0
+    for module in visual.modules():
+        if not type(module).__name__.endswith("VisionAttention") or hasattr(
+            module, "_clew_batched"
+        ):
+            continue
+        implementation = str(getattr(getattr(module, "config", None), "_attn_implementation", ""))
+        if "flash" in implementation:  # flash attention's varlen path is already one call
+            continue
+        rotary = _rotary_for(module)
+        if rotary is None or not all(
+            hasattr(module, a) for a in ("qkv", "proj", "num_heads", "scaling")
+        ):
+            continue
+        module.forward = types.MethodType(_batched_forward(module.forward, rotary), module)
+        module._clew_batched = True
+        wrapped += 1
+    return wrapped

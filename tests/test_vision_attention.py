@@ -1,0 +1,59 @@
+"""Tests for clew.models.vision_attention: one attention call for same-size images."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+import clew.models.vision_attention as va
+from clew.models import build_model
+from clew.models.chat import ChatFormat
+from clew.models.vision_attention import batch_vision_attention
+
+
+def _images(sizes: list[int]) -> list[Image.Image]:
+    rng = np.random.default_rng(0)
+    return [Image.fromarray(rng.integers(0, 256, (s, s, 3), dtype=np.uint8)) for s in sizes]
+
+
+def _features(model: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        out = model.model.get_image_features(pixels, grid)
+    out = getattr(out, "pooler_output", out)
+    return torch.cat(list(out)) if isinstance(out, (list, tuple)) else out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_vl"])
+@pytest.mark.parametrize("sizes", [[84] * 5, [84, 56, 84]])
+def test_batched_vision_attention_gives_the_per_image_features(
+    tmp_path: Path, arch: str, sizes: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built = build_model(
+        "tiny", tmp_path / "m", image_size=84, patch_size=14, merge_size=1, arch=arch
+    )
+    pixels, grid = ChatFormat(built.processor).encode_images(_images(sizes))
+    batched = copy.deepcopy(built.model)
+    assert batch_vision_attention(batched) == 1  # the tiny preset's one vision layer
+    assert batch_vision_attention(batched) == 0  # wrapping twice is a no-op
+    calls: list[torch.Size] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return sdpa(*args, **kwargs)
+
+    reference = _features(built.model, pixels, grid)
+    # torch.nn.functional is one module: the spy sees transformers' per-image calls too.
+    monkeypatch.setattr(va.F, "scaled_dot_product_attention", spy)
+    ours = _features(batched, pixels, grid)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-6)
+    if len(set(sizes)) == 1:
+        assert calls == [torch.Size([len(sizes), 4, 36, 32])]  # one call for all images
+    else:
+        assert [c[0] for c in calls] == [1] * len(sizes)  # image by image, as transformers
