@@ -55,28 +55,36 @@ def _settings(ip: Any) -> tuple[int, int, int, float, np.ndarray, np.ndarray] | 
     return (patch, merge, temporal, scale, mean, std) if flags == (True, True) else None
 
 
+def _covered(images: list[Image.Image], ip: Any) -> tuple[Any, ...] | None:
+    """The processor's settings when the fast path covers ``images``, else ``None``."""
+    settings, bounds = _settings(ip), _pixel_bounds(ip)
+    if not images or settings is None or bounds is None:
+        return None
+    width, height = images[0].size
+    if any(im.mode != "RGB" or im.size != (width, height) for im in images):
+        return None
+    patch, merge = settings[0], settings[1]
+    return settings if _keeps_size(height, width, patch * merge, *bounds) else None
+
+
+def _grid(images: list[Image.Image], patch: int) -> torch.Tensor:
+    width, height = images[0].size
+    return torch.tensor([[1, height // patch, width // patch]] * len(images), dtype=torch.int64)
+
+
 def fast_grid(images: list[Image.Image], ip: Any) -> torch.Tensor | None:
     """``image_grid_thw [N, 3]`` of images the fast path covers (else ``None``), without pixels.
 
     What a caller needs that only counts image tokens (building SFT demonstrations).
     """
-    settings, bounds = _settings(ip), _pixel_bounds(ip)
-    if not images or settings is None or bounds is None:
-        return None
-    patch, merge = settings[0], settings[1]
-    width, height = images[0].size
-    if any(im.mode != "RGB" or im.size != (width, height) for im in images):
-        return None
-    if not _keeps_size(height, width, patch * merge, *bounds):
-        return None
-    return torch.tensor([[1, height // patch, width // patch]] * len(images), dtype=torch.int64)
+    settings = _covered(images, ip)
+    return None if settings is None else _grid(images, settings[0])
 
 
 def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(pixel_values [N * gh * gw, C * T * P * P], image_grid_thw [N, 3])`` or ``None``."""
-    grid = fast_grid(images, ip)
-    settings = _settings(ip)
-    if grid is None or settings is None:
+    settings = _covered(images, ip)
+    if settings is None:
         return None
     patch, merge, temporal, scale, mean, std = settings
     # The processor's arithmetic (rescale in float64, cast to float32, normalise in float32)
@@ -93,4 +101,4 @@ def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torc
     x = x.reshape(n, channels, gh // merge, merge, patch, gw // merge, merge, patch)
     x = x.transpose(0, 2, 5, 3, 6, 1, 4, 7)  # [N, gh/m, gw/m, m, m, C, P, P]
     x = np.broadcast_to(x[:, :, :, :, :, :, None], (*x.shape[:6], temporal, patch, patch))
-    return torch.from_numpy(np.ascontiguousarray(x).reshape(n * gh * gw, -1)), grid
+    return torch.from_numpy(np.ascontiguousarray(x).reshape(n * gh * gw, -1)), _grid(images, patch)

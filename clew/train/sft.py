@@ -209,6 +209,8 @@ def run_sft(
     output_dir = Path(output_dir)
     if output_dir.resolve() == Path(model_dir).resolve():
         raise ConfigError(f"output_dir {output_dir} is the starting model; choose another folder")
+    if keep_last_k_images is not None and keep_last_k_images < 1:
+        raise ConfigError(f"keep_last_k_images must be >= 1 or None, got {keep_last_k_images}")
     torch.manual_seed(seed)
     settings = WorkerSettings(
         lr=lr,
@@ -223,8 +225,6 @@ def run_sft(
     )
     worker = PolicyWorker.from_pretrained(model_dir, settings, dtype=dtype, device=device)
     chat = worker.chat
-    if keep_last_k_images is not None and keep_last_k_images < 1:
-        raise ConfigError(f"keep_last_k_images must be >= 1 or None, got {keep_last_k_images}")
 
     def make_demos(pass_seed: int) -> list[Demonstration]:
         out = demonstrations(train_rows, chat, detour_prob, pass_seed)
