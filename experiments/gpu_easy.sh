@@ -29,6 +29,9 @@ PROMPTS=${PROMPTS:-24}
 SAMPLES=${SAMPLES:-8}
 MAX_TURNS=${MAX_TURNS:-32}
 MICRO=${MICRO:-48}
+SFT_BATCH=${SFT_BATCH:-64}  # demonstrations per SFT step
+DETOUR=${DETOUR:-0.0}  # share of detour turns in SFT demonstrations (wrong moves, wall bumps)
+SFT_EVAL_INTERVAL=${SFT_EVAL_INTERVAL:-100}
 opts=(--env-id maze_2d/easy --option cell_px=14 --option max_turns=32 --option action_format=keyword)
 
 pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
@@ -49,8 +52,9 @@ if [ "$phase" = sft ]; then
     --merge-size 1 --output "$work/base" --overwrite
   $CLEW sft --model "$work/base" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft" --steps "$SFT_STEPS" \
-    --max-minutes "$SFT_MINUTES" --batch-size 64 --lr 1e-3 --warmup-steps 50 \
-    --eval-interval 100 --keep-last-k-images 1 --device "$DEVICE" \
+    --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
+    --warmup-steps 50 --detour-prob "$DETOUR" \
+    --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" \
     --metrics "$out/sft_metrics.jsonl"
   pack "$work/sft" sft
 elif [ "$phase" = sft_more ]; then
@@ -59,8 +63,8 @@ elif [ "$phase" = sft_more ]; then
   if [ ! -d "$work/sft" ]; then unpack sft "$work"; fi
   $CLEW sft --model "$work/sft" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
-    --max-minutes "$SFT_MINUTES" --batch-size 64 --lr "${SFT_LR:-1e-3}" --warmup-steps 1 \
-    --eval-interval 100 --keep-last-k-images 1 --device "$DEVICE" \
+    --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
+    --warmup-steps 1 --detour-prob "$DETOUR" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" \
     --metrics "$out/sft_more_metrics.jsonl"
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pack "$work/sft" sft
 elif [ "$phase" = grpo ]; then

@@ -182,7 +182,7 @@ def load_policy(
     "cuda:N" or a ``torch.device``. ``attn_implementation`` is passed to transformers
     ("sdpa", "eager", "flex_attention", ...); None keeps its default. The model is returned
     in eval mode, its vision attention batched over same-size images
-    (``clew.models.vision_attention``). Raises ``CheckpointError`` for a missing or incomplete directory,
+    (``clew.models.vision_attention``); on CUDA, float32 matmuls use TF32. Raises ``CheckpointError`` for a missing or incomplete directory,
     ``ModelError`` for a config that is not a supported VL model, ``ConfigError`` for a bad
     dtype or device.
     """
@@ -200,6 +200,12 @@ def load_policy(
         raise CheckpointError(f"could not load the model weights from {path}: {error}") from error
     model = model.to(target)
     model.eval()
+    if target.type == "cuda":
+        # float32 matmuls on TF32 tensor cores (what HF Trainer's ``tf32=True`` sets): about
+        # 10 mantissa bits in the products, float32 accumulation and weights; without it a
+        # float32 policy leaves the GPU's tensor cores idle.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     batch_vision_attention(model)
     processor = load_processor(path)
     return model, processor
