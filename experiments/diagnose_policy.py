@@ -5,7 +5,8 @@
 Plays ROWS (default 64) fixed maze_2d/easy eval mazes (14 px cells, 32 turns, current frame
 only) and classifies every turn: an optimal move (distance to the goal falls), a wrong move
 (rises), a wall bump, stop on/off the goal, or a turn on the goal that is not a stop. Also
-counts episodes that revisit a state (loops) and what ended each failed episode.
+counts episodes that revisit a state (loops) and what ended each failed episode. A bump that
+repeats the previous turn's bump (same frame, same move) counts as ``wall_repeated``.
 """
 
 import sys
@@ -40,6 +41,7 @@ for traj, row in zip(trajs, rows, strict=True):
     seen = {env.agent}
     looped = False
     first = None
+    last = None
     for t, action in enumerate(traj.actions):
         before = env.agent
         _, _, done, info = env.step(action)
@@ -53,6 +55,9 @@ for traj, row in zip(trajs, rows, strict=True):
             kind = "stop_on_goal" if before == env.maze.goal else "stop_off_goal"
         else:
             kind = ev
+        if ev == "wall" and last == ("wall", action):
+            kind = "wall_repeated"  # the same bump as the turn before, on the same frame
+        last = (ev, action)
         if before == env.maze.goal and ev != "stop":
             kind = "left_goal_" + kind
         turns[kind] += 1

@@ -237,6 +237,33 @@ def test_keep_last_k_images_hides_old_images_the_same_way_in_engine_and_trainer(
     model.eval()
 
 
+def test_hidden_images_leave_the_kv_cache_without_changing_any_logprob(policy, rows, monkeypatch):
+    from dataclasses import replace
+
+    import clew.inference.engine as engine_module
+
+    model, chat = policy
+    settings = replace(_settings(max_turns=6), keep_last_k_images=1)
+    widths: list[tuple[int, int]] = []
+    compact = engine_module.Session._compact
+
+    def recording(session):
+        before = session.cache_tokens
+        compact(session)
+        widths.append((before, session.cache_tokens))
+
+    monkeypatch.setattr(engine_module.Session, "_compact", recording)
+    compacted = play(InferenceEngine(model, chat), rows, settings, seed=7)
+    # Some turn dropped columns: the cache holds fewer tokens than were fed.
+    assert any(after < before for before, after in widths)
+    monkeypatch.setattr(engine_module, "_COMPACT_WHEN_VISIBLE_BELOW", 0.0)
+    full = play(InferenceEngine(model, chat), rows, settings, seed=7)
+    for a, b in zip(compacted, full, strict=True):
+        assert a.token_ids == b.token_ids
+        diff = (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max()
+        assert float(diff) < 1e-5
+
+
 def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
     from clew.inference.engine import filter_logits
 

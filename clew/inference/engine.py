@@ -119,6 +119,10 @@ def cache_budget_bytes(
     return max_cache_mb * 2**20
 
 
+# Session._compact runs once the visible columns are at most this share of the cache width.
+_COMPACT_WHEN_VISIBLE_BELOW = 0.75
+
+
 class InferenceEngine:
     """Samples replies for many sequences at once from a (possibly LoRA-wrapped) Qwen-VL model."""
 
@@ -272,6 +276,7 @@ class Session:
                 )
                 self.images_seen[r] += int(starts.sum())
         self._hide_old_images()
+        self._compact()
         extra = {}
         if pix:
             extra["pixel_values"] = torch.cat(pix).to(dev)
@@ -315,6 +320,37 @@ class Session:
         limit = torch.tensor(self.images_seen, device=self.mask.device)[:, None] - self.keep_last_k
         hidden = (self.image_of_col >= 0) & (self.image_of_col < limit)
         self.mask = self.mask.masked_fill(hidden, 0)
+
+    def _compact(self) -> None:
+        """Drop the cache columns a row can no longer see (hidden images, padding), row by row.
+
+        A hidden column is never shown again and a masked column adds exactly nothing to
+        attention, so removing it changes no logit (up to float summation order); the cached
+        keys already carry their rotary positions, so moving a column changes nothing either.
+        With ``keep_last_k_images`` most of a long episode's cache is old images: without
+        this, every decode step would still read, concatenate and expand them.
+        """
+        b, n = self.mask.shape
+        if n == 0:
+            return
+        visible = self.mask.bool()
+        width = int(visible.sum(1).max())
+        # A copy of the whole cache per compaction: only worth it once a quarter is dead.
+        if width > _COMPACT_WHEN_VISIBLE_BELOW * n:
+            return
+        # Visible columns keep their order and are right-aligned; a row with fewer than
+        # ``width`` is left-padded with some of its masked columns.
+        order = torch.argsort(visible.to(torch.int8), dim=1, stable=True)
+        idx = order[:, n - width :]
+        self.mask = self.mask.gather(1, idx)
+        self.image_of_col = self.image_of_col.gather(1, idx)
+        for layer in getattr(self.cache, "layers", []):
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                index = idx[:, None, :, None].expand(b, t.shape[1], width, t.shape[3])
+                setattr(layer, name, t.gather(2, index))
 
     def _hit_stop_string(self, g: Generation, params: SamplingParams) -> bool:
         if not params.stop:
