@@ -32,6 +32,7 @@ MICRO=${MICRO:-48}
 SFT_BATCH=${SFT_BATCH:-64}  # demonstrations per SFT step
 DETOUR=${DETOUR:-0.0}  # share of detour turns in SFT demonstrations (wrong moves, wall bumps)
 SFT_EVAL_INTERVAL=${SFT_EVAL_INTERVAL:-100}
+# GRPO_EXTRA: more `clew train` overrides, space-separated (e.g. trainer.eval_interval=10)
 opts=(--env-id maze_2d/easy --option cell_px=14 --option max_turns=32 --option action_format=keyword)
 
 pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
@@ -104,7 +105,8 @@ elif [ "$phase" = grpo ]; then
     generator.sampling_params.max_generate_length=8 \
     generator.max_input_length=8192 \
     trainer.max_prompt_length=512 \
-    "trainer.device=$DEVICE" || echo "clew train stopped (rc $?)"
+    "trainer.device=$DEVICE" \
+    ${GRPO_EXTRA:-} || echo "clew train stopped (rc $?)"
   cat "$work/runs/grpo/metrics.jsonl" >> "$out/grpo_metrics.jsonl" || true
   last=$(ls -d "$work"/runs/grpo/exports/global_step_*/policy 2>/dev/null | sort -V | tail -1)
   if [ -n "$last" ]; then rm -rf "$work/policy" && cp -r "$last" "$work/policy" && pack "$work/policy" policy; fi
