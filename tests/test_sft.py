@@ -186,3 +186,22 @@ def test_sft_with_an_image_window_hides_old_images_and_stops_on_its_time_budget(
         run_sft(
             model_dir, rows, tmp_path / "bad", steps=1, batch_size=1, lr=1e-3, keep_last_k_images=0
         )
+
+
+def test_batches_are_played_on_demand_pass_by_pass_with_new_detours_each_pass(chat, rows):
+    from clew.train.sft import demonstration_batches
+
+    batches = demonstration_batches(rows, chat, 5, detour_prob=0.3, seed=4, image_window=1)
+    drawn = [demo for _ in range(5) for demo in next(batches)]  # 25 = two passes and one more
+    key = lambda d: (d.row_seed, tuple(d.token_ids))  # noqa: E731
+    first, second = drawn[:12], drawn[12:24]
+    assert sorted(map(key, first)) == sorted(map(key, demonstrations(rows, chat, 0.3, seed=4)))
+    assert sorted(map(key, second)) == sorted(map(key, demonstrations(rows, chat, 0.3, seed=5)))
+    assert {d.row_seed for d in first} == {d.row_seed for d in second}
+    assert [d.token_ids for d in first] != [d.token_ids for d in second]
+    assert all(d.image_window == 1 for d in drawn)
+    # Without detours every pass replays the same episodes.
+    plain = demonstration_batches(rows, chat, 12, seed=4)
+    assert sorted(map(key, next(plain))) == sorted(map(key, next(plain)))
+    with pytest.raises(ConfigError, match="detour_prob"):
+        demonstration_batches(rows, chat, 4, detour_prob=1.5)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,64 @@ def demonstrations(
     return out
 
 
+def demonstration_batches(
+    rows: Sequence[MazeRow],
+    chat: ChatFormat,
+    batch_size: int,
+    detour_prob: float = 0.0,
+    seed: int = 0,
+    image_window: int | None = None,
+) -> Iterator[list[Demonstration]]:
+    """Endless batches of ``batch_size`` demonstrations of ``rows``, played when asked for.
+
+    Rows are drawn without replacement, reshuffled each pass (``random.Random(seed)``).
+    Pass ``p`` (from 1) plays its detours with seed ``seed + p - 1``, so each pass sees new
+    detours; without detours every pass replays the first pass's episodes. A batch is
+    exactly what ``demonstrations(rows, chat, detour_prob, pass seed)`` holds for its rows,
+    but only one batch lives in memory at a time: a whole dataset of played episodes
+    (every frame as an image) would not fit for large datasets. A row whose optimal play
+    does not fit its turn budget is skipped.
+    """
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be positive, got {batch_size}")
+    if not rows:
+        raise DataError("no rows to play demonstrations of")
+    if not 0.0 <= detour_prob <= 1.0:
+        raise ConfigError(f"detour_prob must be in [0, 1], got {detour_prob}")
+    return _batches(list(rows), chat, batch_size, detour_prob, seed, image_window)
+
+
+def _batches(
+    rows: list[MazeRow],
+    chat: ChatFormat,
+    batch_size: int,
+    detour_prob: float,
+    seed: int,
+    image_window: int | None,
+) -> Iterator[list[Demonstration]]:
+    rng = random.Random(seed)
+    queue: list[MazeRow] = []
+    passes = played = 0
+    while True:
+        batch: list[Demonstration] = []
+        while len(batch) < batch_size:
+            if not queue:
+                if passes and not played:
+                    raise DataError(
+                        "no training row can be solved within its turn budget; nothing to imitate"
+                    )
+                queue = list(rows)
+                rng.shuffle(queue)
+                passes += 1
+                played = 0
+            pass_seed = seed + passes - 1 if detour_prob > 0 else seed
+            for demo in demonstrations([queue.pop()], chat, detour_prob, pass_seed):
+                demo.image_window = image_window
+                batch.append(demo)
+                played += 1
+        yield batch
+
+
 @dataclass
 class SFTResult:
     """Where the model went and how training went."""
@@ -196,7 +255,8 @@ def run_sft(
     """Train on solver demonstrations of ``train_rows`` and save a loadable policy directory.
 
     Each step is one optimizer step on ``batch_size`` whole episodes drawn without
-    replacement (reshuffled each pass; with detours, each pass plays new detours).
+    replacement (reshuffled each pass; with detours, each pass plays new detours), played
+    one batch ahead on a thread (``demonstration_batches``).
     ``eval_fn(model, chat, step)`` runs every ``eval_interval`` steps and after the last.
     ``output_dir`` gets full weights (LoRA merged in) and the processor, so
     ``clew.models.load_policy`` reads it like any checkpoint. ``keep_last_k_images``
@@ -211,6 +271,8 @@ def run_sft(
         raise ConfigError(f"output_dir {output_dir} is the starting model; choose another folder")
     if keep_last_k_images is not None and keep_last_k_images < 1:
         raise ConfigError(f"keep_last_k_images must be >= 1 or None, got {keep_last_k_images}")
+    if not 0.0 <= detour_prob <= 1.0:
+        raise ConfigError(f"detour_prob must be in [0, 1], got {detour_prob}")
     torch.manual_seed(seed)
     settings = WorkerSettings(
         lr=lr,
@@ -226,44 +288,35 @@ def run_sft(
     worker = PolicyWorker.from_pretrained(model_dir, settings, dtype=dtype, device=device)
     chat = worker.chat
 
-    def make_demos(pass_seed: int) -> list[Demonstration]:
-        out = demonstrations(train_rows, chat, detour_prob, pass_seed)
-        for demo in out:
-            demo.image_window = keep_last_k_images
-        return out
-
-    demos = make_demos(seed)
-    if not demos:
+    solvable = [row for row in train_rows if row.solvable]
+    if not solvable:
         raise DataError("no training row can be solved within its turn budget; nothing to imitate")
-    rng = random.Random(seed)
-    queue: list[Demonstration] = []
-    passes = 0
+    batches = demonstration_batches(
+        solvable, chat, batch_size, detour_prob, seed, keep_last_k_images
+    )
     losses: list[float] = []
     evals: list[dict[str, float]] = []
     started = time.monotonic()
-    for step in range(1, steps + 1):
-        batch: list[Demonstration] = []
-        while len(batch) < batch_size:
-            if not queue:
-                if passes and detour_prob > 0:
-                    demos = make_demos(seed + passes)
-                queue = list(demos)
-                rng.shuffle(queue)
-                passes += 1
-            batch.append(queue.pop())
-        stats = worker.sft_step(batch, micro_batch_size or batch_size)
-        losses.append(stats["sft/loss"])
-        elapsed = time.monotonic() - started
-        last = step == steps or (max_seconds is not None and elapsed >= max_seconds)
-        stats["sft/elapsed_s"] = elapsed
-        if eval_fn is not None and ((eval_interval and step % eval_interval == 0) or last):
-            metrics = eval_fn(worker.model, chat, step)
-            evals.append(metrics)
-            stats = stats | metrics
-        if log is not None:
-            log(step, stats)
-        if last:
-            break
+    # One batch is played ahead on a thread while the current one trains.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="clew-demos") as pool:
+        ahead = pool.submit(next, batches)
+        for step in range(1, steps + 1):
+            batch = ahead.result()
+            if step < steps:
+                ahead = pool.submit(next, batches)
+            stats = worker.sft_step(batch, micro_batch_size or batch_size)
+            losses.append(stats["sft/loss"])
+            elapsed = time.monotonic() - started
+            last = step == steps or (max_seconds is not None and elapsed >= max_seconds)
+            stats["sft/elapsed_s"] = elapsed
+            if eval_fn is not None and ((eval_interval and step % eval_interval == 0) or last):
+                metrics = eval_fn(worker.model, chat, step)
+                evals.append(metrics)
+                stats = stats | metrics
+            if log is not None:
+                log(step, stats)
+            if last:
+                break
     worker.save_pretrained(output_dir, merged=True)
     chat.processor.save_pretrained(output_dir)
-    return SFTResult(output_dir, losses, evals, len(demos))
+    return SFTResult(output_dir, losses, evals, len(solvable))
