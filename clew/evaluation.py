@@ -17,7 +17,7 @@ from tqdm import tqdm
 from clew.data.rows import MazeRow
 from clew.envs.media import replay, write_episode
 from clew.inference.engine import InferenceEngine
-from clew.rollout.loop import RolloutSettings, play
+from clew.rollout.loop import RolloutSettings, event_shares, play
 from clew.rollout.trajectory import Trajectory
 
 
@@ -34,7 +34,7 @@ def eval_metrics(
         "eval/all/parse_error_rate": sum(t.parse_errors for t in trajs) / turns,
         "eval/all/solvable_ceiling": ceiling,
         "eval/all/episodes": float(len(trajs)),
-    }
+    } | event_shares(trajs, "eval/all")
 
 
 def evaluate(

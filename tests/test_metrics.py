@@ -225,6 +225,7 @@ def test_describe_knows_exact_templated_and_extreme_names():
     assert "solved" in describe("train/solve_rate")
     assert "update" in describe("timing/update")
     assert "max_turns" in describe("train/end_reason/max_turns")
+    assert "wall" in describe("train/event/wall") and describe("eval/all/event/moved")
     assert describe("train/reward_max").startswith("Largest")
     assert describe("eval/all/pass_at_1")
     assert describe("no/such_metric") is None

@@ -173,6 +173,19 @@ def test_env_exception_ends_only_that_episode_with_zero_reward(policy, rows):
     assert rollout_metrics(trajs, "train")["train/env_errors"] == 2
 
 
+def test_event_shares_count_every_turn_by_what_the_env_reported(policy, rows):
+    model, chat = policy
+    trajs = play(InferenceEngine(model, chat), rows, _settings(), seed=2)
+    metrics = rollout_metrics(trajs, "train")
+    shares = {k: v for k, v in metrics.items() if k.startswith("train/event/")}
+    assert shares and abs(sum(shares.values()) - 1.0) < 1e-9
+    walls = sum(i["event"] == "wall" for t in trajs for i in t.infos)
+    turns = sum(len(t.infos) for t in trajs)
+    assert metrics.get("train/event/wall", 0.0) == walls / turns
+    parse_errors = sum(t.parse_errors for t in trajs)
+    assert metrics.get("train/event/parse_error", 0.0) * turns == pytest.approx(parse_errors)
+
+
 def test_cache_budget_finishes_episodes_cleanly(policy, rows):
     model, chat = policy
     engine = InferenceEngine(model, chat)

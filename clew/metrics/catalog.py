@@ -72,6 +72,11 @@ CATALOG: tuple[MetricSpec, ...] = (
         "train/end_reason/<reason>",
         "Fraction of episodes whose end reason was <reason> (e.g. solved, max_turns, max_tokens).",
     ),
+    MetricSpec(
+        "train/event/<event>",
+        "Fraction of agent turns whose env step reported <event> (maze: moved, wall, stop, "
+        "reached, parse_error); a high wall share means the policy misreads the walls.",
+    ),
     # policy/: the optimizer update.
     MetricSpec("policy/loss", "Policy loss, averaged over the step's mini-batches.", "loss"),
     MetricSpec("policy/clip_fraction", "Fraction of tokens whose ratio was clipped (PPO clip)."),
@@ -104,6 +109,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("eval/all/mean_turns", "Mean agent turns per eval episode."),
     MetricSpec("eval/all/parse_error_rate", "Fraction of eval turns whose action failed to parse."),
+    MetricSpec(
+        "eval/all/event/<event>",
+        "Fraction of eval turns whose env step reported <event> (as train/event/<event>).",
+    ),
     MetricSpec(
         "eval/all/solvable_ceiling",
         "Fraction of eval tasks solvable within the turn budget (the best pass@1 can reach).",

@@ -177,4 +177,20 @@ def rollout_metrics(trajs: Sequence[Trajectory], prefix: str) -> dict[str, float
     }
     for reason in sorted({t.end_reason for t in trajs}):
         out[f"{prefix}/end_reason/{reason}"] = sum(t.end_reason == reason for t in trajs) / n
-    return out
+    return out | event_shares(trajs, prefix)
+
+
+def event_shares(trajs: Sequence[Trajectory], prefix: str) -> dict[str, float]:
+    """``{prefix}/event/<event>``: the share of turns whose env info named that ``event``.
+
+    For the maze: moved, wall (a bump: the agent stayed), stop, reached, parse_error. A
+    policy that bumps into walls on half its turns reads the walls poorly, which the
+    solve rate alone does not show.
+    """
+    counts: dict[str, int] = {}
+    for t in trajs:
+        for info in t.infos:
+            if (event := info.get("event")) is not None:
+                counts[str(event)] = counts.get(str(event), 0) + 1
+    total = max(sum(counts.values()), 1)
+    return {f"{prefix}/event/{e}": c / total for e, c in sorted(counts.items())}
