@@ -70,11 +70,12 @@ elif [ "$phase" = sft_more ]; then
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pack "$work/sft" sft
 elif [ "$phase" = grpo ]; then
   data
-  if [ ! -d "$work/sft" ]; then unpack sft "$work"; fi
   start=$work/sft
   if [ ! -d "$work/runs/grpo" ] && [ -n "$RESTORE" ] && ls "$RESTORE"/policy.tgz.part-* >/dev/null 2>&1; then
     # A fresh machine: go on from the last policy that came back (a new optimizer state).
     unpack policy "$work" && start=$work/policy
+  elif [ ! -d "$work/sft" ]; then
+    unpack sft "$work"
   fi
   limit=()
   [ -n "$GRPO_MINUTES" ] && limit=(timeout --signal=INT "$(( ${GRPO_MINUTES%.*} * 60 ))")
