@@ -22,7 +22,8 @@ import torch
 import clew.inference.engine as engine_module
 from clew.data.rows import generate_rows
 from clew.envs.base import text_corpus
-from clew.inference.engine import InferenceEngine, SamplingParams
+from clew.inference.engine import InferenceEngine
+from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, play

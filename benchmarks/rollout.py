@@ -21,8 +21,8 @@ import torch
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.envs.base import text_corpus
-from clew.inference.engine import SamplingParams
 from clew.inference.runtime import open_policy
+from clew.inference.sampling import SamplingParams
 from clew.models import build_model
 from clew.rollout.loop import RolloutSettings, play
 

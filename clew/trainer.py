@@ -24,7 +24,7 @@ from clew.config import ClewConfig
 from clew.data.rows import MazeRow
 from clew.data.sampler import ResumableSampler
 from clew.evaluation import dump_eval, eval_metrics
-from clew.inference.engine import SamplingParams
+from clew.inference.sampling import SamplingParams
 from clew.metrics import MetricsCollector
 from clew.rollout.loop import RolloutSettings, rollout_metrics
 

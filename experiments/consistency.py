@@ -16,7 +16,8 @@ import torch
 
 from clew.data.rows import generate_rows
 from clew.envs.base import text_corpus
-from clew.inference.engine import InferenceEngine, SamplingParams, banned_token_ids
+from clew.inference.engine import InferenceEngine
+from clew.inference.sampling import SamplingParams, banned_token_ids
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, play

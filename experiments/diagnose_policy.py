@@ -15,7 +15,8 @@ from collections import Counter
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.envs.maze.solver import distances_to
-from clew.inference.engine import InferenceEngine, SamplingParams
+from clew.inference.engine import InferenceEngine
+from clew.inference.sampling import SamplingParams
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, play

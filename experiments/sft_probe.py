@@ -15,7 +15,8 @@ import torch
 from clew.data.rows import generate_rows
 from clew.envs.base import text_corpus
 from clew.evaluation import eval_metrics
-from clew.inference.engine import InferenceEngine, SamplingParams
+from clew.inference.engine import InferenceEngine
+from clew.inference.sampling import SamplingParams
 from clew.models import build_model
 from clew.rollout.loop import RolloutSettings, play
 from clew.train.sft import run_sft

@@ -9,8 +9,9 @@ from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.errors import ConfigError
 from clew.evaluation import evaluate
-from clew.inference.engine import InferenceEngine, SamplingParams
+from clew.inference.engine import InferenceEngine
 from clew.inference.positions import sequence_positions
+from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, play, rollout_metrics
@@ -278,7 +279,7 @@ def test_hidden_images_leave_the_kv_cache_without_changing_any_logprob(policy, r
 
 
 def test_top_k_and_top_p_keep_only_the_most_likely_tokens():
-    from clew.inference.engine import filter_logits
+    from clew.inference.sampling import filter_logits
 
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     assert torch.isfinite(filter_logits(logits, 1, 1.0)).tolist() == [[True, False, False, False]]

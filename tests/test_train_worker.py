@@ -7,7 +7,8 @@ import torch
 
 from clew.data.rows import generate_rows
 from clew.errors import ClewError
-from clew.inference.engine import InferenceEngine, SamplingParams
+from clew.inference.engine import InferenceEngine
+from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, play

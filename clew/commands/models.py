@@ -61,8 +61,8 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
     def run(args: argparse.Namespace) -> int:
         from clew.data.rows import read_rows
         from clew.evaluation import evaluate
-        from clew.inference.engine import SamplingParams
         from clew.inference.runtime import open_policy
+        from clew.inference.sampling import SamplingParams
         from clew.rollout.loop import RolloutSettings
 
         rows = read_rows(args.data)

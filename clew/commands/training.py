@@ -121,7 +121,8 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
 
 def _sft_eval_fn(rows, keep_last_k_images=None):
     from clew.evaluation import eval_metrics
-    from clew.inference.engine import InferenceEngine, SamplingParams
+    from clew.inference.engine import InferenceEngine
+    from clew.inference.sampling import SamplingParams
     from clew.rollout.loop import RolloutSettings, play
 
     turns = max(r.max_turns for r in rows)

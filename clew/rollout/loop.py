@@ -20,7 +20,8 @@ from typing import Any
 from clew.data.rows import MazeRow
 from clew.envs import make
 from clew.errors import ConfigError
-from clew.inference.engine import InferenceEngine, SamplingParams
+from clew.inference.engine import InferenceEngine
+from clew.inference.sampling import SamplingParams
 from clew.rollout.trajectory import Trajectory
 
 

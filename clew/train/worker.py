@@ -34,7 +34,7 @@ from torch import Tensor
 
 from clew.algorithms import logprobs_from_logits
 from clew.errors import ClewError
-from clew.inference.engine import banned_token_ids, mask_banned
+from clew.inference.sampling import banned_token_ids, mask_banned
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
 from clew.train.batch import ModelBatch, SequenceLike, Vision, collate, encode_vision
