@@ -9,6 +9,13 @@
    Baseline: the same code with a ``ChatFormat`` that encodes every frame with the image
    processor and tokenizes every text anew (what it did before); both must give the same
    tokens.
+3. The attention mask of a batch with an image window (``keep_last_k_images=1``): collate
+   plus ``model_inputs``. Baseline: what the trainer did before, a dense ``[L, L]`` mask
+   built per sequence and copied into ``[B, 1, W, W]``, then an additive float mask made
+   with two full-size temporaries; clew: ``[B, W]`` vectors per batch, expanded where the
+   model runs (``clew.inference.visibility.visibility_from_vectors``). Both masks are
+   checked equal. (On a GPU the expansion runs on the device and the host only builds the
+   vectors.)
 
     python benchmarks/sft_inputs.py [--sequences 64] [--frames 14] [--cell-px 14] [--demos 300]
 """
@@ -26,8 +33,10 @@ from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.solver import shortest_actions
+from clew.inference.visibility import visibility_mask
 from clew.models import build_model
 from clew.models.chat import ChatFormat
+from clew.train.batch import collate, encode_vision
 from clew.train.sft import demonstrations
 
 
@@ -110,6 +119,39 @@ def main() -> None:
     for name, c in chats.items():
         best = best_of(lambda c=c: demonstrations(rows, c, 0.0, 0), args.repeats)
         print(f"{name:28s} {args.demos / best:8.0f} per second ({args.demos} maze_2d/easy rows)")
+
+    windowed = made["clew demonstrations"][: args.sequences]
+    for demo in windowed:
+        demo.image_window = 1
+    vision = [encode_vision(d, chat) for d in windowed]
+
+    def mask_baseline() -> torch.Tensor:
+        batch = collate(windowed, chat, vision=vision)
+        width = max(batch.lengths)
+        dense = torch.zeros(len(windowed), 1, width, width, dtype=torch.bool)
+        for row, demo in enumerate(windowed):
+            n = len(demo.token_ids)
+            dense[row, 0, :n, :n] = visibility_mask(
+                demo.token_ids, demo.chunk_starts, chat.image_token_id, 1
+            )
+            dense[row, 0, n:, :n] = True
+        mask = torch.zeros(dense.shape, dtype=torch.float32)
+        return mask.masked_fill(~dense, torch.finfo(torch.float32).min)
+
+    def mask_clew() -> torch.Tensor:
+        return collate(windowed, chat, vision=vision).model_inputs("cpu")["attention_mask"]
+
+    assert torch.equal(mask_baseline(), mask_clew())
+    tokens = sum(len(d.token_ids) for d in windowed)
+    for name, fn in (
+        ("attention mask (baseline)", mask_baseline),
+        ("clew attention mask", mask_clew),
+    ):
+        best = best_of(fn, args.repeats)
+        print(
+            f"{name:28s} {best * 1000:8.1f} ms per batch of {len(windowed)} episodes "
+            f"({tokens} tokens, longest {max(len(d.token_ids) for d in windowed)})"
+        )
 
 
 if __name__ == "__main__":

@@ -205,3 +205,46 @@ def test_batches_are_played_on_demand_pass_by_pass_with_new_detours_each_pass(ch
     assert sorted(map(key, next(plain))) == sorted(map(key, next(plain)))
     with pytest.raises(ConfigError, match="detour_prob"):
         demonstration_batches(rows, chat, 4, detour_prob=1.5)
+
+
+def _reference_visibility(token_ids, chunk_starts, image_token_id, keep_last_k):
+    """The mask by its definition, token pair by token pair (slow, for small sequences)."""
+    n = len(token_ids)
+    image_of = [-1] * n
+    image_chunk = []  # the chunk each image was fed with
+    for i, t in enumerate(token_ids):
+        if t == image_token_id and (i == 0 or token_ids[i - 1] != image_token_id):
+            image_chunk.append(sum(s <= i for s in chunk_starts) - 1)
+        if t == image_token_id:
+            image_of[i] = len(image_chunk) - 1
+    out = torch.zeros(n, n, dtype=torch.bool)
+    for q in range(n):
+        # A reply's last token is fed with the next chunk: it belongs to that chunk's epoch.
+        epoch = sum(s <= q + 1 for s in chunk_starts) - 1
+        seen_images = sum(c <= epoch for c in image_chunk)
+        for k in range(q + 1):
+            out[q, k] = image_of[k] < 0 or image_of[k] >= seen_images - keep_last_k
+    return out
+
+
+def test_batched_visibility_equals_the_definition_with_padding_and_mixed_windows(chat, rows):
+    demos = demonstrations(rows[:3], chat)
+    demos[0].image_window, demos[1].image_window, demos[2].image_window = 1, None, 2
+    batch = collate(demos, chat)
+    vis = batch.visibility
+    width = max(batch.lengths)
+    assert vis.shape == (3, 1, width, width)
+    for row, demo in enumerate(demos):
+        n = len(demo.token_ids)
+        k = demo.image_window
+        expected = (
+            _reference_visibility(demo.token_ids, demo.chunk_starts, chat.image_token_id, k)
+            if k
+            else torch.ones(n, n, dtype=torch.bool).tril()
+        )
+        assert torch.equal(vis[row, 0, :n, :n], expected)
+        assert not vis[row, 0, :n, n:].any()  # nobody sees padding
+        assert vis[row, 0, n:, :n].all() and not vis[row, 0, n:, n:].any()
+    # The model gets the same mask as an additive float mask.
+    mask = batch.model_inputs("cpu")["attention_mask"]
+    assert torch.equal(mask == 0, vis)

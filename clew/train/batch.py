@@ -28,7 +28,7 @@ from PIL import Image
 from torch import Tensor
 
 from clew.inference.positions import sequence_positions
-from clew.inference.visibility import visibility_mask
+from clew.inference.visibility import hiding_vectors, visibility_from_vectors
 from clew.models.chat import ChatFormat
 
 T = TypeVar("T")
@@ -72,8 +72,18 @@ class ModelBatch:
     target_mask: Tensor  # Float[B, L - 1]
     lengths: list[int]
     values: dict[str, Tensor] = field(default_factory=dict)  # Float[B, L - 1] each
-    # Bool[B, 1, L, L] when some sequence hid old images (generator.keep_last_k_images).
-    visibility: Tensor | None = None
+    # Long[B, L] each when some sequence hid old images (generator.keep_last_k_images): per
+    # query, the image index below which images are hidden; per key, its image (-1: text).
+    hidden_below: Tensor | None = None
+    image_of_key: Tensor | None = None
+
+    @property
+    def visibility(self) -> Tensor | None:
+        """Bool ``[B, 1, L, L]`` attention mask (on the host), or None without hidden images."""
+        if self.hidden_below is None or self.image_of_key is None:
+            return None
+        lengths = torch.tensor(self.lengths)
+        return visibility_from_vectors(self.hidden_below, self.image_of_key, lengths)
 
     @property
     def num_sequences(self) -> int:
@@ -92,10 +102,14 @@ class ModelBatch:
         attention is allowed), which transformers passes to attention as it is.
         """
         mask = self.attention_mask.to(device)
-        if self.visibility is not None:
-            allowed = self.visibility.to(device)
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-            mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
+        if self.hidden_below is not None and self.image_of_key is not None:
+            allowed = visibility_from_vectors(
+                self.hidden_below.to(device),
+                self.image_of_key.to(device),
+                torch.tensor(self.lengths, device=device),
+            )
+            mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
+            mask.masked_fill_(allowed, 0.0)
         inputs = {
             "input_ids": self.input_ids.to(device),
             "attention_mask": mask,
@@ -193,19 +207,17 @@ def collate(
         if pixels is not None and grid is not None:
             pix.append(pixels)
             grids.append(grid)
-    visibility = None
+    hidden_below = image_of_key = None
     if any(getattr(seq, "image_window", None) for seq in seqs):
-        visibility = torch.zeros(b, 1, width, width, dtype=torch.bool)
+        hidden_below = torch.zeros(b, width, dtype=torch.long)
+        image_of_key = torch.full((b, width), -1, dtype=torch.long)
         for row, seq in enumerate(seqs):
-            n = lengths[row]
-            k = getattr(seq, "image_window", None)
-            if k:
-                vis = visibility_mask(list(seq.token_ids), seq.chunk_starts, chat.image_token_id, k)
-            else:
-                vis = torch.ones(n, n, dtype=torch.bool).tril()
-            visibility[row, 0, :n, :n] = vis
-            # Padded queries see their row's real tokens, so no attention row is empty.
-            visibility[row, 0, n:, :n] = True
+            if k := getattr(seq, "image_window", None):
+                below, images = hiding_vectors(
+                    list(seq.token_ids), seq.chunk_starts, chat.image_token_id, k
+                )
+                hidden_below[row, : lengths[row]] = below
+                image_of_key[row, : lengths[row]] = images
     padded: dict[str, Tensor] = {}
     for name, per_seq in (values or {}).items():
         out = torch.zeros(b, width - 1, dtype=torch.float32)
@@ -222,7 +234,8 @@ def collate(
         target_mask=loss_mask[:, 1:].clone(),
         lengths=lengths,
         values=padded,
-        visibility=visibility,
+        hidden_below=hidden_below,
+        image_of_key=image_of_key,
     )
 
 
