@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RUN_DIR ?= runs/demo
 
-.PHONY: setup test test-all lint format demo bench clean
+.PHONY: setup test test-all test-oldest lint format demo bench clean
 
 $(BIN)/clew: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,17 @@ test: setup
 test-all: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not gpu"
 
+# The model-facing tests against the oldest transformers clew claims (the GPU image's 5.17),
+# in a venv of their own (.venv-oldest).
+OLDEST := .venv-oldest
+test-oldest:
+	test -x $(OLDEST)/bin/python || $(PY) -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install -q torch==2.13.0
+	$(OLDEST)/bin/pip install -q "transformers==5.17.0" -e . pytest hypothesis pytest-timeout
+	HF_HUB_OFFLINE=1 $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider tests/test_rollout.py \
+		tests/test_sft.py tests/test_train_worker.py tests/test_qwen3vl.py tests/test_models.py \
+		tests/test_vision_attention.py tests/test_trainer.py
+
 lint: setup
 	$(BIN)/ruff check clew tests benchmarks experiments
 	$(BIN)/ruff format --check clew tests benchmarks experiments
@@ -38,7 +49,7 @@ bench: setup
 	$(BIN)/python benchmarks/env.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(OLDEST) runs .pytest_cache .ruff_cache
 
 docs: setup
 	$(BIN)/python -c "from clew.docs import write_docs; write_docs('docs')"
