@@ -182,9 +182,9 @@ def load_policy(
     "cuda:N" or a ``torch.device``. ``attn_implementation`` is passed to transformers
     ("sdpa", "eager", "flex_attention", ...); None keeps its default. The model is returned
     in eval mode, its vision attention batched over same-size images
-    (``clew.models.vision_attention``); on CUDA, float32 matmuls use TF32. Raises ``CheckpointError`` for a missing or incomplete directory,
-    ``ModelError`` for a config that is not a supported VL model, ``ConfigError`` for a bad
-    dtype or device.
+    (``clew.models.vision_attention``); on CUDA, float32 matmuls use TF32. Raises
+    ``CheckpointError`` for a missing or incomplete directory, ``ModelError`` for a config
+    that is not a supported VL model, ``ConfigError`` for a bad dtype or device.
     """
     path = Path(path)
     _read_model_type(path)
