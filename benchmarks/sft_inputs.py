@@ -16,8 +16,13 @@
    model runs (``clew.inference.visibility.visibility_from_vectors``). Both masks are
    checked equal. (On a GPU the expansion runs on the device and the host only builds the
    vectors.)
+4. A batch's pixels from frames to the model's device: encode every sequence, collate,
+   the pixels on the device (``as_patches``). Baseline: float patches built on the host and copied (what
+   clew did before ``Frames``); clew: the frames travel as bytes and are patched on the
+   device. Both ``pixel_values`` are checked equal.
 
     python benchmarks/sft_inputs.py [--sequences 64] [--frames 14] [--cell-px 14] [--demos 300]
+        [--device cpu]
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from clew.envs.maze.solver import shortest_actions
 from clew.inference.visibility import visibility_mask
 from clew.models import build_model
 from clew.models.chat import ChatFormat
+from clew.models.pixels import as_patches
 from clew.train.batch import collate, encode_vision
 from clew.train.sft import demonstrations
 
@@ -82,6 +88,7 @@ def main() -> None:
     ap.add_argument("--cell-px", type=int, default=14)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--demos", type=int, default=300)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     side = 9 * args.cell_px
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,6 +158,34 @@ def main() -> None:
         print(
             f"{name:28s} {best * 1000:8.1f} ms per batch of {len(windowed)} episodes "
             f"({tokens} tokens, longest {max(len(d.token_ids) for d in windowed)})"
+        )
+
+    def sync() -> None:
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def pixels_baseline() -> torch.Tensor:
+        host = [chat.encode_images(list(d.images)) for d in windowed]
+        out = as_patches(collate(windowed, chat, vision=host).pixel_values, args.device)
+        sync()
+        return out
+
+    def pixels_clew() -> torch.Tensor:
+        batch = collate(windowed, chat, vision=[encode_vision(d, chat) for d in windowed])
+        out = as_patches(batch.pixel_values, args.device)
+        sync()
+        return out
+
+    assert torch.equal(pixels_baseline(), pixels_clew())
+    n_frames = sum(len(d.images) for d in windowed)
+    for name, fn in (
+        ("float patches on the host", pixels_baseline),
+        ("clew Frames, patched there", pixels_clew),
+    ):
+        best = best_of(fn, args.repeats)
+        print(
+            f"{name:28s} {best * 1000:8.1f} ms per batch of {len(windowed)} episodes "
+            f"({n_frames} frames to {args.device})"
         )
 
 

@@ -23,7 +23,14 @@ from clew.models import (
     load_policy,
 )
 from clew.models.factory import mrope_section
-from clew.models.pixels import fast_patches
+from clew.models.pixels import (
+    Frames,
+    _patch_torch,
+    as_patches,
+    cat_pixels,
+    fast_frames,
+    fast_patches,
+)
 from clew.models.tokenizer import SPECIAL_TOKENS
 
 USER_TURN = [
@@ -351,6 +358,26 @@ def test_fast_patches_equal_the_image_processor_bit_for_bit(
     ref = ip(images=images, return_tensors="pt")
     assert torch.equal(pixels, ref["pixel_values"])
     assert torch.equal(grid, ref["image_grid_thw"])
+
+
+def test_frames_patched_later_equal_the_processor_and_stay_bytes_when_joined(
+    tiny: BuiltModel,
+) -> None:
+    ip = tiny.processor.image_processor
+    a, b = [_image(252, 1), _image(252, 2)], [_image(252, 3)]
+    fa, fb = fast_frames(a, ip), fast_frames(b, ip)
+    assert isinstance(fa, Frames) and isinstance(fb, Frames)
+    assert fa.data.dtype == torch.uint8 and len(fa) == 2
+    joined = cat_pixels([fa, fb])
+    assert isinstance(joined, Frames) and len(joined) == 3
+    ref = ip(images=a + b, return_tensors="pt")["pixel_values"]
+    assert torch.equal(as_patches(joined), ref)
+    # Frames beside patches (an image the fast path did not cover) join as patches.
+    mixed = cat_pixels([fa, ip(images=b, return_tensors="pt")["pixel_values"]])
+    assert not isinstance(mixed, Frames) and torch.equal(mixed, ref)
+    # The accelerator path (torch, run here on CPU tensors) gives the same values.
+    shape = (joined.patch, joined.merge, joined.temporal)
+    assert torch.equal(_patch_torch(joined.data, joined.table, *shape), ref)
 
 
 def test_fast_patches_leave_what_needs_resizing_to_the_processor(tiny: BuiltModel) -> None:

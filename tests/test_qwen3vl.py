@@ -17,6 +17,7 @@ from clew.inference.positions import sequence_positions
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat, Chunk, join_chunks
+from clew.models.pixels import as_patches
 from clew.models.qwen3 import qwen3_mrope_section, sincos_position_table
 from clew.rollout.loop import RolloutSettings, play
 
@@ -69,7 +70,7 @@ def test_load_policy_round_trip_gives_identical_logits(built, policy) -> None:
     inputs = {
         "input_ids": ids,
         "attention_mask": torch.ones_like(ids),
-        "pixel_values": chunk.pixel_values,
+        "pixel_values": as_patches(chunk.pixel_values),
         "image_grid_thw": chunk.image_grid_thw,
         "mm_token_type_ids": (ids == chat.image_token_id).int(),
     }

@@ -35,6 +35,7 @@ from clew.errors import ConfigError
 from clew.inference.positions import mrope_positions
 from clew.inference.sampling import SamplingParams, banned_token_ids, filter_logits, mask_banned
 from clew.models.chat import ChatFormat, Chunk
+from clew.models.pixels import as_patches, cat_pixels
 
 
 @dataclass
@@ -236,7 +237,7 @@ class Session:
         self._compact()
         extra = {}
         if pix:
-            extra["pixel_values"] = torch.cat(pix).to(dev)
+            extra["pixel_values"] = as_patches(cat_pixels(pix), dev)
             extra["image_grid_thw"] = torch.cat(grids).to(dev)
         logits = self._forward(input_ids, positions, new_mask, image_ids, **extra)
         gens = {seq: Generation() for seq in self.rows}

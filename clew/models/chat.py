@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from clew.models.pixels import fast_grid, fast_patches
+from clew.models.pixels import Pixels, cat_pixels, fast_frames, fast_grid, fast_patches
 
 _TOKEN_CACHE_SIZE = 4096
 
@@ -26,7 +26,7 @@ class Chunk:
     """Tokens to append to one sequence, with the pixels of the images among them."""
 
     token_ids: list[int]
-    pixel_values: torch.Tensor | None = None  # [patches, C * T * P * P]
+    pixel_values: Pixels | None = None  # patches [patches, C * T * P * P], or Frames
     image_grid_thw: torch.Tensor | None = None  # [images, 3]
 
     @property
@@ -39,7 +39,7 @@ def join_chunks(chunks: list[Chunk]) -> Chunk:
     ids = [t for c in chunks for t in c.token_ids]
     pix = [c.pixel_values for c in chunks if c.pixel_values is not None]
     grids = [c.image_grid_thw for c in chunks if c.image_grid_thw is not None]
-    return Chunk(ids, torch.cat(pix) if pix else None, torch.cat(grids) if grids else None)
+    return Chunk(ids, cat_pixels(pix) if pix else None, torch.cat(grids) if grids else None)
 
 
 class ChatFormat:
@@ -80,6 +80,15 @@ class ChatFormat:
         out = self.image_processor(images=images, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
+    def encode_frames(self, images: list[Image.Image]) -> tuple[Pixels, torch.Tensor]:
+        """As ``encode_images``, but as ``Frames`` (patched on the model's device) where covered."""
+        frames = fast_frames(images, self.image_processor)
+        if frames is None:
+            return self.encode_images(images)
+        grid = fast_grid(images, self.image_processor)
+        assert grid is not None
+        return frames, grid
+
     def image_token_count(self, grid_thw: torch.Tensor) -> int:
         return int(grid_thw.prod().item()) // (self.merge_size**2)
 
@@ -97,7 +106,8 @@ class ChatFormat:
         ``first``: the episode's opening turn (with the system prompt, if any).
         ``after_reply_end``: the previous reply ended with ``<|im_end|>`` (else it is closed here).
         ``pixels=False``: the caller keeps the images and needs only the tokens; the chunk
-        then carries the grids but no pixel values where that saves encoding them.
+        then carries the grids but no pixel values where that saves encoding them. Pixel
+        values come as ``Frames`` where the fast path covers the images (``as_patches``).
         """
         ids: list[int] = []
         if not first:
@@ -109,7 +119,7 @@ class ChatFormat:
         if images:
             grid = None if pixels else fast_grid(images, self.image_processor)
             if grid is None:
-                pixel_values, grid = self.encode_images(images)
+                pixel_values, grid = self.encode_frames(images)
             for g in grid:
                 ids += [self.vision_start_id]
                 ids += [self.image_token_id] * self.image_token_count(g)

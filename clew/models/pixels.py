@@ -11,17 +11,31 @@ does exactly those, in the processor's own order and layout; for anything it doe
 cover (mixed sizes, a size the processor would resize, a non-RGB image, a processor
 without these settings) it returns ``None`` and the caller uses the processor.
 ``tests/test_models.py`` checks the output against the processor's, value for value.
+
+The bytes can also wait (``Frames``): training batches and the rollout engine carry frames
+as uint8 and patch them on the device that runs the model, where the lookup and the copy
+cost next to nothing, instead of building and moving 8x as many float bytes on the host.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["fast_grid", "fast_patches"]
+__all__ = [
+    "Frames",
+    "Pixels",
+    "as_patches",
+    "cat_pixels",
+    "fast_frames",
+    "fast_grid",
+    "fast_patches",
+]
 
 
 def _pixel_bounds(ip: Any) -> tuple[int, int] | None:
@@ -81,8 +95,8 @@ def fast_grid(images: list[Image.Image], ip: Any) -> torch.Tensor | None:
     return None if settings is None else _grid(images, settings[0])
 
 
-def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(pixel_values [N * gh * gw, C * T * P * P], image_grid_thw [N, 3])`` or ``None``."""
+def fast_frames(images: list[Image.Image], ip: Any) -> Frames | None:
+    """The images as ``Frames`` (bytes, patched where they are used), or ``None`` if not covered."""
     settings = _covered(images, ip)
     if settings is None:
         return None
@@ -93,6 +107,77 @@ def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torc
     levels = (np.arange(256, dtype=np.float64) * scale).astype(np.float32)
     table = (levels[None, :] - mean[:, None]) / std[:, None]  # [C, 256]
     raw = np.stack([np.asarray(im, dtype=np.uint8) for im in images])  # [N, H, W, C]
+    return Frames(torch.from_numpy(raw), torch.from_numpy(table), patch, merge, temporal)
+
+
+def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(pixel_values [N * gh * gw, C * T * P * P], image_grid_thw [N, 3])`` or ``None``."""
+    frames = fast_frames(images, ip)
+    return None if frames is None else (frames.patches(), _grid(images, frames.patch))
+
+
+@dataclass(frozen=True)
+class Frames:
+    """Same-size RGB frames kept as bytes until the device that runs the model patches them.
+
+    A frame's patches are 4 bytes per value and repeated ``temporal`` times: 8x its bytes
+    for Qwen-VL. An SFT batch of 64 demonstrations holds about 1,200 frames, 0.47 GB of
+    patches against 59 MB of bytes; building, concatenating and copying the patches on the
+    host was most of an SFT step (``benchmarks/frames.py``). ``patches`` gives exactly the
+    processor's values.
+    """
+
+    data: torch.Tensor  # uint8 [N, H, W, C]
+    table: torch.Tensor  # float32 [C, 256]: the processor's value of each byte, per channel
+    patch: int
+    merge: int
+    temporal: int
+
+    def __len__(self) -> int:
+        return int(self.data.shape[0])
+
+    def patches(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """``pixel_values [N * gh * gw, C * T * P * P]`` float32 on ``device``."""
+        shape = (self.patch, self.merge, self.temporal)
+        if device is None or torch.device(device).type == "cpu":
+            # numpy's strided copy is about twice torch's on a CPU for this layout.
+            return torch.from_numpy(_patch_numpy(self.data.numpy(), self.table.numpy(), *shape))
+        return _patch_torch(self.data.to(device), self.table.to(device), *shape)
+
+    def compatible(self, other: Frames) -> bool:
+        return (
+            self.data.shape[1:] == other.data.shape[1:]
+            and (self.patch, self.merge, self.temporal)
+            == (other.patch, other.merge, other.temporal)
+            and torch.equal(self.table, other.table)
+        )
+
+
+Pixels = torch.Tensor | Frames
+"""An image stack's pixels: the model's patches, or ``Frames`` still to be patched."""
+
+
+def as_patches(pixels: Pixels, device: torch.device | str | None = None) -> torch.Tensor:
+    """The model's ``pixel_values`` on ``device``, patching ``Frames`` there."""
+    return pixels.patches(device) if isinstance(pixels, Frames) else pixels.to(device)
+
+
+def cat_pixels(items: Sequence[Pixels]) -> Pixels:
+    """Stacks in order; still ``Frames`` when all are compatible ``Frames``, else patches."""
+    if not items:
+        raise ValueError("no pixels to concatenate")
+    first = items[0]
+    if isinstance(first, Frames) and all(
+        isinstance(f, Frames) and first.compatible(f) for f in items
+    ):
+        data = torch.cat([f.data for f in items])  # type: ignore[union-attr]
+        return Frames(data, first.table, first.patch, first.merge, first.temporal)
+    return torch.cat([as_patches(p) for p in items])
+
+
+def _patch_numpy(
+    raw: np.ndarray, table: np.ndarray, patch: int, merge: int, temporal: int
+) -> np.ndarray:
     n, height, width, channels = raw.shape
     x = np.empty((n, channels, height, width), dtype=np.float32)
     for c in range(channels):
@@ -101,4 +186,19 @@ def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torc
     x = x.reshape(n, channels, gh // merge, merge, patch, gw // merge, merge, patch)
     x = x.transpose(0, 2, 5, 3, 6, 1, 4, 7)  # [N, gh/m, gw/m, m, m, C, P, P]
     x = np.broadcast_to(x[:, :, :, :, :, :, None], (*x.shape[:6], temporal, patch, patch))
-    return torch.from_numpy(np.ascontiguousarray(x).reshape(n * gh * gw, -1)), _grid(images, patch)
+    return np.ascontiguousarray(x).reshape(n * gh * gw, -1)
+
+
+def _patch_torch(
+    raw: torch.Tensor, table: torch.Tensor, patch: int, merge: int, temporal: int
+) -> torch.Tensor:
+    """``_patch_numpy`` where ``raw`` lives (an accelerator), value for value."""
+    n, height, width, channels = raw.shape
+    x = torch.empty((n, channels, height, width), dtype=torch.float32, device=raw.device)
+    for c in range(channels):
+        x[:, c] = table[c][raw[..., c].long()]
+    gh, gw = height // patch, width // patch
+    x = x.reshape(n, channels, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.permute(0, 2, 5, 3, 6, 1, 4, 7)
+    x = x.unsqueeze(6).expand(*x.shape[:6], temporal, patch, patch)
+    return x.reshape(n * gh * gw, -1)

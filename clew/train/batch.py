@@ -30,11 +30,15 @@ from torch import Tensor
 from clew.inference.positions import sequence_positions
 from clew.inference.visibility import hiding_vectors, visibility_from_vectors
 from clew.models.chat import ChatFormat
+from clew.models.pixels import Pixels, as_patches, cat_pixels
 
 T = TypeVar("T")
 
-Vision = tuple[Tensor | None, Tensor | None]
-"""``(pixel_values, image_grid_thw)`` of one sequence's images, or ``(None, None)``."""
+Vision = tuple[Pixels | None, Tensor | None]
+"""``(pixel_values, image_grid_thw)`` of one sequence's images, or ``(None, None)``.
+
+Pixel values stay ``Frames`` (bytes) where they can, and are patched on the model's device.
+"""
 
 
 class SequenceLike(Protocol):
@@ -66,7 +70,7 @@ class ModelBatch:
     input_ids: Tensor  # Long[B, L]
     attention_mask: Tensor  # Long[B, L]
     position_ids: Tensor  # Long[3, B, L]
-    pixel_values: Tensor | None
+    pixel_values: Pixels | None
     image_grid_thw: Tensor | None
     targets: Tensor  # Long[B, L - 1]
     target_mask: Tensor  # Float[B, L - 1]
@@ -116,7 +120,7 @@ class ModelBatch:
             "position_ids": self.position_ids.to(device),
         }
         if self.pixel_values is not None:
-            inputs["pixel_values"] = self.pixel_values.to(device)
+            inputs["pixel_values"] = as_patches(self.pixel_values, device)
             inputs["image_grid_thw"] = self.image_grid_thw.to(device)
         return inputs
 
@@ -129,7 +133,7 @@ def encode_vision(seq: SequenceLike, chat: ChatFormat) -> Vision:
     """Pixels and grids of a sequence's images, encoded as the engine encoded them."""
     if not seq.images:
         return None, None
-    return chat.encode_images(list(seq.images))
+    return chat.encode_frames(list(seq.images))
 
 
 def target_values(values: Sequence[float] | Tensor, length: int, name: str = "values") -> Tensor:
@@ -193,7 +197,7 @@ def collate(
     # Padding keeps position 0: it is masked out of attention, so its position is never used.
     position_ids = torch.zeros(3, b, width, dtype=torch.long)
     loss_mask = torch.zeros(b, width, dtype=torch.float32)
-    pix: list[Tensor] = []
+    pix: list[Pixels] = []
     grids: list[Tensor] = []
     for row, (seq, (pixels, grid)) in enumerate(zip(seqs, vision, strict=True)):
         _check_sequence(seq, grid, chat, row)
@@ -228,7 +232,7 @@ def collate(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        pixel_values=torch.cat(pix) if pix else None,
+        pixel_values=cat_pixels(pix) if pix else None,
         image_grid_thw=torch.cat(grids) if grids else None,
         targets=input_ids[:, 1:].clone(),
         target_mask=loss_mask[:, 1:].clone(),
