@@ -3,7 +3,8 @@
     python experiments/profile_sft.py MODEL_DIR [DEVICE] [BATCH] [ENV_ID]
 
 Prints the wall time per step and the functions with the most own time (host-side work
-shows up here; GPU kernels show up in the synchronize calls).
+shows up here; GPU kernels show up in the synchronize calls); on CUDA also torch.profiler's
+operators by device time.
 """
 
 import cProfile
@@ -47,3 +48,11 @@ prof.enable()
 step()
 prof.disable()
 pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+if device.startswith("cuda"):
+    # What the device spends the step on, by operator (CUDA time).
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as tp:
+        step()
+    print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)

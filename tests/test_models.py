@@ -273,7 +273,7 @@ def test_build_model_rejects_bad_arguments(tmp_path: Path) -> None:
 
 
 def test_presets_are_documented_sizes() -> None:
-    assert set(PRESETS) == {"tiny", "small", "base"}
+    assert set(PRESETS) == {"tiny", "small", "deep", "base"}
     assert PRESETS["small"].hidden_size == 256 and PRESETS["small"].num_hidden_layers == 6
 
 

@@ -10,7 +10,9 @@ from clew.errors import ClewError
 
 @command("init-model", "build a Qwen-VL policy with random weights, offline")
 def _init_model(p: argparse.ArgumentParser) -> Handler:
-    p.add_argument("--preset", default="tiny", help="tiny | small | base (see clew.models.factory)")
+    p.add_argument(
+        "--preset", default="tiny", help="tiny | small | deep | base (see clew.models.factory)"
+    )
     p.add_argument("--output", required=True, help="folder for the Hugging Face checkpoint")
     p.add_argument("--image-size", type=positive_int, default=None, help="largest image side in px")
     p.add_argument("--arch", default="qwen2_vl", help="qwen2_vl | qwen3_vl")

@@ -14,19 +14,22 @@ each extra entry adds ``2 * hidden`` parameters, input and output embeddings, so
     preset  text: hidden x layers (heads/kv, mlp)  vision: width x depth (heads)  parameters
     tiny    128 x 3  (4/2, 512)                    128 x 1  (4)              1,519,232 (0.68M vision)
     small   256 x 6  (4/2, 1024)                   128 x 4  (4)              7,448,320 (1.34M vision)
+    deep    256 x 12 (4/2, 1024)                   128 x 8  (4)             14,146,816 (2.13M vision)
     base    768 x 12 (12/4, 3072)                  512 x 12 (8)            148,662,784 (44.2M vision)
 
 ``tiny`` trains on a CPU (tests, the CPU main job); ``small`` is the size the NOTES probe
-showed learning mazes from pixels on one GPU; ``base`` is for multi-GPU runs.
+showed learning mazes from pixels on one GPU; ``deep`` is ``small`` with twice the layers,
+for a policy that must plan further in one forward pass (the ``easy`` maze's first moves,
+``experiments/state_accuracy.py``); ``base`` is for multi-GPU runs.
 
 ``arch="qwen3_vl"`` builds ``Qwen3VLForConditionalGeneration`` from the same presets
 (``clew.models.qwen3`` says what differs: a learned, interpolated absolute position
 embedding in the vision tower, deepstack taps, Qwen3 attention, interleaved M-RoPE,
 patch 16 by default). Its vision tower is larger: one more merger per deepstack tap
-(``Preset.vision_deepstack``: tiny (0,), small (1, 3), base (3, 7, 11)) and the position
+(``Preset.vision_deepstack``: tiny (0,), small (1, 3), deep (1, 3, 5), base (3, 7, 11)) and the position
 table, ``(image_size / patch_size) ** 2`` entries (Qwen3-VL's 2304 without ``image_size``).
 Measured, 402 vocabulary entries, patch 16 and ``image_size=256``: tiny 1,926,976
-(1.09M vision), small 8,315,008 (2.21M), base 166,287,104 (61.8M).
+(1.09M vision), small 8,315,008 (2.21M), deep 15,406,208 (3.39M), base 166,287,104 (61.8M).
 
 Image geometry (Qwen2-VL's; Qwen3-VL's default patch is 16, so read 16 and 32 px for 14 and
 28 there unless ``patch_size=14`` is given): ``patch_size`` (14) and ``spatial_merge_size``
@@ -104,6 +107,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(128, 3, 4, 2, 512, 128, 1, 4, 4, "1.5M", vision_deepstack=(0,)),
     "small": Preset(256, 6, 4, 2, 1024, 128, 4, 4, 4, "7.4M", vision_deepstack=(1, 3)),
+    "deep": Preset(256, 12, 4, 2, 1024, 128, 8, 4, 4, "14.1M", vision_deepstack=(1, 3, 5)),
     "base": Preset(768, 12, 12, 4, 3072, 512, 12, 8, 4, "149M", vision_deepstack=(3, 7, 11)),
 }
 
