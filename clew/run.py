@@ -17,6 +17,7 @@ from clew.errors import ConfigError
 from clew.inference.engine import InferenceEngine, cache_budget_bytes
 from clew.inference.runtime import pick_device
 from clew.metrics import make_loggers
+from clew.models.precision import policy_precision
 from clew.train.worker import PolicyWorker, WorkerSettings
 from clew.trainer import Trainer, seed_everything
 
@@ -38,8 +39,9 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> LocalWorkerGroup
     if not t.policy.model.path:
         raise ConfigError("trainer.policy.model.path is required: a local checkpoint directory")
     device = pick_device(t.device)
-    dtype = "bfloat16" if device.type == "cuda" and t.bf16 else "float32"
     opt, lora = t.policy.optimizer_config, t.policy.model.lora
+    precision = "bf16-mixed" if t.bf16 else "32-true"
+    dtype, autocast = policy_precision(device, precision, lora.rank > 0)
     settings = WorkerSettings(
         lr=opt.lr,
         adam_betas=tuple(opt.adam_betas),
@@ -53,12 +55,14 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> LocalWorkerGroup
         lora_dropout=lora.dropout,
         lora_target_modules=lora.target_modules,
         kl_reference=t.algorithm.use_kl_loss,
+        autocast_bf16=autocast,
     )
     worker = PolicyWorker.from_pretrained(t.policy.model.path, settings, dtype=dtype, device=device)
     ie = cfg.generator.inference_engine
     budget = cache_budget_bytes(device, ie.gpu_memory_utilization, ie.max_cache_mb)
     return LocalWorkerGroup(
-        worker, InferenceEngine(worker.model, worker.chat, max_cache_bytes=budget)
+        worker,
+        InferenceEngine(worker.model, worker.chat, max_cache_bytes=budget, autocast=autocast),
     )
 
 

@@ -31,6 +31,7 @@ from clew.models.pixels import (
     fast_frames,
     fast_patches,
 )
+from clew.models.precision import PRECISIONS, policy_precision
 from clew.models.tokenizer import SPECIAL_TOKENS
 
 USER_TURN = [
@@ -262,7 +263,7 @@ def test_merge_size_one_gives_one_token_per_patch(tmp_path: Path) -> None:
 
 
 def test_build_model_rejects_bad_arguments(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="tiny, small, base"):
+    with pytest.raises(ConfigError, match="tiny, small, deep, base"):
         build_model("huge", tmp_path / "x")
     with pytest.raises(ConfigError, match="multiple of patch_size"):
         build_model("tiny", tmp_path / "x", image_size=225)
@@ -386,3 +387,15 @@ def test_fast_patches_leave_what_needs_resizing_to_the_processor(tiny: BuiltMode
     assert fast_patches([_image(250)], ip) is None  # not a multiple of patch x merge
     assert fast_patches([_image(252).convert("L")], ip) is None  # not RGB
     assert fast_patches([], ip) is None
+
+
+def test_policy_precision_keeps_trained_weights_in_float32() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert policy_precision(cuda, "bf16-mixed", lora=False) == ("float32", True)
+    assert policy_precision(cuda, "bf16-mixed", lora=True) == ("bfloat16", True)  # frozen base
+    assert policy_precision(cuda, "bf16-true", lora=False) == ("bfloat16", True)
+    assert policy_precision(cuda, "32-true", lora=True) == ("float32", False)
+    for precision in PRECISIONS:
+        assert policy_precision(cpu, precision, lora=False) == ("float32", False)
+    with pytest.raises(ConfigError, match="bf16-mixed, bf16-true, 32-true.*got 'bf16'"):
+        policy_precision(cuda, "bf16", lora=False)

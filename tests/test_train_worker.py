@@ -223,3 +223,43 @@ def test_state_dict_round_trip_restores_logprobs_and_optimizer(model_dir, trajec
     assert b.optimizer_steps == 2 and b.scheduler.get_last_lr() == a.scheduler.get_last_lr()
     assert update(a)["policy/lr"] == update(b)["policy/lr"]
     assert max_diff(a.compute_logprobs(trajectories), b.compute_logprobs(trajectories)) < 1e-6
+
+
+def test_mixed_precision_keeps_float32_weights_and_moves_them_by_small_steps(model_dir, rows):
+    # bfloat16 compute (autocast on the CPU here, on CUDA in GPU runs) over float32 weights:
+    # the engine samples under the same context, so the trainer's recompute matches it to
+    # bfloat16 rounding; an update far below bfloat16's resolution still moves the weights.
+    worker = make_worker(model_dir, lr=1e-5, autocast_bf16=True)
+    engine = InferenceEngine(worker.model, worker.chat, autocast=True)
+    sampling = SamplingParams(temperature=1.0, max_tokens=6)
+    trajs = play(engine, rows, RolloutSettings(2, 3, sampling=sampling), seed=0)
+    computed = worker.compute_logprobs(trajs, micro_batch_size=3)
+    diffs = [
+        (masked(lp, t) - masked(torch.tensor(t.logprobs[1:]), t)).abs().max().item()
+        for t, lp in zip(trajs, computed, strict=True)
+    ]
+    assert max(diffs) < 0.1, f"max |worker - engine| logprob difference: {max(diffs):.3g}"
+    before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    assert all(p.dtype == torch.float32 for p in before.values())
+    worker.ppo_update(
+        trajs,
+        [torch.tensor(t.logprobs) for t in trajs],
+        token_advantages(trajs, [1.0, -1.0] * (len(trajs) // 2)),
+        None,
+        PPOSettings(),
+        mini_batch_size=len(trajs),
+        micro_batch_size=2,
+    )
+    norm = before["model.language_model.norm.weight"]
+    moved = (worker.model.get_parameter("model.language_model.norm.weight") - norm).abs()
+    # lr 1e-5 on weights of 1.0: under bfloat16's spacing there (2**-7), so a bfloat16
+    # weight would not have changed at all.
+    assert 0 < moved.max().item() < 1e-3
+    assert (
+        norm.to(torch.bfloat16)
+        .float()
+        .add(moved.max())
+        .to(torch.bfloat16)
+        .float()
+        .equal(norm.to(torch.bfloat16).float())
+    )

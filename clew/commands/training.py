@@ -59,18 +59,26 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         "generator.keep_last_k_images will run the policy",
     )
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--precision",
+        default="bf16-mixed",
+        help="bf16-mixed | bf16-true | 32-true. On CUDA: float32 weights with bfloat16 compute (bf16-mixed), bfloat16 weights "
+        "(bf16-true) or float32 (32-true); float32 elsewhere (clew.models.precision)",
+    )
     p.add_argument("--seed", type=int, default=0)
 
     def run(args: argparse.Namespace) -> int:
         from clew.data.rows import read_rows
         from clew.inference.runtime import pick_device
+        from clew.models.precision import policy_precision
         from clew.train.sft import run_sft
 
         rows = read_rows(args.data)
+        device = pick_device(args.device)
+        dtype, autocast = policy_precision(device, args.precision, args.lora_rank > 0)
         eval_fn = None
         if args.eval_data:
-            eval_fn = _sft_eval_fn(read_rows(args.eval_data), args.keep_last_k_images)
-        device = pick_device(args.device)
+            eval_fn = _sft_eval_fn(read_rows(args.eval_data), args.keep_last_k_images, autocast)
         if args.max_minutes is not None and args.max_minutes <= 0:
             raise ClewError(f"--max-minutes must be positive, got {args.max_minutes}")
         metrics_file = Path(args.metrics) if args.metrics else None
@@ -106,7 +114,8 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
             max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
             seed=args.seed,
             device=str(device),
-            dtype="bfloat16" if device.type == "cuda" else "float32",
+            dtype=dtype,
+            autocast_bf16=autocast,
             eval_fn=eval_fn,
             eval_interval=args.eval_interval,
             log=log,
@@ -119,7 +128,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
     return run
 
 
-def _sft_eval_fn(rows, keep_last_k_images=None):
+def _sft_eval_fn(rows, keep_last_k_images=None, autocast=False):
     from clew.evaluation import eval_metrics
     from clew.inference.engine import InferenceEngine
     from clew.inference.sampling import SamplingParams
@@ -137,7 +146,7 @@ def _sft_eval_fn(rows, keep_last_k_images=None):
     def eval_fn(model, chat, step):
         was_training = model.training
         model.eval()
-        trajs = play(InferenceEngine(model, chat), rows, settings, seed=0)
+        trajs = play(InferenceEngine(model, chat, autocast=autocast), rows, settings, seed=0)
         model.train(was_training)
         return eval_metrics(trajs, rows, turns)
 

@@ -255,7 +255,8 @@ class TrainerConfig(Section):
         "auto", description="Where to train: 'auto' uses CUDA when available."
     )
     bf16: bool = Field(
-        True, description="Compute in bfloat16 where the device supports it, else float32."
+        True,
+        description="Mixed precision on CUDA: bfloat16 compute over float32 weights (a frozen LoRA base loads in bfloat16); float32 elsewhere or when false.",
     )
     seed: int = Field(42, description="Seed for data order, sampling and initialisation.")
     epochs: int = Field(1, description="Passes over the training prompts.")

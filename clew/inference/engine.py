@@ -36,6 +36,7 @@ from clew.inference.positions import mrope_positions
 from clew.inference.sampling import SamplingParams, banned_token_ids, filter_logits, mask_banned
 from clew.models.chat import ChatFormat, Chunk
 from clew.models.pixels import as_patches, cat_pixels
+from clew.models.precision import bf16_autocast
 
 
 @dataclass
@@ -91,8 +92,11 @@ class InferenceEngine:
         *,
         max_cache_bytes: int | None = None,
         stop_token_ids: tuple[int, ...] | None = None,
+        autocast: bool = False,
     ) -> None:
         self.model = model
+        # bfloat16 compute over float32 weights (clew.models.precision), as the trainer scores.
+        self.autocast = autocast
         self.chat = chat
         self.device = next(model.parameters()).device
         self.bytes_per_token = kv_bytes_per_token(model)
@@ -329,15 +333,16 @@ class Session:
         if image_ids is None:
             image_ids = torch.full(input_ids.shape, -1, dtype=torch.long)
         self.image_of_col = torch.cat([self.image_of_col, image_ids.to(dev)], dim=1)
-        out = self.engine.model(
-            input_ids=input_ids.to(dev),
-            attention_mask=self.mask,
-            position_ids=positions.to(dev),
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.engine._cache_kw: self.cache},
-            **extra,
-        )
+        with bf16_autocast(dev, self.engine.autocast):
+            out = self.engine.model(
+                input_ids=input_ids.to(dev),
+                attention_mask=self.mask,
+                position_ids=positions.to(dev),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.engine._cache_kw: self.cache},
+                **extra,
+            )
         return mask_banned(out.logits[:, -1, :].float(), self.engine.banned_token_ids)
 
     def _sample(

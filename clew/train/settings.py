@@ -20,6 +20,8 @@ class WorkerSettings:
     the ``cosine`` and ``linear`` schedules. ``lora_rank`` 0 trains every weight.
     ``kl_reference`` keeps a frozen copy of the initial weights for the KL term when there
     is no LoRA (with LoRA the reference is the adapter switched off, and this is ignored).
+    ``autocast_bf16`` computes in bfloat16 over the weights' own dtype (float32 master
+    weights: ``clew.models.precision``); bfloat16 weights on CUDA always compute so.
     """
 
     lr: float = 1e-6
@@ -35,6 +37,7 @@ class WorkerSettings:
     lora_target_modules: str | list[str] = "all-linear"
     kl_reference: bool = False
     gradient_checkpointing: bool = False
+    autocast_bf16: bool = False
 
 
 @dataclass(frozen=True)

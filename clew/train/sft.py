@@ -247,6 +247,7 @@ def run_sft(
     max_seconds: float | None = None,
     seed: int = 0,
     dtype: str = "float32",
+    autocast_bf16: bool = False,
     device: str = "cpu",
     eval_fn: EvalFn | None = None,
     eval_interval: int = 0,
@@ -262,7 +263,8 @@ def run_sft(
     ``clew.models.load_policy`` reads it like any checkpoint. ``keep_last_k_images``
     trains with the image window the policy will be run with (generator.keep_last_k_images).
     ``max_seconds`` ends training (evaluated and saved as after the last step) at the first
-    step that finishes past that wall-clock budget.
+    step that finishes past that wall-clock budget. ``dtype`` and ``autocast_bf16`` are the
+    weights' dtype and bfloat16 compute (``clew.models.precision``).
     """
     if steps < 1 or batch_size < 1:
         raise ConfigError(f"steps and batch_size must be positive, got {steps} and {batch_size}")
@@ -284,6 +286,7 @@ def run_sft(
         lora_rank=lora_rank,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
+        autocast_bf16=autocast_bf16,
     )
     worker = PolicyWorker.from_pretrained(model_dir, settings, dtype=dtype, device=device)
     chat = worker.chat

@@ -37,6 +37,7 @@ from clew.errors import ClewError
 from clew.inference.sampling import banned_token_ids, mask_banned
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
+from clew.models.precision import bf16_autocast
 from clew.train.batch import ModelBatch, SequenceLike, Vision, collate, encode_vision
 from clew.train.batch import micro_batches as chunked
 from clew.train.lora import apply_lora, is_lora
@@ -80,7 +81,11 @@ class PolicyWorker:
         self.banned = banned_token_ids(chat).to(self.device)
         dtype = next(model.parameters()).dtype
         self.dtype = dtype
-        self.autocast = self.device.type == "cuda" and dtype == torch.bfloat16
+        self.autocast = settings.autocast_bf16 or (
+            self.device.type == "cuda" and dtype == torch.bfloat16
+        )
+        # The dtype attention computes in, which an additive attention mask must match.
+        self.compute_dtype = torch.bfloat16 if self.autocast else dtype
         self.optimizer, self.scheduler = build_optimizer(model, settings)
         self.optimizer_steps = 0
         self.reference: torch.nn.Module | None = None
@@ -130,9 +135,7 @@ class PolicyWorker:
             yield self.reference
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if not self.autocast:
-            return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return bf16_autocast(self.device, self.autocast)
 
     def _target_logits(self, model: torch.nn.Module, batch: ModelBatch) -> Tensor:
         """Logits ``[K, V]`` (float32, banned ids at -inf) at the K loss-mask targets, row-major."""
@@ -144,7 +147,7 @@ class PolicyWorker:
         cols = None if BOOLEAN_LOGITS_TO_KEEP else keep.any(0).nonzero().squeeze(-1)
         with self._autocast():
             out = model(
-                **batch.model_inputs(self.device, self.dtype),
+                **batch.model_inputs(self.device, self.compute_dtype),
                 logits_to_keep=keep if cols is None else cols,
                 use_cache=False,
             )
