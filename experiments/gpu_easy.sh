@@ -32,6 +32,7 @@ MICRO=${MICRO:-48}
 SFT_BATCH=${SFT_BATCH:-64}  # demonstrations per SFT step
 DETOUR=${DETOUR:-0.0}  # share of detour turns in SFT demonstrations (wrong moves, wall bumps)
 SFT_EVAL_INTERVAL=${SFT_EVAL_INTERVAL:-100}
+PRECISION=${PRECISION:-bf16-mixed}  # clew sft --precision (bf16-true: the runs before session 5)
 # GRPO_EXTRA: more `clew train` overrides, space-separated (e.g. trainer.eval_interval=10)
 opts=(--env-id maze_2d/easy --option cell_px=14 --option max_turns=32 --option action_format=keyword)
 
@@ -55,7 +56,7 @@ if [ "$phase" = sft ]; then
     --eval-data "$work/data/eval.parquet" --output "$work/sft" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
     --warmup-steps 50 --detour-prob "$DETOUR" \
-    --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" \
+    --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" \
     --metrics "$out/sft_metrics.jsonl"
   pack "$work/sft" sft
 elif [ "$phase" = sft_more ]; then
@@ -65,7 +66,7 @@ elif [ "$phase" = sft_more ]; then
   $CLEW sft --model "$work/sft" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
-    --warmup-steps 1 --detour-prob "$DETOUR" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" \
+    --warmup-steps 1 --detour-prob "$DETOUR" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" \
     --metrics "$out/sft_more_metrics.jsonl"
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pack "$work/sft" sft
 elif [ "$phase" = grpo ]; then
