@@ -32,6 +32,7 @@ MICRO=${MICRO:-48}
 SFT_BATCH=${SFT_BATCH:-64}  # demonstrations per SFT step
 DETOUR=${DETOUR:-0.0}  # share of detour turns in SFT demonstrations (wrong moves, wall bumps)
 SFT_EVAL_INTERVAL=${SFT_EVAL_INTERVAL:-100}
+SFT_STOP_AT=${SFT_STOP_AT:-}  # clew sft --stop-at-pass: end SFT at the first eval reaching it
 PRECISION=${PRECISION:-bf16-mixed}  # clew sft --precision (bf16-true: the runs before session 5)
 # GRPO_EXTRA: more `clew train` overrides, space-separated (e.g. trainer.eval_interval=10)
 opts=(--env-id maze_2d/easy --option cell_px=14 --option max_turns=32 --option action_format=keyword)
@@ -56,7 +57,7 @@ if [ "$phase" = sft ]; then
     --eval-data "$work/data/eval.parquet" --output "$work/sft" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
     --warmup-steps 50 --detour-prob "$DETOUR" \
-    --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" \
+    --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} \
     --metrics "$out/sft_metrics.jsonl"
   pack "$work/sft" sft
 elif [ "$phase" = sft_more ]; then
@@ -66,7 +67,7 @@ elif [ "$phase" = sft_more ]; then
   $CLEW sft --model "$work/sft" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
-    --warmup-steps 1 --detour-prob "$DETOUR" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" \
+    --warmup-steps 1 --detour-prob "$DETOUR" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} \
     --metrics "$out/sft_more_metrics.jsonl"
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pack "$work/sft" sft
 elif [ "$phase" = grpo ]; then

@@ -248,3 +248,40 @@ def test_batched_visibility_equals_the_definition_with_padding_and_mixed_windows
     # The model gets the same mask as an additive float mask.
     mask = batch.model_inputs("cpu")["attention_mask"]
     assert torch.equal(mask == 0, vis)
+
+
+def test_sft_stops_at_the_first_evaluation_that_reaches_the_target_pass_rate(
+    model_dir, rows, tmp_path
+):
+    seen: list[int] = []
+
+    def eval_fn(model, chat, step):  # a solve rate that rises 0.2 per evaluation
+        seen.append(step)
+        return {"eval/all/pass_at_1": 0.2 * len(seen)}
+
+    result = run_sft(
+        model_dir,
+        rows,
+        tmp_path / "band",
+        steps=50,
+        batch_size=1,
+        lr=1e-3,
+        eval_fn=eval_fn,
+        eval_interval=2,
+        stop_at_pass=0.5,
+    )
+    assert seen == [2, 4, 6] and len(result.losses) == 6  # 0.2, 0.4, then 0.6 >= 0.5
+    load_policy(result.output_dir)
+    with pytest.raises(ConfigError, match=r"in \(0, 1\], got 50"):
+        run_sft(
+            model_dir,
+            rows,
+            tmp_path / "x",
+            steps=1,
+            batch_size=1,
+            lr=1e-3,
+            eval_fn=eval_fn,
+            stop_at_pass=50,
+        )
+    with pytest.raises(ConfigError, match="needs an evaluation"):
+        run_sft(model_dir, rows, tmp_path / "y", steps=1, batch_size=1, lr=1e-3, stop_at_pass=0.5)

@@ -50,6 +50,12 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         default=None,
         help="stop (evaluate and save) at the first step past this wall-clock budget",
     )
+    p.add_argument(
+        "--stop-at-pass",
+        type=float,
+        default=None,
+        help="stop (and save) at the first evaluation whose pass@1 reaches this, in (0, 1]",
+    )
     p.add_argument("--metrics", help="append one JSON line of metrics per step to this file")
     p.add_argument(
         "--keep-last-k-images",
@@ -112,6 +118,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
             detour_prob=args.detour_prob,
             keep_last_k_images=args.keep_last_k_images,
             max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
+            stop_at_pass=args.stop_at_pass,
             seed=args.seed,
             device=str(device),
             dtype=dtype,

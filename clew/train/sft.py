@@ -245,6 +245,7 @@ def run_sft(
     detour_prob: float = 0.0,
     keep_last_k_images: int | None = None,
     max_seconds: float | None = None,
+    stop_at_pass: float | None = None,
     seed: int = 0,
     dtype: str = "float32",
     autocast_bf16: bool = False,
@@ -263,7 +264,9 @@ def run_sft(
     ``clew.models.load_policy`` reads it like any checkpoint. ``keep_last_k_images``
     trains with the image window the policy will be run with (generator.keep_last_k_images).
     ``max_seconds`` ends training (evaluated and saved as after the last step) at the first
-    step that finishes past that wall-clock budget. ``dtype`` and ``autocast_bf16`` are the
+    step that finishes past that wall-clock budget. ``stop_at_pass`` ends it (saved) at the
+    first evaluation whose ``eval/all/pass_at_1`` reaches it: an SFT start meant to lie in a
+    band of solve rates stops in it rather than past it. ``dtype`` and ``autocast_bf16`` are the
     weights' dtype and bfloat16 compute (``clew.models.precision``).
     """
     if steps < 1 or batch_size < 1:
@@ -275,6 +278,10 @@ def run_sft(
         raise ConfigError(f"keep_last_k_images must be >= 1 or None, got {keep_last_k_images}")
     if not 0.0 <= detour_prob <= 1.0:
         raise ConfigError(f"detour_prob must be in [0, 1], got {detour_prob}")
+    if stop_at_pass is not None and not 0.0 < stop_at_pass <= 1.0:
+        raise ConfigError(f"stop_at_pass is a solve rate in (0, 1], got {stop_at_pass}")
+    if stop_at_pass is not None and eval_fn is None:
+        raise ConfigError("stop_at_pass needs an evaluation: give eval data (--eval-data)")
     torch.manual_seed(seed)
     settings = WorkerSettings(
         lr=lr,
@@ -316,6 +323,8 @@ def run_sft(
                 metrics = eval_fn(worker.model, chat, step)
                 evals.append(metrics)
                 stats = stats | metrics
+                if stop_at_pass is not None:
+                    last = last or metrics.get("eval/all/pass_at_1", 0.0) >= stop_at_pass
             if log is not None:
                 log(step, stats)
             if last:
