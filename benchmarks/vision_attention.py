@@ -2,7 +2,8 @@
 
 Baseline: transformers' Qwen3-VL vision tower as loaded (sdpa, one attention call per
 image per layer). clew: the same weights with ``batch_vision_attention`` (one call per
-layer for same-size images). Forward and backward of the tower's features, best of
+layer for same-size images), then also ``share_vision_positions`` (the rotary position
+ids of one image, repeated, instead of built image by image). Forward and backward of the tower's features, best of
 ``--repeats``; on CUDA the time includes a synchronize.
 
     python benchmarks/vision_attention.py [--frames 912] [--preset small] [--device cpu]
@@ -22,7 +23,7 @@ from PIL import Image
 
 from clew.models import build_model
 from clew.models.chat import ChatFormat
-from clew.models.vision_attention import batch_vision_attention
+from clew.models.vision_attention import batch_vision_attention, share_vision_positions
 
 
 def main() -> None:
@@ -45,6 +46,8 @@ def main() -> None:
     baseline = built.model.to(args.device, dtype).train()
     ours = copy.deepcopy(baseline)
     batch_vision_attention(ours)
+    positions = copy.deepcopy(ours)
+    share_vision_positions(positions)
     rng = np.random.default_rng(0)
     frames = [
         Image.fromarray(rng.integers(0, 256, (126, 126, 3), dtype=np.uint8))
@@ -61,7 +64,11 @@ def main() -> None:
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    for name, model in (("transformers, per image (baseline)", baseline), ("clew, batched", ours)):
+    for name, model in (
+        ("transformers, per image (baseline)", baseline),
+        ("clew, batched attention", ours),
+        ("clew, batched + shared positions", positions),
+    ):
         step(model)
         best = float("inf")
         for _ in range(args.repeats):
@@ -69,6 +76,29 @@ def main() -> None:
             step(model)
             best = min(best, time.perf_counter() - t)
         print(f"{name:36s} {best * 1000:8.1f} ms forward+backward, {args.frames} frames")
+
+    # The position ids alone: the host-side loop that sharing removes.
+    from transformers.vision_utils import get_vision_position_ids
+
+    def per_image() -> torch.Tensor:
+        return get_vision_position_ids(grid, 1)
+
+    def shared() -> torch.Tensor:
+        return get_vision_position_ids(grid[:1], 1).repeat(len(grid), 1)
+
+    assert torch.equal(per_image(), shared())
+    for name, fn in (
+        ("position ids, per image (baseline)", per_image),
+        ("position ids, shared", shared),
+    ):
+        best = float("inf")
+        for _ in range(max(args.repeats, 3)):
+            t = time.perf_counter()
+            fn()
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        print(f"{name:36s} {best * 1000:8.1f} ms, {args.frames} frames")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 from pathlib import Path
 
 import numpy as np
@@ -57,3 +58,53 @@ def test_batched_vision_attention_gives_the_per_image_features(
         assert calls == [torch.Size([len(sizes), 4, 36, 32])]  # one call for all images
     else:
         assert [c[0] for c in calls] == [1] * len(sizes)  # image by image, as transformers
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_vl"])
+def test_shared_vision_positions_give_the_same_features_from_one_image_s_ids(
+    tmp_path: Path, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers.vision_utils as vu
+
+    built = build_model(
+        "tiny", tmp_path / "m", image_size=84, patch_size=14, merge_size=1, arch=arch
+    )
+    chat = ChatFormat(built.processor)
+    pixels, grid = chat.encode_images(_images([84] * 6))
+    grids: list[int] = []
+    real = vu.get_vision_position_ids
+
+    def spy(grid_thw, *args, **kwargs):
+        if "position_ids" not in (kwargs.get("kwargs") or {}):  # built, not handed in
+            grids.append(len(grid_thw))
+        return real(grid_thw, *args, **kwargs)
+
+    # The spy stands where the tower and clew both look the helper up.
+    tower = importlib.import_module(type(built.model.model.visual).__module__)
+    monkeypatch.setattr(vu, "get_vision_position_ids", spy)
+    monkeypatch.setattr(tower, "get_vision_position_ids", spy)
+    shared = copy.deepcopy(built.model)
+    assert va.share_vision_positions(shared)
+    assert not va.share_vision_positions(shared)  # wrapping twice is a no-op
+    reference = _features(built.model, pixels, grid)
+    assert grids == [6]
+    ours = _features(shared, pixels, grid)
+    ours_again = _features(shared, pixels, grid)
+    assert grids == [6, 1]  # one image's ids, computed once and kept
+    torch.testing.assert_close(ours, reference, rtol=0, atol=0)
+    torch.testing.assert_close(ours_again, reference, rtol=0, atol=0)
+    # Mixed sizes go through transformers' own per-image path.
+    mixed_pixels, mixed_grid = chat.encode_images(_images([84, 56]))
+    torch.testing.assert_close(
+        _features(shared, mixed_pixels, mixed_grid),
+        _features(built.model, mixed_pixels, mixed_grid),
+        rtol=0,
+        atol=0,
+    )
+
+    # A deepcopy (the KL reference) runs its own weights, not the wrapped original's.
+    twin = copy.deepcopy(shared)
+    with torch.no_grad():
+        for p in shared.model.visual.parameters():
+            p.add_(0.5)
+    torch.testing.assert_close(_features(twin, pixels, grid), reference, rtol=0, atol=0)

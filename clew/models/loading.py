@@ -32,7 +32,7 @@ from transformers.processing_utils import ProcessorMixin
 
 from clew.errors import CheckpointError, ConfigError, ModelError
 from clew.models.processor import ClewVLProcessor
-from clew.models.vision_attention import batch_vision_attention
+from clew.models.vision_attention import batch_vision_attention, share_vision_positions
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_policy", "resolve_dtype"]
 
@@ -207,5 +207,6 @@ def load_policy(
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     batch_vision_attention(model)
+    share_vision_positions(model)
     processor = load_processor(path)
     return model, processor

@@ -16,6 +16,7 @@ result equals the per-image path up to float rounding (tested).
 
 from __future__ import annotations
 
+import importlib
 import types
 from collections.abc import Callable
 from typing import Any
@@ -23,12 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["batch_vision_attention"]
+__all__ = ["batch_vision_attention", "share_vision_positions"]
 
 
 def _rotary_for(module: torch.nn.Module) -> Callable | None:
-    import importlib
-
     try:
         lib = importlib.import_module(type(module).__module__)
     except ImportError:  # pragma: no cover - the module's own file always imports
@@ -36,7 +35,7 @@ def _rotary_for(module: torch.nn.Module) -> Callable | None:
     return getattr(lib, "apply_rotary_pos_emb_vision", None)
 
 
-def _batched_forward(original: Callable, rotary: Callable) -> Callable:
+def _batched_forward(rotary: Callable) -> Callable:
     def forward(
         self: torch.nn.Module,
         hidden_states: torch.Tensor,
@@ -47,13 +46,20 @@ def _batched_forward(original: Callable, rotary: Callable) -> Callable:
     ) -> torch.Tensor:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         if args or position_embeddings is None or len(lengths) < 2:
-            return original(
-                hidden_states, cu_seqlens, *args, position_embeddings=position_embeddings, **kwargs
+            # The class's own forward, not a bound method kept from wrapping time: a deepcopy
+            # of the model (the KL reference) must run its own weights.
+            return type(self).forward(
+                self,
+                hidden_states,
+                cu_seqlens,
+                *args,
+                position_embeddings=position_embeddings,
+                **kwargs,
             )
         low, high = (int(x) for x in torch.aminmax(lengths))
         if low != high:
-            return original(
-                hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs
+            return type(self).forward(
+                self, hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs
             )
         seq, images, heads = hidden_states.shape[0], len(lengths), self.num_heads
         q, k, v = self.qkv(hidden_states).reshape(seq, 3, heads, -1).permute(1, 0, 2, 3).unbind(0)
@@ -90,7 +96,50 @@ def batch_vision_attention(model: torch.nn.Module) -> int:
             hasattr(module, a) for a in ("qkv", "proj", "num_heads", "scaling")
         ):
             continue
-        module.forward = types.MethodType(_batched_forward(module.forward, rotary), module)
+        module.forward = types.MethodType(_batched_forward(rotary), module)
         module._clew_batched = True
         wrapped += 1
     return wrapped
+
+
+def _shared_positions_forward(merge: int, positions: Callable) -> Callable:
+    cache: dict[tuple, torch.Tensor] = {}  # one image's ids by grid and device
+
+    def forward(
+        self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> Any:
+        grid = args[0] if args else kwargs.get("grid_thw")
+        if (
+            isinstance(grid, torch.Tensor)
+            and grid.dim() == 2
+            and len(grid) > 1
+            and "position_ids" not in kwargs
+            and bool((grid == grid[0]).all())
+        ):
+            key = (tuple(grid[0].tolist()), grid.device)
+            if key not in cache:
+                cache[key] = positions(grid[:1], merge)
+            kwargs["position_ids"] = cache[key].repeat(len(grid), 1)
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+
+    return forward
+
+
+def share_vision_positions(model: torch.nn.Module) -> bool:
+    """Wraps the vision tower's forward (see the module docstring); False if not recognised."""
+    try:
+        from transformers.vision_utils import get_vision_position_ids
+    except ImportError:  # pragma: no cover - transformers older than clew supports
+        return False
+    visual = getattr(getattr(model, "model", model), "visual", None)
+    merge = getattr(visual, "spatial_merge_size", None)
+    if visual is None or not isinstance(merge, int) or hasattr(visual, "_clew_positions"):
+        return False
+    module = importlib.import_module(type(visual).__module__)
+    if getattr(module, "get_vision_position_ids", None) is not get_vision_position_ids:
+        return False  # this tower builds its positions some other way
+    visual.forward = types.MethodType(
+        _shared_positions_forward(merge, get_vision_position_ids), visual
+    )
+    visual._clew_positions = True
+    return True
