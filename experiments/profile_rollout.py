@@ -1,0 +1,59 @@
+"""Where GRPO's generate phase spends its time: cProfile of one batch of maze episodes.
+
+    python experiments/profile_rollout.py MODEL_DIR [DEVICE] [PROMPTS] [SAMPLES]
+
+Plays PROMPTS (default 24) maze_2d/easy rows x SAMPLES (default 8) episodes with the GPU
+recipe's settings (14 px cells, 32 turns, current frame only, temperature 0.7, up to 8
+tokens a reply), once to warm up and once under cProfile; prints the wall time, turns per
+second and the functions with the most own time. On CUDA it then plays the batch again
+under torch.profiler and prints the operators by device time: if the device total is far
+below the wall time, the host (env, tokens, positions, Python around the model) is what
+to speed up.
+"""
+
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+from clew.data.rows import generate_rows
+from clew.inference.engine import InferenceEngine
+from clew.inference.sampling import SamplingParams
+from clew.models import load_policy
+from clew.models.chat import ChatFormat
+from clew.rollout.loop import RolloutSettings, play
+
+model_dir = sys.argv[1]
+device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 24
+samples = int(sys.argv[4]) if len(sys.argv) > 4 else 8
+opts = {"cell_px": 14, "max_turns": 32, "action_format": "keyword"}
+rows = generate_rows("maze_2d/easy", prompts, "train", env_options=opts)
+model, processor = load_policy(model_dir, "float32", device)
+engine = InferenceEngine(model, ChatFormat(processor), autocast=device.startswith("cuda"))
+settings = RolloutSettings(samples, 32, 8192, SamplingParams(temperature=0.7, max_tokens=8), 1)
+
+
+def batch() -> int:
+    trajs = play(engine, rows, settings, seed=0)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return sum(len(t.actions) for t in trajs)
+
+
+batch()
+prof = cProfile.Profile()
+t = time.perf_counter()
+prof.enable()
+turns = batch()
+prof.disable()
+wall = time.perf_counter() - t
+print(f"{prompts} x {samples} episodes: {wall:.2f} s, {turns} turns, {turns / wall:.0f} turns/s")
+pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+if device.startswith("cuda"):
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as tp:
+        batch()
+    print(tp.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
