@@ -123,7 +123,7 @@ class Frames:
     A frame's patches are 4 bytes per value and repeated ``temporal`` times: 8x its bytes
     for Qwen-VL. An SFT batch of 64 demonstrations holds about 1,200 frames, 0.47 GB of
     patches against 59 MB of bytes; building, concatenating and copying the patches on the
-    host was most of an SFT step (``benchmarks/frames.py``). ``patches`` gives exactly the
+    host was most of an SFT step (``benchmarks/sft_inputs.py``). ``patches`` gives exactly the
     processor's values.
     """
 
