@@ -33,12 +33,20 @@ SFT_BATCH=${SFT_BATCH:-64}  # demonstrations per SFT step
 DETOUR=${DETOUR:-0.0}  # share of detour turns in SFT demonstrations (wrong moves, wall bumps)
 SFT_EVAL_INTERVAL=${SFT_EVAL_INTERVAL:-100}
 SFT_STOP_AT=${SFT_STOP_AT:-}  # clew sft --stop-at-pass: end SFT at the first eval reaching it
+PACK_BF16=${PACK_BF16:-0}  # 1: checkpoints come back with bfloat16 weights (half the parts)
 PRECISION=${PRECISION:-bf16-mixed}  # clew sft --precision (bf16-true: the runs before session 5)
 # GRPO_EXTRA: more `clew train` overrides, space-separated (e.g. trainer.eval_interval=10)
 opts=(--env-id maze_2d/easy --option cell_px=14 --option max_turns=32 --option action_format=keyword)
 
 pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
-  tar czf - -C "$(dirname "$1")" "$(basename "$1")" | split -b 15m - "$out/$2.tgz.part-"
+  local src=$1
+  if [ "${PACK_BF16:-0}" = 1 ]; then
+    # Half the parts (what comes back is at most 8 files, 64 MiB): the weights rounded once
+    # to bfloat16; training goes on in float32 after the restore.
+    src=$work/pack_bf16/$(basename "$1") && rm -rf "$work/pack_bf16" && mkdir -p "$src"
+    cp -r "$1"/. "$src"/ && python3 -c "import sys, torch; from safetensors.torch import load_file, save_file; f=sys.argv[1]; save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}, f, metadata={'format': 'pt'})" "$src/model.safetensors"
+  fi
+  tar czf - -C "$(dirname "$src")" "$(basename "$src")" | split -b 15m - "$out/$2.tgz.part-"
 }
 unpack() { # unpack NAME DEST_PARENT: restore from RESTORE/NAME.tgz.part-*
   cat "$RESTORE/$1".tgz.part-* | tar xzf - -C "$2"
