@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from envs_for_tests import digits_rows
 
 from clew.config import load_config
@@ -50,3 +51,28 @@ def test_grpo_raises_the_training_reward(tmp_path):
     assert last > first + 0.2, f"reward went from {first:.3f} to {last:.3f}"
     assert (tmp_path / "runs" / "digits" / "config.yaml").is_file()
     assert (tmp_path / "runs" / "digits" / "exports" / "global_step_64" / "policy").is_dir()
+
+
+def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch):
+    import clew.run
+
+    model_dir = tmp_path / "tiny"
+    build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28, overwrite=True)
+    cfg = load_config(None, [f"trainer.policy.model.path={model_dir}", "trainer.device=cpu"])
+    asked: list[tuple[str, bool]] = []
+
+    def precision(device, name, lora):
+        asked.append((name, lora))
+        return "float32", True  # what CUDA gives for bf16-mixed without LoRA
+
+    monkeypatch.setattr(clew.run, "policy_precision", precision)
+    group = clew.run.build_worker_group(cfg, num_train_rows=8)
+    assert asked == [("bf16-mixed", False)]  # trainer.bf16 defaults to true
+    assert group.worker.autocast and group.engine.autocast
+    assert {p.dtype for p in group.worker.model.parameters()} == {torch.float32}
+    cfg = load_config(
+        None,
+        [f"trainer.policy.model.path={model_dir}", "trainer.device=cpu", "trainer.bf16=false"],
+    )
+    clew.run.build_worker_group(cfg, num_train_rows=8)
+    assert asked[-1] == ("32-true", False)
