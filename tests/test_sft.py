@@ -285,3 +285,47 @@ def test_sft_stops_at_the_first_evaluation_that_reaches_the_target_pass_rate(
         )
     with pytest.raises(ConfigError, match="needs an evaluation"):
         run_sft(model_dir, rows, tmp_path / "y", steps=1, batch_size=1, lr=1e-3, stop_at_pass=0.5)
+
+
+def test_teacher_forced_first_turn_is_what_the_greedy_policy_plays(model_dir, rows, tmp_path):
+    from clew.inference.engine import InferenceEngine
+    from clew.inference.sampling import SamplingParams
+    from clew.rollout.loop import RolloutSettings, play
+    from clew.train.agreement import solver_agreement, solver_predictions
+
+    # A little SFT first, so that the greedy policy writes actions in the format.
+    trained = run_sft(model_dir, rows, tmp_path / "sft", steps=25, batch_size=4, lr=3e-3)
+    model, processor = load_policy(trained.output_dir)
+    chat = ChatFormat(processor)
+    predictions = solver_predictions(model, chat, rows, image_window=1, batch_size=5)
+    # The first turn's context is the same whether the solver or the policy has played:
+    # the batched, padded forward must name the move the greedy engine makes there.
+    settings = RolloutSettings(1, 4, 4096, SamplingParams(temperature=0.0, max_tokens=8), 1)
+    greedy = play(InferenceEngine(model, chat), rows, settings, seed=0)
+    first = {p.row: p.predicted for p in predictions if p.turn == 0}
+    written = {i: greedy[i].actions[0].strip() for i in first}
+    formatted = [i for i, text in written.items() if text.startswith("<action>")]
+    assert len(formatted) >= len(first) // 2, written
+    assert all(first[i] == written[i] for i in formatted), (first, written)
+    # ... with the same log-probability the engine gave that word, to float rounding.
+    for p in predictions:
+        if p.turn == 0 and p.row in formatted:
+            traj = greedy[p.row]
+            word = traj.loss_mask.index(1) + 1  # "<action>", then the word
+            assert p.logprob == pytest.approx(traj.logprobs[word], abs=1e-4)
+    per_row = {i: sum(1 for p in predictions if p.row == i) for i in first}
+    assert all(
+        n == len(play_demonstration(rows[i], chat, random.Random(0)).actions)
+        for i, n in per_row.items()
+    )
+    metrics = solver_agreement(model, chat, rows, image_window=1)
+    turns = len(predictions)
+    agree = sum(p.predicted in p.optimal for p in predictions)
+    assert metrics["eval/agreement/all"] == pytest.approx(agree / turns)
+    # A reply the solver would give on the goal is "stop", elsewhere a move that gets closer.
+    assert all(p.optimal == {"<action>stop</action>"} for p in predictions if "goal" in p.groups)
+    assert all(
+        p.optimal and "<action>stop</action>" not in p.optimal
+        for p in predictions
+        if "goal" not in p.groups
+    )

@@ -140,6 +140,7 @@ def _sft_eval_fn(rows, keep_last_k_images=None, autocast=False):
     from clew.inference.engine import InferenceEngine
     from clew.inference.sampling import SamplingParams
     from clew.rollout.loop import RolloutSettings, play
+    from clew.train.agreement import solver_agreement
 
     turns = max(r.max_turns for r in rows)
     settings = RolloutSettings(
@@ -154,8 +155,11 @@ def _sft_eval_fn(rows, keep_last_k_images=None, autocast=False):
         was_training = model.training
         model.eval()
         trajs = play(InferenceEngine(model, chat, autocast=autocast), rows, settings, seed=0)
+        agreement = solver_agreement(
+            model, chat, rows, image_window=keep_last_k_images, autocast=autocast
+        )
         model.train(was_training)
-        return eval_metrics(trajs, rows, turns)
+        return eval_metrics(trajs, rows, turns) | agreement
 
     return eval_fn
 

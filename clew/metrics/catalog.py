@@ -117,6 +117,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         "eval/all/solvable_ceiling",
         "Fraction of eval tasks solvable within the turn budget (the best pass@1 can reach).",
     ),
+    MetricSpec(
+        "eval/agreement/<group>",
+        "SFT evaluations: share of turns on the solver's own path where the policy's most "
+        "likely action is an optimal one (clew.train.agreement); groups: all, corridor, "
+        "junction, dead_end, goal, dist_0_3, dist_4_7, dist_8_11, dist_12_plus.",
+    ),
     # metrics/: about the metrics themselves.
     MetricSpec(
         "metrics/non_finite", "Metric values this step that were NaN or infinite (should be 0)."

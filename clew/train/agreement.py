@@ -1,0 +1,177 @@
+"""How often the policy picks the solver's move along the solver's own path (teacher forced).
+
+Closed-loop pass@1 mixes reading the frame, planning and recovering from mistakes, and on
+64 mazes it moves in steps of 1.6 points. Agreement with the solver on the states of its
+optimal path, grouped by the agent's cell (corridor or junction) and by distance to the
+goal, tells those apart with one forward pass per maze: a policy that agrees near the goal
+and guesses far from it reads the frame but does not plan (BENCHMARKS.md, the third GPU
+attempt). ``clew sft`` reports it beside pass@1 at each evaluation.
+
+A turn counts as agreeing when the policy's most likely action word, given the solver's
+episode so far, is one of the state's optimal moves (or ``stop`` on the goal). The word is
+read at the first reply token where the actions' replies differ, so the action format
+must give every action a distinct token there (``keyword`` does: ``<action>up</action>``);
+for a format that does not, there is nothing to report and the result is empty.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from clew.data.rows import MazeRow
+from clew.envs import make
+from clew.envs.maze.actions import Action, format_action
+from clew.envs.maze.generate import DIRECTIONS
+from clew.envs.maze.solver import distances_to
+from clew.inference.sampling import banned_token_ids, mask_banned
+from clew.models.chat import ChatFormat
+from clew.models.precision import bf16_autocast
+from clew.train.batch import collate
+from clew.train.sft import Demonstration, play_demonstration
+
+__all__ = ["TurnPrediction", "solver_agreement", "solver_predictions"]
+
+PREFIX = "eval/agreement/"
+
+
+def _decision_tokens(chat: ChatFormat, action_format: str) -> tuple[int, dict[int, str]] | None:
+    """Where the actions' replies first differ, and the action each token there names."""
+    actions = [Action("stop")] + [Action("move", d) for d in range(len(DIRECTIONS))]
+    replies = {
+        format_action(a, action_format): chat.reply_tokens(format_action(a, action_format))
+        for a in actions
+    }
+    for i in range(min(len(r) for r in replies.values())):
+        tokens = {text: r[i] for text, r in replies.items()}
+        if len(set(tokens.values())) > 1:
+            if len(set(tokens.values())) < len(tokens):
+                return None  # some actions share this token: no single decision position
+            return i, {t: text for text, t in tokens.items()}
+    return None
+
+
+def _turn_groups(row: MazeRow, demo: Demonstration) -> list[tuple[set[str], list[str]]]:
+    """Per turn: the optimal replies of the state, and the groups the turn counts in."""
+    env = make(row.env_id, **row.options())
+    env.reset(int(row.seed))
+    dist = distances_to(env.maze, env.maze.goal)
+    out = []
+    for action in demo.actions:
+        agent = env.agent
+        if agent == env.maze.goal:
+            good = {format_action(Action("stop"), env.action_format)}
+            kind = "goal"
+        else:
+            good, opened = set(), 0
+            for d, (dr, dc) in enumerate(DIRECTIONS):
+                cell = (agent[0] + dr, agent[1] + dc)
+                if env.maze.is_open(cell):
+                    opened += 1
+                    if dist[cell] == dist[agent] - 1:
+                        good.add(format_action(Action("move", d), env.action_format))
+            kind = {1: "dead_end", 2: "corridor"}.get(opened, "junction")
+        far = int(dist[agent])
+        band = "dist_12_plus" if far >= 12 else f"dist_{far // 4 * 4}_{far // 4 * 4 + 3}"
+        out.append((good, ["all", kind, band]))
+        env.step(action)
+    return out
+
+
+@dataclass
+class TurnPrediction:
+    """One turn of a solver episode: what the policy would say, and what was optimal."""
+
+    row: int  # index into the rows given
+    turn: int
+    predicted: str | None  # the reply the policy's most likely action word names
+    logprob: float  # of that word (the policy's confidence in it)
+    optimal: set[str]
+    groups: list[str]
+
+
+@torch.no_grad()
+def solver_predictions(
+    model: torch.nn.Module,
+    chat: ChatFormat,
+    rows: Sequence[MazeRow],
+    *,
+    image_window: int | None = None,
+    autocast: bool = False,
+    batch_size: int = 16,
+) -> list[TurnPrediction]:
+    """Every turn of the solver's episode of each row, teacher forced (see the module docstring).
+
+    Rows whose optimal play exceeds their turn budget are left out; so is everything when
+    the action format has no single decision token.
+    """
+    played = []
+    for index, row in enumerate(rows):
+        demo = play_demonstration(row, chat, random.Random(0))
+        if demo is not None:
+            demo.image_window = image_window
+            played.append((index, row, demo))
+    if not played:
+        return []
+    first = played[0][1]
+    decision = _decision_tokens(chat, make(first.env_id, **first.options()).action_format)
+    if decision is None:
+        return []
+    offset, action_of = decision
+    device = next(model.parameters()).device
+    banned = banned_token_ids(chat).to(device)
+    dtype = torch.bfloat16 if autocast else next(model.parameters()).dtype
+    out: list[TurnPrediction] = []
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(played), batch_size):
+        chunk = played[start : start + batch_size]
+        batch = collate([demo for _, _, demo in chunk], chat)
+        with bf16_autocast(device, autocast):
+            logits = model(**batch.model_inputs(device, dtype), use_cache=False).logits
+        for b, (index, row, demo) in enumerate(chunk):
+            starts = [
+                i
+                for i in range(1, len(demo.loss_mask))
+                if demo.loss_mask[i] and not demo.loss_mask[i - 1]
+            ]
+            turns = zip(starts, _turn_groups(row, demo), strict=True)
+            for turn, (reply_start, (good, groups)) in enumerate(turns):
+                position = reply_start + offset - 1  # logits at t predict token t + 1
+                logp = torch.log_softmax(mask_banned(logits[b, position].float(), banned), -1)
+                word = int(logp.argmax())
+                out.append(
+                    TurnPrediction(
+                        index, turn, action_of.get(word), float(logp[word]), good, groups
+                    )
+                )
+    model.train(was_training)
+    return out
+
+
+def solver_agreement(
+    model: torch.nn.Module,
+    chat: ChatFormat,
+    rows: Sequence[MazeRow],
+    *,
+    image_window: int | None = None,
+    autocast: bool = False,
+    batch_size: int = 16,
+) -> dict[str, float]:
+    """``eval/agreement/<group>``: the share of agreeing turns in each group.
+
+    Groups: ``all``, the agent's cell (``corridor``, ``junction``, ``dead_end``, ``goal``)
+    and its distance to the goal (``dist_0_3``, ``dist_4_7``, ``dist_8_11``,
+    ``dist_12_plus``).
+    """
+    hits: dict[str, list[int]] = defaultdict(list)
+    for p in solver_predictions(
+        model, chat, rows, image_window=image_window, autocast=autocast, batch_size=batch_size
+    ):
+        for group in p.groups:
+            hits[group].append(int(p.predicted in p.optimal))
+    return {PREFIX + g: sum(v) / len(v) for g, v in sorted(hits.items())}
