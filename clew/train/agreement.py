@@ -33,6 +33,7 @@ from clew.models.chat import ChatFormat
 from clew.models.precision import bf16_autocast
 from clew.train.batch import collate
 from clew.train.sft import Demonstration, play_demonstration
+from clew.train.worker import logits_at
 
 __all__ = ["TurnPrediction", "solver_agreement", "solver_predictions"]
 
@@ -106,22 +107,21 @@ def solver_predictions(
 ) -> list[TurnPrediction]:
     """Every turn of the solver's episode of each row, teacher forced (see the module docstring).
 
-    Rows whose optimal play exceeds their turn budget are left out; so is everything when
-    the action format has no single decision token.
+    Rows whose optimal play exceeds their turn budget are left out, and so are rows whose
+    action format has no single decision token.
     """
+    decisions: dict[str, tuple[int, dict[int, str]] | None] = {}
     played = []
     for index, row in enumerate(rows):
         demo = play_demonstration(row, chat, random.Random(0))
-        if demo is not None:
+        if demo is None:
+            continue
+        action_format = make(row.env_id, **row.options()).action_format
+        if action_format not in decisions:
+            decisions[action_format] = _decision_tokens(chat, action_format)
+        if decisions[action_format] is not None:
             demo.image_window = image_window
-            played.append((index, row, demo))
-    if not played:
-        return []
-    first = played[0][1]
-    decision = _decision_tokens(chat, make(first.env_id, **first.options()).action_format)
-    if decision is None:
-        return []
-    offset, action_of = decision
+            played.append((index, row, demo, decisions[action_format]))
     device = next(model.parameters()).device
     banned = banned_token_ids(chat).to(device)
     dtype = torch.bfloat16 if autocast else next(model.parameters()).dtype
@@ -130,25 +130,29 @@ def solver_predictions(
     model.eval()
     for start in range(0, len(played), batch_size):
         chunk = played[start : start + batch_size]
-        batch = collate([demo for _, _, demo in chunk], chat)
-        with bf16_autocast(device, autocast):
-            logits = model(**batch.model_inputs(device, dtype), use_cache=False).logits
-        for b, (index, row, demo) in enumerate(chunk):
+        batch = collate([demo for _, _, demo, _ in chunk], chat)
+        keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=device)
+        turns = []
+        for b, (index, row, demo, (offset, action_of)) in enumerate(chunk):
             starts = [
                 i
                 for i in range(1, len(demo.loss_mask))
                 if demo.loss_mask[i] and not demo.loss_mask[i - 1]
             ]
-            turns = zip(starts, _turn_groups(row, demo), strict=True)
-            for turn, (reply_start, (good, groups)) in enumerate(turns):
-                position = reply_start + offset - 1  # logits at t predict token t + 1
-                logp = torch.log_softmax(mask_banned(logits[b, position].float(), banned), -1)
-                word = int(logp.argmax())
-                out.append(
-                    TurnPrediction(
-                        index, turn, action_of.get(word), float(logp[word]), good, groups
-                    )
-                )
+            for turn, (reply_start, (good, groups)) in enumerate(
+                zip(starts, _turn_groups(row, demo), strict=True)
+            ):
+                keep[b, reply_start + offset - 1] = True  # logits at t predict token t + 1
+                turns.append((index, turn, action_of, good, groups))
+        with bf16_autocast(device, autocast):
+            logits = logits_at(model, batch, keep, dtype)  # row-major: the order of ``turns``
+        logp = torch.log_softmax(mask_banned(logits.float(), banned), -1)
+        words = logp.argmax(-1)
+        best = logp.gather(-1, words[:, None]).squeeze(-1)
+        for (index, turn, action_of, good, groups), word, lp in zip(
+            turns, words.tolist(), best.tolist(), strict=True
+        ):
+            out.append(TurnPrediction(index, turn, action_of.get(word), lp, good, groups))
     model.train(was_training)
     return out
 

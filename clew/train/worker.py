@@ -51,6 +51,25 @@ __all__ = ["PPOSettings", "PolicyWorker", "WorkerSettings", "apply_lora"]
 BOOLEAN_LOGITS_TO_KEEP = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
 
 
+def logits_at(
+    model: torch.nn.Module, batch: ModelBatch, keep: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """The model's logits ``[K, V]`` at the K positions where ``keep [B, L]`` is True, row-major.
+
+    Only those positions go through the output projection (see the module docstring).
+    ``dtype`` is the dtype attention computes in (for the additive attention mask).
+    """
+    # Older transformers (5.17 on the GPU image) take only positions shared by the whole
+    # batch; project the union of the rows' positions there and pick each row's own.
+    cols = None if BOOLEAN_LOGITS_TO_KEEP else keep.any(0).nonzero().squeeze(-1)
+    out = model(
+        **batch.model_inputs(keep.device, dtype),
+        logits_to_keep=keep if cols is None else cols,
+        use_cache=False,
+    )
+    return out.logits if cols is None else out.logits[keep[:, cols]]
+
+
 class PolicyWorker:
     """Owns the policy (optionally LoRA-wrapped), AdamW and the LR schedule."""
 
@@ -139,19 +158,10 @@ class PolicyWorker:
 
     def _target_logits(self, model: torch.nn.Module, batch: ModelBatch) -> Tensor:
         """Logits ``[K, V]`` (float32, banned ids at -inf) at the K loss-mask targets, row-major."""
-        b, width = batch.input_ids.shape
-        keep = torch.zeros(b, width, dtype=torch.bool, device=self.device)
+        keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
         keep[:, :-1] = (batch.target_mask > 0).to(self.device)
-        # Older transformers (5.17 on the GPU image) take only positions shared by the whole
-        # batch; project the union of the rows' positions there and pick each row's own.
-        cols = None if BOOLEAN_LOGITS_TO_KEEP else keep.any(0).nonzero().squeeze(-1)
         with self._autocast():
-            out = model(
-                **batch.model_inputs(self.device, self.compute_dtype),
-                logits_to_keep=keep if cols is None else cols,
-                use_cache=False,
-            )
-        logits = out.logits if cols is None else out.logits[keep[:, cols]]
+            logits = logits_at(model, batch, keep, self.compute_dtype)
         return mask_banned(logits.float(), self.banned)
 
     def _forward(
