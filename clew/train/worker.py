@@ -37,6 +37,7 @@ from clew.errors import ClewError
 from clew.inference.sampling import banned_token_ids, mask_banned
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
+from clew.models.pixels import as_patches
 from clew.models.precision import bf16_autocast
 from clew.train.batch import ModelBatch, SequenceLike, Vision, collate, encode_vision
 from clew.train.batch import micro_batches as chunked
@@ -175,7 +176,12 @@ class PolicyWorker:
         return TargetOutputs(logits, logprobs, per_target.masked_scatter(mask, logprobs), targets)
 
     def _vision(self, seqs: Sequence[SequenceLike]) -> list[Vision]:
-        return [encode_vision(s, self.chat) for s in seqs]
+        vision = [encode_vision(s, self.chat) for s in seqs]
+        if self.device.type == "cpu":
+            # No device to hand the patching to: patch once here rather than at every
+            # forward that reuses these images (logprobs, each micro-batch and epoch).
+            vision = [(None if p is None else as_patches(p), g) for p, g in vision]
+        return vision
 
     @staticmethod
     def _by_length(seqs: Sequence[SequenceLike], indices: Sequence[int]) -> list[int]:
