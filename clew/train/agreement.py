@@ -56,8 +56,8 @@ def _decision_tokens(chat: ChatFormat, action_format: str) -> tuple[int, dict[in
     return None
 
 
-def _turn_groups(row: MazeRow, demo: Demonstration) -> list[tuple[set[str], list[str]]]:
-    """Per turn: the optimal replies of the state, and the groups the turn counts in."""
+def _turn_groups(row: MazeRow, demo: Demonstration) -> tuple[str, list[tuple[set[str], list[str]]]]:
+    """The row's action format and, per turn, the state's optimal replies and its groups."""
     env = make(row.env_id, **row.options())
     env.reset(int(row.seed))
     dist = distances_to(env.maze, env.maze.goal)
@@ -80,7 +80,7 @@ def _turn_groups(row: MazeRow, demo: Demonstration) -> list[tuple[set[str], list
         band = "dist_12_plus" if far >= 12 else f"dist_{far // 4 * 4}_{far // 4 * 4 + 3}"
         out.append((good, ["all", kind, band]))
         env.step(action)
-    return out
+    return env.action_format, out
 
 
 @dataclass
@@ -116,12 +116,12 @@ def solver_predictions(
         demo = play_demonstration(row, chat, random.Random(0))
         if demo is None:
             continue
-        action_format = make(row.env_id, **row.options()).action_format
+        action_format, groups = _turn_groups(row, demo)
         if action_format not in decisions:
             decisions[action_format] = _decision_tokens(chat, action_format)
         if decisions[action_format] is not None:
             demo.image_window = image_window
-            played.append((index, row, demo, decisions[action_format]))
+            played.append((index, demo, groups, decisions[action_format]))
     device = next(model.parameters()).device
     banned = banned_token_ids(chat).to(device)
     dtype = torch.bfloat16 if autocast else next(model.parameters()).dtype
@@ -130,17 +130,17 @@ def solver_predictions(
     model.eval()
     for start in range(0, len(played), batch_size):
         chunk = played[start : start + batch_size]
-        batch = collate([demo for _, _, demo, _ in chunk], chat)
+        batch = collate([demo for _, demo, _, _ in chunk], chat)
         keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=device)
         turns = []
-        for b, (index, row, demo, (offset, action_of)) in enumerate(chunk):
+        for b, (index, demo, groups_of_turns, (offset, action_of)) in enumerate(chunk):
             starts = [
                 i
                 for i in range(1, len(demo.loss_mask))
                 if demo.loss_mask[i] and not demo.loss_mask[i - 1]
             ]
             for turn, (reply_start, (good, groups)) in enumerate(
-                zip(starts, _turn_groups(row, demo), strict=True)
+                zip(starts, groups_of_turns, strict=True)
             ):
                 keep[b, reply_start + offset - 1] = True  # logits at t predict token t + 1
                 turns.append((index, turn, action_of, good, groups))
