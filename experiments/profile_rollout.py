@@ -51,7 +51,7 @@ turns = batch()
 prof.disable()
 wall = time.perf_counter() - t
 print(f"{prompts} x {samples} episodes: {wall:.2f} s, {turns} turns, {turns / wall:.0f} turns/s")
-pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+pstats.Stats(prof).sort_stats(sys.argv[5] if len(sys.argv) > 5 else "tottime").print_stats(25)
 if device.startswith("cuda"):
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as tp:

@@ -308,3 +308,16 @@ def test_stop_strings_and_max_tokens_end_a_reply(policy, rows):
             {0: first}, SamplingParams(max_tokens=12, stop=(stop,))
         )[0]
         assert again.finish_reason == "stop" and len(again.token_ids) <= 3
+
+
+def test_cached_position_layouts_are_shifted_copies_never_shared_state():
+    from clew.inference.positions import mrope_positions
+
+    ids = [5, 7, 9, 9, 9, 9, 3]
+    grid = torch.tensor([[1, 2, 2]])
+    a, nxt_a = mrope_positions(ids, grid, 0, 9, 1)
+    b, nxt_b = mrope_positions(ids, grid, 10, 9, 1)
+    assert torch.equal(b, a + 10) and nxt_b == nxt_a + 10
+    a += 100  # a caller may write into what it got; the next chunk must not see it
+    c, _ = mrope_positions(ids, grid, 0, 9, 1)
+    assert c.tolist() == [[0, 1, 2, 2, 2, 2, 4], [0, 1, 2, 2, 3, 3, 4], [0, 1, 2, 3, 2, 3, 4]]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -148,7 +149,9 @@ class Session:
         self.lengths = [0] * size  # real tokens per sequence (fed + pending)
         self.pending: list[int | None] = [None] * size
         self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(0 if seed is None else seed)
+        self._seed = 0 if seed is None else seed
+        self.generator.manual_seed(self._seed)
+        self._dev_generator: torch.Generator | None = None
 
     @property
     def cache_tokens(self) -> int:
@@ -220,23 +223,23 @@ class Session:
                 grids.append(chunk.image_grid_thw)
         width = max(len(t) for t in token_lists)
         b = len(self.rows)
-        input_ids = torch.full((b, width), chat.pad_id, dtype=torch.long)
-        positions = torch.zeros(3, b, width, dtype=torch.long)
-        new_mask = torch.zeros(b, width, dtype=torch.long)
-        image_ids = torch.full((b, width), -1, dtype=torch.long)
+        # Left-padded, so every sequence's last real token is the chunk's last column. Built
+        # in numpy and handed over once: per-row tensor ops were a visible share of a GPU turn.
+        ids_np = np.full((b, width), chat.pad_id, dtype=np.int64)
+        pos_np = np.zeros((3, b, width), dtype=np.int64)
+        mask_np = np.zeros((b, width), dtype=np.int64)
         for r, (ids, pos) in enumerate(zip(token_lists, pos_lists, strict=True)):
-            # Left-padded, so every sequence's last real token is the chunk's last column.
-            row = torch.tensor(ids)
-            input_ids[r, width - len(ids) :] = row
-            positions[:, r, width - len(ids) :] = pos
-            new_mask[r, width - len(ids) :] = 1
-            is_image = row == chat.image_token_id
-            if is_image.any():
-                starts = is_image & ~torch.cat([torch.tensor([False]), is_image[:-1]])
-                image_ids[r, width - len(ids) :] = torch.where(
-                    is_image, self.images_seen[r] + starts.long().cumsum(0) - 1, -1
-                )
-                self.images_seen[r] += int(starts.sum())
+            ids_np[r, width - len(ids) :] = ids
+            pos_np[:, r, width - len(ids) :] = pos.numpy()
+            mask_np[r, width - len(ids) :] = 1
+        # Which image (counted per sequence) each new column holds: runs of image tokens.
+        is_image = (ids_np == chat.image_token_id) & (mask_np == 1)
+        starts = is_image & ~np.concatenate([np.zeros((b, 1), dtype=bool), is_image[:, :-1]], 1)
+        seen = np.asarray(self.images_seen, dtype=np.int64)[:, None]
+        image_np = np.where(is_image, seen + np.cumsum(starts, 1) - 1, -1)
+        self.images_seen = (seen[:, 0] + starts.sum(1)).tolist()
+        input_ids, positions = torch.from_numpy(ids_np), torch.from_numpy(pos_np)
+        new_mask, image_ids = torch.from_numpy(mask_np), torch.from_numpy(image_np)
         self._hide_old_images()
         self._compact()
         extra = {}
@@ -245,34 +248,34 @@ class Session:
             extra["image_grid_thw"] = torch.cat(grids).to(dev)
         logits = self._forward(input_ids, positions, new_mask, image_ids, **extra)
         gens = {seq: Generation() for seq in self.rows}
-        active = torch.ones(b, dtype=torch.bool)
+        active = [True] * b
         for step in range(params.max_tokens):
             tokens, logprobs = self._sample(logits, params)
             for r, seq in enumerate(self.rows):
                 if not active[r]:
                     continue
                 g = gens[seq]
-                g.token_ids.append(int(tokens[r]))
-                g.logprobs.append(float(logprobs[r]))
+                g.token_ids.append(tokens[r])
+                g.logprobs.append(logprobs[r])
                 self.lengths[r] += 1
-                self.pending[r] = int(tokens[r])
-                if int(tokens[r]) in eng.stop_token_ids or self._hit_stop_string(g, params):
+                self.pending[r] = tokens[r]
+                if tokens[r] in eng.stop_token_ids or self._hit_stop_string(g, params):
                     g.finish_reason = "stop"
                     active[r] = False
-            if not active.any() or step == params.max_tokens - 1:
+            if not any(active) or step == params.max_tokens - 1:
                 break
             # Feed each active sequence its sampled token; finished ones get masked padding.
-            step_ids = torch.full((b, 1), chat.pad_id, dtype=torch.long)
-            step_pos = torch.zeros(3, b, 1, dtype=torch.long)
-            step_mask = torch.zeros(b, 1, dtype=torch.long)
+            step_ids = [self.pending[r] if active[r] else chat.pad_id for r in range(b)]
+            step_pos = [self.next_pos[r] if active[r] else 0 for r in range(b)]
             for r in range(b):
                 if active[r]:
-                    step_ids[r, 0] = self.pending[r]
-                    step_pos[:, r, 0] = self.next_pos[r]
-                    step_mask[r, 0] = 1
                     self.next_pos[r] += 1
                     self.pending[r] = None
-            logits = self._forward(step_ids, step_pos, step_mask)
+            logits = self._forward(
+                torch.tensor(step_ids, dtype=torch.long).view(b, 1),
+                torch.tensor(step_pos, dtype=torch.long).view(1, b, 1).repeat(3, 1, 1),
+                torch.tensor(active, dtype=torch.long).view(b, 1),
+            )
         return gens
 
     def _hide_old_images(self) -> None:
@@ -347,15 +350,26 @@ class Session:
 
     def _sample(
         self, logits: torch.Tensor, params: SamplingParams
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[list[int], list[float]]:
+        """One token per row and its logprob, as Python lists (one device-to-host copy)."""
         temperature = 1.0 if params.greedy else params.temperature
         logp = torch.log_softmax(logits / temperature, dim=-1)
         if params.greedy:
             tokens = logits.argmax(-1)
         else:
-            filtered = filter_logits(logits / temperature, params.top_k, params.top_p)
-            probs = filtered.softmax(-1).cpu()
-            tokens = (
-                torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).to(logits.device)
-            )
-        return tokens.cpu(), logp.gather(-1, tokens.view(-1, 1)).squeeze(-1).cpu()
+            probs = filter_logits(logits / temperature, params.top_k, params.top_p).softmax(-1)
+            if probs.device.type == "cpu":
+                tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+            else:
+                # On an accelerator the draw stays there: copying [rows, vocab] probabilities
+                # to the host and drawing on it was the largest host cost of a GPU turn.
+                tokens = torch.multinomial(probs, 1, generator=self._device_generator()).squeeze(-1)
+        picked = logp.gather(-1, tokens.view(-1, 1)).squeeze(-1)
+        both = torch.stack([tokens.double(), picked.double()]).cpu()
+        return [int(t) for t in both[0].tolist()], both[1].tolist()
+
+    def _device_generator(self) -> torch.Generator:
+        if self._dev_generator is None:
+            self._dev_generator = torch.Generator(device=self.engine.device)
+            self._dev_generator.manual_seed(self._seed)
+        return self._dev_generator

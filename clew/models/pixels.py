@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -101,13 +102,22 @@ def fast_frames(images: list[Image.Image], ip: Any) -> Frames | None:
     if settings is None:
         return None
     patch, merge, temporal, scale, mean, std = settings
-    # The processor's arithmetic (rescale in float64, cast to float32, normalise in float32)
-    # has one result per channel and byte value: a 3 x 256 table gives the same floats,
-    # bit for bit, with one lookup per pixel.
-    levels = (np.arange(256, dtype=np.float64) * scale).astype(np.float32)
-    table = (levels[None, :] - mean[:, None]) / std[:, None]  # [C, 256]
+    table = _byte_table(scale, tuple(mean.tolist()), tuple(std.tolist()))
     raw = np.stack([np.asarray(im, dtype=np.uint8) for im in images])  # [N, H, W, C]
-    return Frames(torch.from_numpy(raw), torch.from_numpy(table), patch, merge, temporal)
+    return Frames(torch.from_numpy(raw), table, patch, merge, temporal)
+
+
+@lru_cache(maxsize=8)
+def _byte_table(scale: float, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """float32 ``[C, 256]``: the processor's value of each byte, per channel (read only).
+
+    The processor's arithmetic (rescale in float64, cast to float32, normalise in float32)
+    has one result per channel and byte value: the table gives the same floats, bit for
+    bit, with one lookup per pixel. Built once per setting: rollouts encode one frame a turn.
+    """
+    levels = (np.arange(256, dtype=np.float64) * scale).astype(np.float32)
+    m, sd = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)
+    return torch.from_numpy((levels[None, :] - m[:, None]) / sd[:, None])
 
 
 def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
