@@ -1,12 +1,13 @@
 """Eval pass@1 of the GPU `easy` run against step and device wall time: SFT, then GRPO.
 
-    python experiments/plot_easy.py [RESULTS_DIR] [OUT_PNG]
+    python experiments/plot_easy.py [RESULTS_DIR ...] [OUT_PNG]
 
-RESULTS_DIR (default docs/results/easy-h200) holds the metrics that
+Each RESULTS_DIR (default docs/results/easy-h200) holds the metrics that
 `experiments/gpu_easy.sh` wrote, named by phase order: ``1_sft_metrics.jsonl``,
 ``2_sft_more_metrics.jsonl`` (SFT, ``sft/elapsed_s`` per step) and
 ``3_grpo_metrics.jsonl`` (GRPO, ``timing/step`` per step, evaluation included). Time runs
-on from one phase to the next; setup, data and packing between calls are left out.
+on from one phase to the next, and from one folder to the next (a run carried on over
+sessions); setup, data and packing between calls are left out.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from matplotlib.figure import Figure
 KEY = "eval/all/pass_at_1"
 
 
-def curves(folder: Path) -> list[tuple[str, list[int], list[float], list[float]]]:
+def curves(*folders: Path) -> list[tuple[str, list[int], list[float], list[float]]]:
     out = []
     step0 = time0 = 0.0
-    for path in sorted(folder.glob("*_metrics.jsonl")):
+    paths = [p for folder in folders for p in sorted(folder.glob("*_metrics.jsonl"))]
+    for path in paths:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         grpo = "grpo" in path.name
         steps, seconds, values = [], [], []
@@ -42,14 +44,16 @@ def curves(folder: Path) -> list[tuple[str, list[int], list[float], list[float]]
 
 
 def main() -> None:
-    folder = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/easy-h200")
-    target = Path(sys.argv[2] if len(sys.argv) > 2 else folder / "curve.png")
+    args = [Path(a) for a in sys.argv[1:]]
+    target = args.pop() if args and args[-1].suffix == ".png" else None
+    folders = args or [Path("docs/results/easy-h200")]
+    target = target or folders[-1] / "curve.png"
     fig = Figure(figsize=(10, 4))
     FigureCanvasAgg(fig)
     by_step, by_time = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     colours = {"SFT": "tab:blue", "GRPO": "tab:red"}
     seen = set()
-    for phase, steps, seconds, values in curves(folder):
+    for phase, steps, seconds, values in curves(*folders):
         label = None if phase in seen else phase
         seen.add(phase)
         by_step.plot(steps, values, "o-", color=colours[phase], label=label)
