@@ -30,10 +30,15 @@ SAMPLES=${SAMPLES:-8}
 MAX_TURNS=${MAX_TURNS:-32}
 MICRO=${MICRO:-48}
 SFT_BATCH=${SFT_BATCH:-64}  # demonstrations per SFT step
+SFT_MICRO=${SFT_MICRO:-}  # demonstrations per forward (the deep preset's 64 at once held 110 GiB)
 DETOUR=${DETOUR:-0.0}  # share of detour turns in SFT demonstrations (wrong moves, wall bumps)
 SFT_EVAL_INTERVAL=${SFT_EVAL_INTERVAL:-100}
 SFT_STOP_AT=${SFT_STOP_AT:-}  # clew sft --stop-at-pass: end SFT at the first eval reaching it
 PACK_BF16=${PACK_BF16:-0}  # 1: checkpoints come back with bfloat16 weights (half the parts)
+# Tokens a reply may take: a keyword action is 4 (<action>, the word, </action>, <|im_end|>).
+# Every decode step runs the whole batch, so one row rambling to 8 tokens doubled a turn's
+# forwards (at temperature 1.0 about 1% of replies did, i.e. nearly every turn of 384 rows).
+MAX_GEN=${MAX_GEN:-4}
 PRECISION=${PRECISION:-bf16-mixed}  # clew sft --precision (bf16-true: the runs before session 5)
 # GRPO_EXTRA: more `clew train` overrides, space-separated (e.g. trainer.eval_interval=10)
 opts=(--env-id maze_2d/easy --option cell_px=14 --option max_turns=32 --option action_format=keyword)
@@ -65,7 +70,7 @@ if [ "$phase" = sft ]; then
     --eval-data "$work/data/eval.parquet" --output "$work/sft" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
     --warmup-steps 50 --detour-prob "$DETOUR" \
-    --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} \
+    --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     --metrics "$out/sft_metrics.jsonl"
   pack "$work/sft" sft
 elif [ "$phase" = sft_more ]; then
@@ -75,7 +80,7 @@ elif [ "$phase" = sft_more ]; then
   $CLEW sft --model "$work/sft" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
-    --warmup-steps 1 --detour-prob "$DETOUR" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} \
+    --warmup-steps 1 --detour-prob "$DETOUR" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     --metrics "$out/sft_more_metrics.jsonl"
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pack "$work/sft" sft
 elif [ "$phase" = grpo ]; then
@@ -113,7 +118,7 @@ elif [ "$phase" = grpo ]; then
     "generator.max_turns=$MAX_TURNS" \
     generator.keep_last_k_images=1 \
     generator.sampling_params.temperature=${GRPO_TEMPERATURE:-1.0} \
-    generator.sampling_params.max_generate_length=8 \
+    "generator.sampling_params.max_generate_length=$MAX_GEN" \
     generator.max_input_length=8192 \
     trainer.max_prompt_length=512 \
     "trainer.device=$DEVICE" \

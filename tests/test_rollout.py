@@ -321,3 +321,19 @@ def test_cached_position_layouts_are_shifted_copies_never_shared_state():
     a += 100  # a caller may write into what it got; the next chunk must not see it
     c, _ = mrope_positions(ids, grid, 0, 9, 1)
     assert c.tolist() == [[0, 1, 2, 2, 2, 2, 4], [0, 1, 2, 2, 3, 3, 4], [0, 1, 2, 3, 2, 3, 4]]
+
+
+@pytest.mark.gpu
+def test_sampling_on_the_accelerator_is_seeded_and_matches_the_sampled_logprobs(policy, rows):
+    import copy
+
+    model, chat = policy
+    model = copy.deepcopy(model).to("cuda")
+    engine = InferenceEngine(model, chat)
+    a = play(engine, rows, _settings(), seed=7)
+    b = play(engine, rows, _settings(), seed=7)
+    c = play(engine, rows, _settings(), seed=8)
+    assert [t.token_ids for t in a] == [t.token_ids for t in b]
+    assert [t.token_ids for t in a] != [t.token_ids for t in c]
+    for t in a:
+        assert all(lp <= 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m)
