@@ -42,6 +42,8 @@ def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
         max_turns=g.max_turns,
         max_input_length=g.max_input_length,
         keep_last_k_images=g.keep_last_k_images,
+        reply_prefix=g.reply_prefix,
+        reply_suffix=g.reply_suffix,
         sampling=SamplingParams(
             temperature=sp.temperature,
             top_p=sp.top_p,

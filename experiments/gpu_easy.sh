@@ -39,6 +39,13 @@ PACK_BF16=${PACK_BF16:-0}  # 1: checkpoints come back with bfloat16 weights (hal
 # Every decode step runs the whole batch, so one row rambling to 8 tokens doubled a turn's
 # forwards (at temperature 1.0 about 1% of replies did, i.e. nearly every turn of 384 rows).
 MAX_GEN=${MAX_GEN:-4}
+# FORCED=1: the engine writes <action> and </action> around one sampled token a reply
+# (generator.reply_prefix / reply_suffix): a turn is one forward pass instead of four.
+FORCED=${FORCED:-0}
+forced=()
+if [ "$FORCED" = 1 ]; then
+  forced=("generator.reply_prefix=<action>" "generator.reply_suffix=</action>") && MAX_GEN=1
+fi
 PRECISION=${PRECISION:-bf16-mixed}  # clew sft --precision (bf16-true: the runs before session 5)
 # GRPO_EXTRA: more `clew train` overrides, space-separated (e.g. trainer.eval_interval=10)
 opts=(--env-id maze_2d/easy --option cell_px=14 --option max_turns=32 --option action_format=keyword)
@@ -122,6 +129,7 @@ elif [ "$phase" = grpo ]; then
     generator.max_input_length=8192 \
     trainer.max_prompt_length=512 \
     "trainer.device=$DEVICE" \
+    ${forced[@]+"${forced[@]}"} \
     ${GRPO_EXTRA:-} || echo "clew train stopped (rc $?)"
   cat "$work/runs/grpo/metrics.jsonl" >> "$out/grpo_metrics.jsonl" || true
   last=$(ls -d "$work"/runs/grpo/exports/global_step_*/policy 2>/dev/null | sort -V | tail -1)

@@ -337,3 +337,14 @@ def test_schema_markdown_lists_every_key_with_a_description() -> None:
     assert "Accepted but ignored by clew" in md
     undocumented = [k for k, info in key_table().items() if not info.field.description]
     assert undocumented == []
+
+
+def test_a_forced_reply_format_reaches_the_rollout_settings() -> None:
+    from clew.trainer import rollout_settings
+
+    cfg = load_config(None, ["generator.reply_prefix=<action>", "generator.reply_suffix=</action>"])
+    for evaluation in (False, True):
+        s = rollout_settings(cfg, evaluation)
+        assert (s.reply_prefix, s.reply_suffix) == ("<action>", "</action>")
+    plain = rollout_settings(load_config(None, []), False)
+    assert (plain.reply_prefix, plain.reply_suffix) == ("", "")

@@ -337,3 +337,51 @@ def test_sampling_on_the_accelerator_is_seeded_and_matches_the_sampled_logprobs(
     assert [t.token_ids for t in a] != [t.token_ids for t in c]
     for t in a:
         assert all(lp <= 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m)
+
+
+def test_a_forced_reply_format_samples_only_the_word_and_logprobs_still_match(policy, rows):
+    from dataclasses import replace
+
+    from clew.train.worker import PolicyWorker
+
+    model, chat = policy
+    settings = replace(
+        _settings(max_turns=4, max_tokens=1),
+        keep_last_k_images=1,
+        reply_prefix="<action>",
+        reply_suffix="</action>",
+    )
+    trajs = play(InferenceEngine(model, chat), rows, settings, seed=4)
+    prefix, suffix = chat.encode_text("<action>"), chat.encode_text("</action>")
+    closed = 0
+    for t in trajs:
+        sampled = [i for i, m in enumerate(t.loss_mask) if m]
+        assert len(sampled) == t.turns  # one sampled token a turn: the format is not sampled
+        for turn, i in enumerate(sampled):
+            word = t.token_ids[i]
+            assert t.token_ids[i - len(prefix) : i] == prefix
+            if word == chat.im_end_id:
+                assert t.actions[turn] == "<action>"
+                continue
+            assert t.actions[turn] == f"<action>{chat.decode([word])}</action>"
+            if turn + 1 < t.turns:  # the suffix opens the next observation chunk
+                assert t.token_ids[i + 1 : i + 1 + len(suffix)] == suffix
+                assert t.token_ids[i + 1 + len(suffix)] == chat.im_end_id
+                closed += 1
+    assert closed > 0
+    # The trainer scores the sampled words under exactly the context the engine had.
+    recomputed = PolicyWorker(model, chat).compute_logprobs(trajs, 1.0, 4)
+    for t, lp in zip(trajs, recomputed, strict=True):
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+        assert float((lp[mask] - torch.tensor(t.logprobs[1:])[mask]).abs().max()) < 1e-4
+    model.eval()
+
+
+def test_the_forced_format_tokenizes_as_the_whole_reply_does(policy):
+    _, chat = policy
+    for word in ("up", "down", "left", "right", "stop"):
+        pieces = (
+            chat.encode_text("<action>") + chat.encode_text(word) + chat.encode_text("</action>")
+        )
+        assert pieces == chat.encode_text(f"<action>{word}</action>")
+    assert chat.encode_text("") == []

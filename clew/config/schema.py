@@ -113,6 +113,17 @@ class GeneratorConfig(Section):
         description="Keep only the k most recent images in the context (older ones are "
         "dropped); null keeps all.",
     )
+    reply_prefix: str = Field(
+        "",
+        description="Text written at the start of every reply before sampling (e.g. "
+        "'<action>'), as structured-output decoding fixes a reply's format: context, not "
+        "action (no loss, no logprob). '' samples the whole reply.",
+    )
+    reply_suffix: str = Field(
+        "",
+        description="Text written after a reply that ran to max_generate_length (e.g. "
+        "'</action>'), before <|im_end|>; the env reads prefix + sampled text + suffix.",
+    )
     batched: bool = Field(False, description="SkyRL: batched single-turn generation.")
     vision_language_generator: bool = Field(
         True, description="SkyRL: use the vision-language generator."

@@ -131,5 +131,9 @@ class ChatFormat:
         """A reply as the model should write it (for demonstrations): text then ``<|im_end|>``."""
         return self._encode(text) + [self.im_end_id]
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of plain ``text`` (no special tokens added); ``[]`` for ``""``."""
+        return list(self._encode(text)) if text else []
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -8,6 +8,14 @@ batched decode. An episode ends on the env's ``done``, on ``max_turns`` (the sma
 ``max_input_length``, or when the cache budget runs out (``cache_budget``: finished
 cleanly, never an out-of-memory crash). An exception inside an env ends that episode with
 reward 0 (``env_error``) and never takes down the batch.
+
+``reply_prefix`` / ``reply_suffix`` fix the reply's format around what is sampled, as
+structured-output decoding does: the prefix's tokens end every observation chunk (after
+the assistant header), the suffix's tokens open the next chunk (before ``<|im_end|>``), so
+they are context (no loss, no logprob) and the env reads ``prefix + sampled + suffix``.
+With the keyword format (``<action>`` ... ``</action>``) and one sampled token a reply, a
+turn is one forward pass instead of four: every decode step runs the whole batch, and the
+format's tokens were three of the four.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from clew.envs import make
 from clew.errors import ConfigError
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
+from clew.models.chat import Chunk
 from clew.rollout.trajectory import Trajectory
 
 
@@ -34,6 +43,8 @@ class RolloutSettings:
     max_input_length: int = 8192
     sampling: SamplingParams = SamplingParams()
     keep_last_k_images: int | None = None
+    reply_prefix: str = ""
+    reply_suffix: str = ""
 
 
 @dataclass
@@ -67,6 +78,8 @@ def play(
     specs = [
         (g, s, row) for g, row in enumerate(rows) for s in range(settings.n_samples_per_prompt)
     ]
+    prefix = chat.encode_text(settings.reply_prefix)
+    suffix = chat.encode_text(settings.reply_suffix)
     wave = engine.max_sequences(settings.max_input_length)
     done: list[Trajectory] = []
     for w, lo in enumerate(range(0, len(specs), wave)):
@@ -80,7 +93,7 @@ def play(
                 _fail(traj, exc)
                 done.append(traj)
                 continue
-            chunk = chat.user_turn(obs.text, obs.images, first=True)
+            chunk = _framed(chat.user_turn(obs.text, obs.images, first=True), [], prefix)
             if len(chunk.token_ids) + settings.sampling.max_tokens > settings.max_input_length:
                 raise ConfigError(
                     f"generator.max_input_length={settings.max_input_length} cannot hold one turn: "
@@ -115,7 +128,11 @@ def play(
                 ep = episodes[i]
                 traj = ep.traj
                 traj.add_reply(gen.token_ids, gen.logprobs)
+                # A reply that closed itself (its stop token) gets no suffix.
+                closing = suffix if gen.finish_reason != "stop" else []
                 text = chat.decode(gen.token_ids)
+                if prefix or suffix:
+                    text = settings.reply_prefix + text + (settings.reply_suffix if closing else "")
                 traj.actions.append(text)
                 traj.turns += 1
                 try:
@@ -137,6 +154,7 @@ def play(
                 chunk = chat.user_turn(
                     obs.text, obs.images, first=False, after_reply_end=gen.finish_reason == "stop"
                 )
+                chunk = _framed(chunk, closing, prefix)
                 needed = (
                     session.lengths[session.rows.index(i)]
                     + len(chunk.token_ids)
@@ -155,6 +173,13 @@ def play(
             session.drop(finished)
     done.sort(key=lambda t: (t.group_id, t.sample_index))
     return done
+
+
+def _framed(chunk: Chunk, before: list[int], after: list[int]) -> Chunk:
+    """``chunk`` with the previous reply's forced ending before it and the next one's opening after."""
+    if not before and not after:
+        return chunk
+    return Chunk(before + chunk.token_ids + after, chunk.pixel_values, chunk.image_grid_thw)
 
 
 def _fail(traj: Trajectory, exc: BaseException) -> None:
