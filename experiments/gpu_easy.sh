@@ -17,6 +17,7 @@ work=$2
 out=$3
 mkdir -p "$work" "$out"
 CLEW=${CLEW:-clew}
+PYTHON=${PYTHON:-python3}  # a Python with torch (packing with PACK_BF16=1)
 SFT_MINUTES=${SFT_MINUTES:-7.5}
 SFT_STEPS=${SFT_STEPS:-4000}
 GRPO_STEPS=${GRPO_STEPS:-40}
@@ -56,7 +57,7 @@ pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
     # Half the parts (what comes back is at most 8 files, 64 MiB): the weights rounded once
     # to bfloat16; training goes on in float32 after the restore.
     src=$work/pack_bf16/$(basename "$1") && rm -rf "$work/pack_bf16" && mkdir -p "$src"
-    cp -r "$1"/. "$src"/ && python3 -c "import sys, torch; from safetensors.torch import load_file, save_file; f=sys.argv[1]; save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}, f, metadata={'format': 'pt'})" "$src/model.safetensors"
+    cp -r "$1"/. "$src"/ && $PYTHON -c "import sys, torch; from safetensors.torch import load_file, save_file; f=sys.argv[1]; save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}, f, metadata={'format': 'pt'})" "$src/model.safetensors"
   fi
   tar czf - -C "$(dirname "$src")" "$(basename "$src")" | split -b 15m - "$out/$2.tgz.part-"
 }
@@ -87,7 +88,7 @@ elif [ "$phase" = sft_more ]; then
   $CLEW sft --model "$work/sft" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
-    --warmup-steps 1 --detour-prob "$DETOUR" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
+    --warmup-steps "${SFT_MORE_WARMUP:-20}" --detour-prob "$DETOUR" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     --metrics "$out/sft_more_metrics.jsonl"
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pack "$work/sft" sft
 elif [ "$phase" = grpo ]; then
