@@ -10,7 +10,7 @@ go to a collector and from there to the loggers; timings are per phase.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from clew.data.sampler import ResumableSampler
 from clew.evaluation import dump_eval, eval_metrics
 from clew.inference.sampling import SamplingParams
 from clew.metrics import MetricsCollector
+from clew.rollout.filtering import spread_groups, take_groups
 from clew.rollout.loop import RolloutSettings, rollout_metrics
 
 
@@ -96,14 +97,16 @@ class Trainer:
         if t.eval_before_train and self.state.global_step == 0 and self.eval_rows:
             last_eval = self.evaluate()
             self.loggers.log(self.metrics.flush(0), 0)
-        for rows in self.sampler:
-            if 0 <= t.max_steps <= self.state.global_step:
+        batches = iter(self.sampler)
+        while not 0 <= t.max_steps <= self.state.global_step:
+            rows = next(batches, None)
+            if rows is None:  # every epoch done
                 break
             self.state.global_step += 1
             step = self.state.global_step
             with self.metrics.timer("step"):
-                trajs = self.generate(rows, step)
-                rewards = self.score(trajs)
+                trajs, played = self.generate(rows, step, batches)
+                rewards = self.score(trajs, played)
                 advantages = self.advantages(trajs, rewards)
                 self.update(trajs, advantages)
                 self.sync()
@@ -124,19 +127,49 @@ class Trainer:
         return last_eval
 
     # -- the phases -----------------------------------------------------------------
-    def generate(self, rows: Sequence[MazeRow], step: int) -> list:
-        with self.metrics.timer("generate"):
-            trajs = self.group.generate(rows, self.train_settings, seed=self._seed(step))
-        return trajs
+    def generate(
+        self, rows: Sequence[MazeRow], step: int, more: Iterator[list[MazeRow]] | None = None
+    ) -> tuple[list, list]:
+        """The step's trajectories to learn from, and every trajectory played for them.
 
-    def score(self, trajs: Sequence) -> torch.Tensor:
+        They are the same unless dynamic sampling filters: then batches are drawn from
+        ``more`` (the sampler, so a resumed run goes on after them) until enough groups
+        have reward spread (``clew.rollout.filtering``).
+        """
+        ds = self.cfg.trainer.algorithm.dynamic_sampling
+        with self.metrics.timer("generate"):
+            played = self.group.generate(rows, self.train_settings, seed=self._seed(step))
+            if ds.type != "filter":
+                return played, played
+            want = self.cfg.trainer.train_batch_size
+            groups, drawn = spread_groups(played), 1
+            while len(groups) < want and (
+                ds.max_sample_batches <= 0 or drawn < ds.max_sample_batches
+            ):
+                extra = next(more, None) if more is not None else None
+                if extra is None:
+                    break
+                seed = self._seed(step) + 1_000_000_007 * drawn
+                batch = self.group.generate(extra, self.train_settings, seed=seed)
+                played, groups, drawn = played + batch, groups + spread_groups(batch), drawn + 1
+        self.metrics.add_many(
+            {
+                "train/dynamic_sampling/batches": float(drawn),
+                "train/dynamic_sampling/kept_groups": float(min(len(groups), want)),
+            }
+        )
+        return take_groups(groups, want), played
+
+    def score(self, trajs: Sequence, played: Sequence | None = None) -> torch.Tensor:
         with self.metrics.timer("score"):
-            self.metrics.add_many(rollout_metrics(trajs, "train"))
+            self.metrics.add_many(rollout_metrics(played if played is not None else trajs, "train"))
             return torch.tensor([t.reward for t in trajs], dtype=torch.float32)
 
     def advantages(self, trajs: Sequence, rewards: torch.Tensor) -> torch.Tensor:
         a = self.cfg.trainer.algorithm
         with self.metrics.timer("advantages"):
+            if not trajs:  # dynamic sampling found no group with signal: nothing to learn
+                return torch.zeros(0)
             kwargs: dict[str, Any] = {"drop_zero_spread": a.drop_zero_spread_groups}
             if a.advantage_estimator == "grpo":
                 kwargs["norm_adv_by_std_in_grpo"] = a.norm_adv_by_std_in_grpo
@@ -156,6 +189,8 @@ class Trainer:
             return adv
 
     def update(self, trajs: Sequence, advantages: torch.Tensor) -> None:
+        if not trajs:
+            return
         with self.metrics.timer("update"):
             stats = self.group.update(trajs, advantages, self.cfg)
         self.metrics.add_many(stats)

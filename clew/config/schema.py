@@ -152,6 +152,21 @@ class GeneratorConfig(Section):
         return self
 
 
+class DynamicSamplingConfig(Section):
+    type: Literal["filter"] | None = Field(
+        None,
+        description="DAPO's dynamic sampling: 'filter' plays more batches of prompts until "
+        "train_batch_size groups with reward spread are in hand and updates on those only "
+        "(train/* rollout metrics still cover every episode played); null: off.",
+    )
+    max_sample_batches: int = Field(
+        30,
+        description="Most batches of train_batch_size prompts played for one step under "
+        "'filter'; at the limit (or when the data runs out) the step updates on the groups "
+        "with spread found so far instead of failing. 0 or less: no limit.",
+    )
+
+
 class AlgorithmConfig(Section):
     advantage_estimator: Literal["grpo", "rloo"] = Field(
         "grpo",
@@ -165,6 +180,10 @@ class AlgorithmConfig(Section):
         False,
         description="Leave groups whose rewards are all equal out of the loss (they carry no "
         "signal).",
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig,
+        description="Sampling more prompts so every update is made of groups with signal.",
     )
     use_kl_loss: bool = Field(
         False, description="Add a KL penalty to the reference (initial) policy to the loss."

@@ -59,6 +59,16 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Fraction of groups with zero reward spread; rises as the task saturates or stalls.",
         "zero",
     ),
+    MetricSpec(
+        "train/dynamic_sampling/batches",
+        "Batches of train_batch_size prompts played for the step (dynamic sampling 'filter'; "
+        "1 when the first batch had enough groups with reward spread).",
+    ),
+    MetricSpec(
+        "train/dynamic_sampling/kept_groups",
+        "Groups with reward spread the step updated on (dynamic sampling 'filter'); below "
+        "train_batch_size when max_sample_batches or the data ran out first.",
+    ),
     MetricSpec("train/turns_mean", "Mean number of agent turns per episode.", "turns"),
     MetricSpec(
         "train/episode_tokens_mean", "Mean tokens per episode (prompt, observations and actions)."

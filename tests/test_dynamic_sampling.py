@@ -1,0 +1,132 @@
+"""DAPO's dynamic sampling: only groups with reward spread reach the update."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clew.config import load_config
+from clew.data.rows import generate_rows
+from clew.errors import ConfigError
+from clew.rollout.filtering import spread_groups, take_groups
+from clew.rollout.trajectory import Trajectory
+from clew.trainer import Trainer
+
+
+def _traj(group: int, sample: int, reward: float) -> Trajectory:
+    t = Trajectory("maze_2d/small", {}, 0, group, sample)
+    t.reward = reward
+    return t
+
+
+def test_groups_whose_rewards_all_agree_are_dropped_and_the_rest_renumbered():
+    trajs = [_traj(7, 0, 1.0), _traj(7, 1, 0.0), _traj(3, 0, 1.0), _traj(3, 1, 1.0)]
+    trajs += [_traj(5, 1, 0.0), _traj(5, 0, 0.5)]
+    groups = spread_groups(trajs)
+    assert [[(t.group_id, t.sample_index) for t in g] for g in groups] == [
+        [(7, 0), (7, 1)],
+        [(5, 1), (5, 0)],
+    ]
+    batch = take_groups(groups, 1)
+    assert [(t.group_id, t.sample_index) for t in batch] == [(0, 0), (0, 1)]
+    batch = take_groups(spread_groups(trajs), 5)
+    assert [(t.group_id, t.sample_index) for t in batch] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert spread_groups([]) == []
+
+
+class _Group:
+    """A worker group whose rewards depend on the row: every third row's group has spread."""
+
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.played: list[list[int]] = []
+        self.updated: list[list[Trajectory]] = []
+
+    def generate(self, rows, settings, seed):
+        self.played.append([int(r.seed) for r in rows])
+        out = []
+        for g, row in enumerate(rows):
+            for s in range(settings.n_samples_per_prompt):
+                reward = float(s == 0) if int(row.seed) % 3 == 0 else 0.0
+                t = Trajectory(row.env_id, {}, int(row.seed), g, s)
+                t.reward = reward
+                out.append(t)
+        return out
+
+    def update(self, trajs, advantages, cfg):
+        self.updated.append(list(trajs))
+        return {}
+
+
+class _Loggers:
+    def __init__(self) -> None:
+        self.logged: list[dict] = []
+
+    def log(self, metrics, step):
+        self.logged.append(dict(metrics))
+
+
+def _run(tmp_path: Path, *overrides: str) -> tuple[_Group, _Loggers, Trainer]:
+    cfg = load_config(
+        None,
+        [
+            "trainer.train_batch_size=4",
+            "trainer.policy_mini_batch_size=4",
+            "trainer.micro_train_batch_size_per_gpu=2",
+            "trainer.micro_forward_batch_size_per_gpu=2",
+            "generator.n_samples_per_prompt=2",
+            "trainer.eval_before_train=false",
+            "trainer.max_steps=2",
+            "trainer.epochs=1",
+            *overrides,
+        ],
+    )
+    group, loggers = _Group(), _Loggers()
+    rows = generate_rows("maze_2d/small", 96, "train")
+    trainer = Trainer(cfg, group, rows, [], loggers, tmp_path)
+    trainer.fit()
+    return group, loggers, trainer
+
+
+def test_filter_plays_batches_until_enough_groups_have_spread(tmp_path):
+    group, loggers, trainer = _run(tmp_path, "trainer.algorithm.dynamic_sampling.type=filter")
+    for batch in group.updated:
+        assert len(batch) == 4 * 2
+        assert sorted({t.group_id for t in batch}) == [0, 1, 2, 3]
+        assert all(int(t.seed) % 3 == 0 for t in batch)
+    played = sum(len(p) for p in group.played)
+    assert played > 2 * 4  # more prompts than two plain steps would play
+    steps = [m for m in loggers.logged if "train/dynamic_sampling/batches" in m]
+    assert sum(m["train/dynamic_sampling/batches"] for m in steps) * 4 == played
+    assert all(m["train/dynamic_sampling/kept_groups"] == 4 for m in steps)
+    # The rollout metrics cover every episode played, not only the kept ones.
+    assert all(m["train/solve_rate"] < 0.5 for m in steps)
+    # The sampler moved past every batch played: a resumed run goes on after them.
+    assert trainer.sampler.position == len(group.played)
+
+
+def test_filter_at_its_batch_limit_updates_on_what_it_found(tmp_path):
+    group, loggers, _ = _run(
+        tmp_path,
+        "trainer.algorithm.dynamic_sampling.type=filter",
+        "trainer.algorithm.dynamic_sampling.max_sample_batches=1",
+    )
+    steps = [m for m in loggers.logged if "train/dynamic_sampling/batches" in m]
+    assert all(m["train/dynamic_sampling/batches"] == 1 for m in steps)
+    assert [len({t.group_id for t in b}) for b in group.updated] == [
+        m["train/dynamic_sampling/kept_groups"]
+        for m in steps
+        if m["train/dynamic_sampling/kept_groups"]
+    ]
+
+
+def test_without_the_filter_every_group_is_updated_on(tmp_path):
+    group, _, _ = _run(tmp_path)
+    assert [len(b) for b in group.updated] == [8, 8] and len(group.played) == 2
+
+
+def test_an_unknown_dynamic_sampling_type_names_the_accepted_one():
+    with pytest.raises(ConfigError, match="filter"):
+        load_config(None, ["trainer.algorithm.dynamic_sampling.type=replace"])
