@@ -120,14 +120,18 @@ def test_loss_mask_marks_exactly_the_sampled_tokens(policy, rows):
         assert all(lp <= 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m)
 
 
-def test_same_seed_same_samples_and_other_seed_differs(policy, rows):
-    model, chat = policy
-    engine = InferenceEngine(model, chat)
+def _assert_seeded(engine, rows) -> list:
     a = play(engine, rows, _settings(), seed=7)
     b = play(engine, rows, _settings(), seed=7)
     c = play(engine, rows, _settings(), seed=8)
     assert [t.token_ids for t in a] == [t.token_ids for t in b]
     assert [t.token_ids for t in a] != [t.token_ids for t in c]
+    return a
+
+
+def test_same_seed_same_samples_and_other_seed_differs(policy, rows):
+    model, chat = policy
+    _assert_seeded(InferenceEngine(model, chat), rows)
 
 
 def test_greedy_samples_of_a_group_are_identical(policy, rows):
@@ -328,13 +332,7 @@ def test_sampling_on_the_accelerator_is_seeded_and_matches_the_sampled_logprobs(
     import copy
 
     model, chat = policy
-    model = copy.deepcopy(model).to("cuda")
-    engine = InferenceEngine(model, chat)
-    a = play(engine, rows, _settings(), seed=7)
-    b = play(engine, rows, _settings(), seed=7)
-    c = play(engine, rows, _settings(), seed=8)
-    assert [t.token_ids for t in a] == [t.token_ids for t in b]
-    assert [t.token_ids for t in a] != [t.token_ids for t in c]
+    a = _assert_seeded(InferenceEngine(copy.deepcopy(model).to("cuda"), chat), rows)
     for t in a:
         assert all(lp <= 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m)
 
