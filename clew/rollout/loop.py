@@ -123,6 +123,7 @@ def play(
                     progress(len(episodes))
                 break
             gens = session.extend_and_generate(chunks, settings.sampling)
+            cache_row = {seq: r for r, seq in enumerate(session.rows)}
             chunks, finished = {}, []
             for i, gen in gens.items():
                 ep = episodes[i]
@@ -156,7 +157,7 @@ def play(
                 )
                 chunk = _framed(chunk, closing, prefix)
                 needed = (
-                    session.lengths[session.rows.index(i)]
+                    session.lengths[cache_row[i]]
                     + len(chunk.token_ids)
                     + settings.sampling.max_tokens
                 )
