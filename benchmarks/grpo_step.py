@@ -7,6 +7,10 @@ conversation and call ``model.generate`` every turn (``benchmarks/rollout.py``).
 
     python benchmarks/grpo_step.py --preset base --device cuda --max-turns 15
     python benchmarks/grpo_step.py --preset tiny --prompts 4 --samples 4 --max-turns 6
+
+``--forced``: the reply's format written by the engine (``generator.reply_prefix`` /
+``reply_suffix``), one sampled token a turn (``benchmarks/forced_reply.py`` compares the
+two on one batch).
 """
 
 from __future__ import annotations
@@ -44,7 +48,13 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--device", default="auto")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument(
+        "--forced",
+        action="store_true",
+        help="the engine writes <action> and </action>, the policy samples one token a turn",
+    )
     args = p.parse_args()
+    forced = ["generator.reply_prefix=<action>", "generator.reply_suffix=</action>"]
     opts = {"cell_px": 28, "action_format": "keyword"}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -71,11 +81,12 @@ def main() -> None:
                 "trainer.resume_mode=none",
                 f"generator.n_samples_per_prompt={args.samples}",
                 f"generator.max_turns={args.max_turns}",
-                f"generator.sampling_params.max_generate_length={args.max_tokens}",
+                f"generator.sampling_params.max_generate_length={1 if args.forced else args.max_tokens}",
                 "generator.sampling_params.temperature=1.0",
                 "generator.max_input_length=8192",
                 "trainer.max_prompt_length=1024",
                 "trainer.policy.optimizer_config.lr=1.0e-5",
+                *(forced if args.forced else []),
             ],
         )
         t0 = time.perf_counter()
@@ -86,7 +97,7 @@ def main() -> None:
         ]
         print(
             f"GRPO step: {args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
-            f"{args.preset}, LoRA rank {args.lora_rank}; {len(history)} steps in {wall:.1f} s (with start-up)"
+            f"{args.preset}, LoRA rank {args.lora_rank}{', reply format forced' if args.forced else ''}; {len(history)} steps in {wall:.1f} s (with start-up)"
         )
         print("step " + " ".join(f"{ph:>10}" for ph in PHASES) + "   episodes  turns/ep")
         for h in history:
