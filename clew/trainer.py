@@ -160,9 +160,10 @@ class Trainer:
         )
         return take_groups(groups, want), played
 
-    def score(self, trajs: Sequence, played: Sequence | None = None) -> torch.Tensor:
+    def score(self, trajs: Sequence, played: Sequence) -> torch.Tensor:
+        """Rewards of ``trajs`` (what the update learns from); rollout metrics of ``played``."""
         with self.metrics.timer("score"):
-            self.metrics.add_many(rollout_metrics(played if played is not None else trajs, "train"))
+            self.metrics.add_many(rollout_metrics(played, "train"))
             return torch.tensor([t.reward for t in trajs], dtype=torch.float32)
 
     def advantages(self, trajs: Sequence, rewards: torch.Tensor) -> torch.Tensor:

@@ -8,26 +8,20 @@ twice, alternating, and prints the wall time of each. Session 6 saw the trainer'
 take about twice what ``experiments/profile_rollout.py`` measures on the GPU.
 """
 
-import sys
 import time
 
+import _recipe
 import torch
 
 from clew.config import load_config
-from clew.data.rows import generate_rows
 from clew.inference.engine import InferenceEngine
-from clew.inference.sampling import SamplingParams
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
-from clew.rollout.loop import RolloutSettings, play
+from clew.rollout.loop import play
 from clew.run import build_worker_group
 
-model_dir = sys.argv[1]
-device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
-prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 3
-samples = int(sys.argv[4]) if len(sys.argv) > 4 else 4
-opts = {"cell_px": 14, "max_turns": 32, "action_format": "keyword"}
-rows = generate_rows("maze_2d/easy", prompts, "train", env_options=opts)
+model_dir, device, prompts, samples = _recipe.args(3, 4)
+rows = _recipe.rows(prompts)
 cfg = load_config(
     None,
     [
@@ -41,7 +35,7 @@ cfg = load_config(
     ],
 )
 group = build_worker_group(cfg, 100)
-settings = RolloutSettings(samples, 32, 8192, SamplingParams(temperature=0.7, max_tokens=8), 1)
+settings = _recipe.settings(samples)
 model, processor = load_policy(model_dir, "float32", device)
 engine = InferenceEngine(model, ChatFormat(processor), autocast=device.startswith("cuda"))
 runs = {
