@@ -7,6 +7,7 @@ rollouts take the same rows and settings from here, and their first command-line
 
 from __future__ import annotations
 
+import os
 import sys
 
 from clew.data.rows import MazeRow, generate_rows
@@ -32,4 +33,12 @@ def rows(prompts: int) -> list[MazeRow]:
 
 
 def settings(samples: int) -> RolloutSettings:
-    return RolloutSettings(samples, 32, 8192, SamplingParams(temperature=0.7, max_tokens=8), 1)
+    """The recipe's rollout settings; ``FORCED=1`` in the environment: the forced reply format
+    (``FORCED=1`` of gpu_easy.sh), ``TEMPERATURE`` (default 0.7) the sampling temperature."""
+    temperature = float(os.environ.get("TEMPERATURE", "0.7"))
+    if os.environ.get("FORCED") == "1":
+        sampling = SamplingParams(temperature=temperature, max_tokens=1)
+        return RolloutSettings(samples, 32, 8192, sampling, 1, "<action>", "</action>")
+    return RolloutSettings(
+        samples, 32, 8192, SamplingParams(temperature=temperature, max_tokens=8), 1
+    )

@@ -7,7 +7,11 @@ Each RESULTS_DIR (default docs/results/easy-h200) holds the metrics that
 ``2_sft_more_metrics.jsonl`` (SFT, ``sft/elapsed_s`` per step) and
 ``3_grpo_metrics.jsonl`` (GRPO, ``timing/step`` per step, evaluation included). Time runs
 on from one phase to the next, and from one folder to the next (a run carried on over
-sessions); setup, data and packing between calls are left out.
+sessions); setup, data and packing between calls are left out. A GRPO call went on from
+the last policy the previous call exported (the step before a row with ``timing/export``:
+an export's time is logged with the next step; the last step if the call's log beside
+the metrics, ``N_grpo.log``, does not say it was interrupted), so the steps that call ran
+past its export are left out too.
 """
 
 from __future__ import annotations
@@ -31,15 +35,25 @@ def curves(*folders: Path) -> list[tuple[str, list[int], list[float], list[float
         grpo = "grpo" in path.name
         steps, seconds, values = [], [], []
         clock = 0.0
+        exported = previous = None
         for r in rows:
+            if grpo and "timing/export" in r:
+                exported = previous
             clock = clock + r.get("timing/step", 0.0) if grpo else r["sft/elapsed_s"]
+            previous = (step0 + r["step"], time0 + clock)
             if KEY in r:
                 steps.append(int(step0 + r["step"]))
                 seconds.append(time0 + clock)
                 values.append(100 * r[KEY])
+        log = path.with_name(path.name.replace("_metrics.jsonl", ".log"))
+        if grpo and log.exists() and "interrupted" not in log.read_text():
+            exported = previous  # a run that ended at max_steps exports its last step
         out.append(("GRPO" if grpo else "SFT", steps, seconds, values))
-        step0 += max(r["step"] for r in rows)
-        time0 += clock
+        if exported is not None:
+            step0, time0 = exported
+        else:
+            step0 += max(r["step"] for r in rows)
+            time0 += clock
     return out
 
 
