@@ -28,6 +28,7 @@ from clew.inference.sampling import SamplingParams
 from clew.metrics import MetricsCollector
 from clew.rollout.filtering import spread_groups, take_groups
 from clew.rollout.loop import RolloutSettings, rollout_metrics
+from clew.stopping import GracefulStop
 
 
 @dataclass
@@ -90,15 +91,22 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        t = self.cfg.trainer
         if self.checkpointer is not None:
             self.checkpointer.maybe_resume(self)
+        with GracefulStop("training") as stop:
+            last_eval = self._loop(stop)
+        if self.checkpointer is not None:
+            self.checkpointer.export(self)
+        return last_eval
+
+    def _loop(self, stop: GracefulStop) -> dict[str, float]:
+        t = self.cfg.trainer
         last_eval: dict[str, float] = {}
         if t.eval_before_train and self.state.global_step == 0 and self.eval_rows:
             last_eval = self.evaluate()
             self.loggers.log(self.metrics.flush(0), 0)
         batches = iter(self.sampler)
-        while not 0 <= t.max_steps <= self.state.global_step:
+        while not stop.requested and not 0 <= t.max_steps <= self.state.global_step:
             rows = next(batches, None)
             if rows is None:  # every epoch done
                 break
@@ -116,14 +124,17 @@ class Trainer:
             # and a run killed right after it resumes with its history complete. The save's
             # own time is therefore reported with the next step.
             self.log(step)
-            if self._due(t.ckpt_interval, step) and self.checkpointer is not None:
+            saving = self._due(t.ckpt_interval, step) or (stop.requested and t.ckpt_interval > 0)
+            if saving and self.checkpointer is not None:
+                # A stop requested (SIGINT/SIGTERM) mid-step saves this step too: the run
+                # resumes after it, and fit's last export is this policy.
                 with self.metrics.timer("checkpoint"):
                     self.checkpointer.save(self)
             if self._due(t.hf_save_interval, step) and self.checkpointer is not None:
                 with self.metrics.timer("export"):
                     self.checkpointer.export(self)
-        if self.checkpointer is not None:
-            self.checkpointer.export(self)
+        if stop.requested:
+            print(f"stopped by {stop.signal_name} after step {self.state.global_step}", flush=True)
         return last_eval
 
     # -- the phases -----------------------------------------------------------------

@@ -132,6 +132,43 @@ def test_kill_and_resume_matches_with_checkpoints_in_s3(setup, s3_bucket, s3_end
     _kill_and_resume(setup, lambda run: f"s3://{s3_bucket}/ckpts/{run}", env, "s3")
 
 
+def test_sigterm_stops_at_a_step_with_checkpoint_and_export_and_resume_matches(setup):
+    # Checkpoints never come due on their own (interval 100): what is saved, the stop saved.
+    straight = _launch(
+        _overrides(setup, "term-straight", str(setup / "ckpts" / "term-straight")), {}
+    )
+    out, _ = straight.communicate(timeout=600)
+    assert straight.returncode == 0, out
+    ckpt = str(setup / "ckpts" / "term")
+    args = _overrides(setup, "term", ckpt, "trainer.ckpt_interval=100")
+    victim = _launch(args, {})
+    metrics = setup / "runs" / "term" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert victim.poll() is None, victim.stdout.read()
+        assert time.time() < deadline
+        time.sleep(0.05)
+    victim.send_signal(signal.SIGTERM)
+    out, _ = victim.communicate(timeout=300)
+    assert victim.returncode == 0, out
+    stopped = [line for line in out.splitlines() if line.startswith("stopped by SIGTERM")]
+    assert stopped, out
+    step = int(stopped[0].rsplit(" ", 1)[1])
+    assert 1 <= step < STEPS
+    assert sorted(_history(setup, "term")) == list(range(1, step + 1))
+    assert (Path(ckpt) / f"global_step_{step}").is_dir()
+    exports = sorted((setup / "runs" / "term" / "exports").iterdir())
+    assert [p.name for p in exports] == [f"global_step_{step}"]
+    resumed = _launch([*args, "trainer.resume_mode=latest"], {})
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out
+    assert f"at global step {step}" in out
+    a, b = _history(setup, "term-straight"), _history(setup, "term")
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for s in a:
+        assert a[s] == b[s], f"step {s} differs after the stop and resume"
+
+
 def _cfg(root: Path, run: str, *extra: str):
     return load_config(None, _overrides(root, run, str(root / "ckpts" / run), *extra))
 
