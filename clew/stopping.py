@@ -1,5 +1,8 @@
 """A graceful stop: SIGINT or SIGTERM ends a run at the next step boundary, saved.
 
+Used by `clew train` (a checkpoint and an export of the step reached) and `clew sft`
+(evaluated and saved as after its last step).
+
 Ctrl-C, `timeout`, a scheduler's preemption or `kill` used to drop whatever the run had
 done since its last checkpoint (up to ``ckpt_interval - 1`` steps, and the export of the
 newest policy). With ``GracefulStop`` around the loop the first signal only sets
@@ -39,8 +42,8 @@ class GracefulStop:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
         print(
-            f"{self.signal_name}: {self.what} stops after the step in progress, with a "
-            "checkpoint and an export (send it again to stop at once, unsaved)",
+            f"{self.signal_name}: {self.what} stops after the step in progress and saves "
+            "(send it again to stop at once, unsaved)",
             file=sys.stderr,
             flush=True,
         )

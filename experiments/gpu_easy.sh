@@ -103,7 +103,9 @@ elif [ "$phase" = grpo ]; then
     unpack sft "$work"
   fi
   limit=()
-  [ -n "$GRPO_MINUTES" ] && limit=(timeout --signal=INT "$(( ${GRPO_MINUTES%.*} * 60 ))")
+  # On the INT, clew train finishes the step in progress, saves it and exports it
+  # (clew.stopping): the policy packed below is the last step trained, not the last export.
+  [ -n "$GRPO_MINUTES" ] && limit=(timeout --signal=INT "$(awk "BEGIN { print int($GRPO_MINUTES * 60) }")")
   "${limit[@]}" $CLEW train \
     "data.train_data=['$work/data/train.parquet']" \
     "data.val_data=['$work/data/eval.parquet']" \

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 
 import pytest
 import torch
@@ -285,6 +287,32 @@ def test_sft_stops_at_the_first_evaluation_that_reaches_the_target_pass_rate(
         )
     with pytest.raises(ConfigError, match="needs an evaluation"):
         run_sft(model_dir, rows, tmp_path / "y", steps=1, batch_size=1, lr=1e-3, stop_at_pass=0.5)
+
+
+def test_sigterm_ends_sft_at_that_step_evaluated_and_saved(model_dir, rows, tmp_path):
+    seen: list[int] = []
+
+    def log(step, stats):
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def eval_fn(model, chat, step):
+        seen.append(step)
+        return {"eval/all/pass_at_1": 0.0}
+
+    result = run_sft(
+        model_dir,
+        rows,
+        tmp_path / "stopped",
+        steps=50,
+        batch_size=1,
+        lr=1e-3,
+        eval_fn=eval_fn,
+        log=log,
+    )
+    # The signal came in step 2's log call: step 3 is the one it ends, evaluated as a last step.
+    assert len(result.losses) == 3 and seen == [3]
+    load_policy(result.output_dir)
 
 
 def test_teacher_forced_first_turn_is_what_the_greedy_policy_plays(model_dir, rows, tmp_path):

@@ -34,6 +34,7 @@ from clew.envs.maze.generate import DIRECTIONS
 from clew.envs.maze.solver import distances_to, shortest_actions
 from clew.errors import ConfigError, DataError
 from clew.models.chat import ChatFormat
+from clew.stopping import GracefulStop
 from clew.train.batch import Sample
 from clew.train.worker import PolicyWorker, WorkerSettings
 
@@ -264,7 +265,8 @@ def run_sft(
     ``clew.models.load_policy`` reads it like any checkpoint. ``keep_last_k_images``
     trains with the image window the policy will be run with (generator.keep_last_k_images).
     ``max_seconds`` ends training (evaluated and saved as after the last step) at the first
-    step that finishes past that wall-clock budget. ``stop_at_pass`` ends it (saved) at the
+    step that finishes past that wall-clock budget; so does a SIGINT or SIGTERM
+    (``clew.stopping``) at the step it arrives in. ``stop_at_pass`` ends it (saved) at the
     first evaluation whose ``eval/all/pass_at_1`` reaches it: an SFT start meant to lie in a
     band of solve rates stops in it rather than past it. ``dtype`` and ``autocast_bf16`` are the
     weights' dtype and bfloat16 compute (``clew.models.precision``).
@@ -308,7 +310,10 @@ def run_sft(
     evals: list[dict[str, float]] = []
     started = time.monotonic()
     # One batch is played ahead on a thread while the current one trains.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="clew-demos") as pool:
+    with (
+        GracefulStop("SFT") as stop,
+        ThreadPoolExecutor(max_workers=1, thread_name_prefix="clew-demos") as pool,
+    ):
         ahead = pool.submit(next, batches)
         for step in range(1, steps + 1):
             batch = ahead.result()
@@ -317,7 +322,11 @@ def run_sft(
             stats = worker.sft_step(batch, micro_batch_size or batch_size)
             losses.append(stats["sft/loss"])
             elapsed = time.monotonic() - started
-            last = step == steps or (max_seconds is not None and elapsed >= max_seconds)
+            last = (
+                step == steps
+                or (max_seconds is not None and elapsed >= max_seconds)
+                or stop.requested  # SIGINT/SIGTERM: evaluated and saved as the last step
+            )
             stats["sft/elapsed_s"] = elapsed
             if eval_fn is not None and ((eval_interval and step % eval_interval == 0) or last):
                 metrics = eval_fn(worker.model, chat, step)
