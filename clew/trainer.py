@@ -26,7 +26,7 @@ from clew.data.sampler import ResumableSampler
 from clew.evaluation import dump_eval, eval_metrics
 from clew.inference.sampling import SamplingParams
 from clew.metrics import MetricsCollector
-from clew.rollout.filtering import spread_groups, take_groups
+from clew.rollout.filtering import batches_needed, spread_groups, spread_per_batch, take_groups
 from clew.rollout.loop import RolloutSettings, rollout_metrics
 from clew.stopping import GracefulStop
 
@@ -34,6 +34,9 @@ from clew.stopping import GracefulStop
 @dataclass
 class LoopState:
     global_step: int = 0
+    # Batches of prompts dynamic sampling needed last step: the next step plays that many
+    # in one go (checkpointed, so a resumed run plays what the uninterrupted one would).
+    sample_batches: int = 1
 
 
 def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
@@ -145,24 +148,35 @@ class Trainer:
 
         They are the same unless dynamic sampling filters: then batches are drawn from
         ``more`` (the sampler, so a resumed run goes on after them) until enough groups
-        have reward spread (``clew.rollout.filtering``).
+        have reward spread (``clew.rollout.filtering``). The first play takes as many
+        batches at once as the last step needed.
         """
         ds = self.cfg.trainer.algorithm.dynamic_sampling
+        want, limit = self.cfg.trainer.train_batch_size, ds.max_sample_batches
+        more = more if more is not None else iter(())
         with self.metrics.timer("generate"):
-            played = self.group.generate(rows, self.train_settings, seed=self._seed(step))
             if ds.type != "filter":
+                played = self.group.generate(rows, self.train_settings, seed=self._seed(step))
                 return played, played
-            want = self.cfg.trainer.train_batch_size
-            groups, drawn = spread_groups(played), 1
-            while len(groups) < want and (
-                ds.max_sample_batches <= 0 or drawn < ds.max_sample_batches
-            ):
-                extra = next(more, None) if more is not None else None
+            first, drawn = list(rows), 1
+            while drawn < self.state.sample_batches and (limit <= 0 or drawn < limit):
+                extra = next(more, None)
+                if extra is None:
+                    break
+                first, drawn = first + list(extra), drawn + 1
+            played = self.group.generate(first, self.train_settings, seed=self._seed(step))
+            groups = spread_groups(played)
+            counts = spread_per_batch(groups, drawn, len(rows))
+            while len(groups) < want and (limit <= 0 or drawn < limit):
+                extra = next(more, None)
                 if extra is None:
                     break
                 seed = self._seed(step) + 1_000_000_007 * drawn
                 batch = self.group.generate(extra, self.train_settings, seed=seed)
-                played, groups, drawn = played + batch, groups + spread_groups(batch), drawn + 1
+                found = spread_groups(batch)
+                played, groups, drawn = played + batch, groups + found, drawn + 1
+                counts.append(len(found))
+            self.state.sample_batches = batches_needed(counts, want)
         self.metrics.add_many(
             {
                 "train/dynamic_sampling/batches": float(drawn),

@@ -134,13 +134,20 @@ def test_kill_and_resume_matches_with_checkpoints_in_s3(setup, s3_bucket, s3_end
 
 def test_sigterm_stops_at_a_step_with_checkpoint_and_export_and_resume_matches(setup):
     # Checkpoints never come due on their own (interval 100): what is saved, the stop saved.
+    # Dynamic sampling on: its batch count carries over the resume (trainer state).
+    extra = (
+        "trainer.algorithm.dynamic_sampling.type=filter",
+        "trainer.algorithm.dynamic_sampling.max_sample_batches=3",
+        "trainer.epochs=20",
+        f"trainer.max_steps={STEPS}",
+    )
     straight = _launch(
-        _overrides(setup, "term-straight", str(setup / "ckpts" / "term-straight")), {}
+        _overrides(setup, "term-straight", str(setup / "ckpts" / "term-straight"), *extra), {}
     )
     out, _ = straight.communicate(timeout=600)
     assert straight.returncode == 0, out
     ckpt = str(setup / "ckpts" / "term")
-    args = _overrides(setup, "term", ckpt, "trainer.ckpt_interval=100")
+    args = _overrides(setup, "term", ckpt, "trainer.ckpt_interval=100", *extra)
     victim = _launch(args, {})
     metrics = setup / "runs" / "term" / "metrics.jsonl"
     deadline = time.time() + 300

@@ -9,7 +9,7 @@ import pytest
 from clew.config import load_config
 from clew.data.rows import generate_rows
 from clew.errors import ConfigError
-from clew.rollout.filtering import spread_groups, take_groups
+from clew.rollout.filtering import batches_needed, spread_groups, spread_per_batch, take_groups
 from clew.rollout.trajectory import Trajectory
 from clew.trainer import Trainer
 
@@ -104,7 +104,31 @@ def test_filter_plays_batches_until_enough_groups_have_spread(tmp_path):
     # The rollout metrics cover every episode played, not only the kept ones.
     assert all(m["train/solve_rate"] < 0.5 for m in steps)
     # The sampler moved past every batch played: a resumed run goes on after them.
-    assert trainer.sampler.position == len(group.played)
+    assert trainer.sampler.position * 4 == played
+
+
+def test_the_next_step_plays_as_many_batches_at_once_as_the_last_one_needed(tmp_path):
+    group, loggers, trainer = _run(tmp_path, "trainer.algorithm.dynamic_sampling.type=filter")
+    first = int(
+        next(m for m in loggers.logged if "train/dynamic_sampling/batches" in m)[
+            "train/dynamic_sampling/batches"
+        ]
+    )
+    assert [len(p) for p in group.played[:first]] == [4] * first  # one batch a play at first
+    spread = [sum(seed % 3 == 0 for seed in p) for p in group.played[:first]]
+    needed = batches_needed(spread, 4)
+    assert needed > 1
+    assert len(group.played[first]) == 4 * needed  # then that many batches in one play
+    assert trainer.state.sample_batches >= 1
+
+
+def test_batches_needed_counts_spread_groups_batch_by_batch():
+    groups = [[_traj(g, 0, 1.0), _traj(g, 1, 0.0)] for g in (0, 2, 5, 9, 11)]
+    assert spread_per_batch(groups, 3, 4) == [2, 1, 2]
+    assert batches_needed([2, 1, 2], 3) == 2
+    assert batches_needed([2, 1, 2], 5) == 3
+    assert batches_needed([2, 1, 2], 9) == 3  # never reached: all of them
+    assert batches_needed([], 1) == 1
 
 
 def test_filter_at_its_batch_limit_updates_on_what_it_found(tmp_path):

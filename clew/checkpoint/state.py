@@ -95,6 +95,7 @@ class Checkpointer:
             torch.save(
                 {
                     "global_step": step,
+                    "loop": dict(vars(trainer.state)),
                     "group": trainer.group.state_dict(),
                     "sampler": vars(trainer.sampler.state()),
                     "rng": rng_states(),
@@ -140,6 +141,8 @@ class Checkpointer:
             )
         trainer.group.load_state_dict(state["group"])
         trainer.sampler.load_state(state["sampler"])
+        for key, value in state.get("loop", {}).items():  # absent before session 7
+            setattr(trainer.state, key, value)
         trainer.state.global_step = int(state["global_step"])
         set_rng_states(state["rng"])
         truncate_history(self.run_dir, trainer.state.global_step)

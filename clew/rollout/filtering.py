@@ -4,7 +4,9 @@ A GRPO group whose samples all got the same reward has zero advantage: it costs 
 share of the update and teaches nothing. With the filter on, the trainer plays more
 batches of prompts until ``train_batch_size`` groups with reward spread are in hand (or
 ``max_sample_batches`` batches were played) and updates on those only. These are the
-pure pieces: which groups carry signal, and the batch made of the first ones.
+pure pieces: which groups carry signal, the batch made of the first ones, and how many
+batches of prompts that took (the trainer plays that many at once the next step: on a
+host-bound engine one play of k batches costs far less than k plays).
 """
 
 from __future__ import annotations
@@ -41,3 +43,25 @@ def take_groups(groups: Sequence[Sequence[Trajectory]], count: int) -> list[Traj
             t.group_id = new_id
             batch.append(t)
     return batch
+
+
+def spread_per_batch(
+    groups: Sequence[Sequence[Trajectory]], batches: int, batch_size: int
+) -> list[int]:
+    """How many of ``groups`` (spread groups of one play of ``batches`` batches of
+    ``batch_size`` prompts, group id = prompt index) came from each batch."""
+    counts = [0] * batches
+    for group in groups:
+        counts[min(group[0].group_id // batch_size, batches - 1)] += 1
+    return counts
+
+
+def batches_needed(counts: Sequence[int], want: int) -> int:
+    """The fewest leading batches whose spread-group ``counts`` add up to ``want`` (all of
+    them if they never do)."""
+    total = 0
+    for i, count in enumerate(counts, 1):
+        total += count
+        if total >= want:
+            return i
+    return max(len(counts), 1)
