@@ -88,6 +88,7 @@ class Trainer:
         self.run_dir = run_dir
         self.checkpointer = checkpointer
         self.state = LoopState()
+        self._saved_step = 0
         self.metrics = MetricsCollector()
         self.train_settings = rollout_settings(cfg, evaluation=False)
         self.eval_settings = rollout_settings(cfg, evaluation=True)
@@ -99,6 +100,10 @@ class Trainer:
         with GracefulStop("training") as stop:
             last_eval = self._loop(stop)
         if self.checkpointer is not None:
+            # However the loop ended (max_steps, the data, a SIGINT/SIGTERM), the step it
+            # reached is saved, so resume_mode=latest goes on from it, and exported.
+            if self.cfg.trainer.ckpt_interval > 0 and self.state.global_step > self._saved_step:
+                self.checkpointer.save(self)
             self.checkpointer.export(self)
         return last_eval
 
@@ -109,6 +114,7 @@ class Trainer:
             last_eval = self.evaluate()
             self.loggers.log(self.metrics.flush(0), 0)
         batches = iter(self.sampler)
+        self._saved_step = self.state.global_step  # a resumed step is saved already
         while not stop.requested and not 0 <= t.max_steps <= self.state.global_step:
             rows = next(batches, None)
             if rows is None:  # every epoch done
@@ -127,12 +133,10 @@ class Trainer:
             # and a run killed right after it resumes with its history complete. The save's
             # own time is therefore reported with the next step.
             self.log(step)
-            saving = self._due(t.ckpt_interval, step) or (stop.requested and t.ckpt_interval > 0)
-            if saving and self.checkpointer is not None:
-                # A stop requested (SIGINT/SIGTERM) mid-step saves this step too: the run
-                # resumes after it, and fit's last export is this policy.
+            if self._due(t.ckpt_interval, step) and self.checkpointer is not None:
                 with self.metrics.timer("checkpoint"):
                     self.checkpointer.save(self)
+                self._saved_step = step
             if self._due(t.hf_save_interval, step) and self.checkpointer is not None:
                 with self.metrics.timer("export"):
                     self.checkpointer.export(self)

@@ -3,7 +3,7 @@
 #
 #   bash experiments/gpu_easy.sh sft   WORK OUT   # data, the small policy, SFT with eval curve
 #   bash experiments/gpu_easy.sh sft_more WORK OUT  # SFT_MINUTES more SFT from WORK/sft
-#   bash experiments/gpu_easy.sh grpo  WORK OUT   # GRPO from WORK/sft (resumes WORK/grpo)
+#   bash experiments/gpu_easy.sh grpo  WORK OUT   # GRPO from WORK/sft (resumes WORK/runs/grpo)
 #
 # WORK holds what the next call needs (kept on the machine while it is held); OUT gets
 # the logs and metrics that come back, and the SFT checkpoint and the latest GRPO policy as
@@ -96,12 +96,17 @@ elif [ "$phase" = sft_more ]; then
 elif [ "$phase" = grpo ]; then
   data
   start=$work/sft
-  if [ ! -d "$work/runs/grpo" ] && [ -n "$RESTORE" ] && ls "$RESTORE"/policy.tgz.part-* >/dev/null 2>&1; then
+  if [ -d "$work/runs/grpo" ] && [ -f "$work/grpo_start" ]; then
+    # The machine was still held (WORK is ignored by git, so it stays between calls): the
+    # run resumes from its own checkpoint, optimizer state included, from the same start.
+    start=$(cat "$work/grpo_start")
+  elif [ -n "$RESTORE" ] && ls "$RESTORE"/policy.tgz.part-* >/dev/null 2>&1; then
     # A fresh machine: go on from the last policy that came back (a new optimizer state).
-    unpack policy "$work" && start=$work/policy
+    rm -rf "$work/runs/grpo" && unpack policy "$work" && start=$work/policy
   elif [ ! -d "$work/sft" ]; then
     unpack sft "$work"
   fi
+  echo "$start" > "$work/grpo_start"
   limit=()
   # On the INT, clew train finishes the step in progress, saves it and exports it
   # (clew.stopping): the policy packed below is the last step trained, not the last export.

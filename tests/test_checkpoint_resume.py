@@ -170,6 +170,7 @@ def test_sigterm_stops_at_a_step_with_checkpoint_and_export_and_resume_matches(s
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out
     assert f"at global step {step}" in out
+    assert (Path(ckpt) / f"global_step_{STEPS}").is_dir()  # the last step, saved at the end
     a, b = _history(setup, "term-straight"), _history(setup, "term")
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     for s in a:
