@@ -318,7 +318,11 @@ class TrainerConfig(Section):
     )
     eval_interval: int = Field(5, description="Evaluate every this many steps; -1 never.")
     eval_before_train: bool = Field(True, description="Evaluate once before the first step.")
-    ckpt_interval: int = Field(10, description="Checkpoint every this many steps; -1 never.")
+    ckpt_interval: int = Field(
+        10,
+        description="Checkpoint every this many steps and at the step the run ends on "
+        "(max_steps, the data, or a SIGINT/SIGTERM); -1 never.",
+    )
     hf_save_interval: int = Field(
         -1, description="Export a Hugging Face model every this many steps; -1 never."
     )
