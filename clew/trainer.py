@@ -99,12 +99,13 @@ class Trainer:
             self.checkpointer.maybe_resume(self)
         with GracefulStop("training") as stop:
             last_eval = self._loop(stop)
-        if self.checkpointer is not None:
-            # However the loop ended (max_steps, the data, a SIGINT/SIGTERM), the step it
-            # reached is saved, so resume_mode=latest goes on from it, and exported.
-            if self.cfg.trainer.ckpt_interval > 0 and self.state.global_step > self._saved_step:
-                self.checkpointer.save(self)
-            self.checkpointer.export(self)
+            if self.checkpointer is not None:
+                # However the loop ended (max_steps, the data, a SIGINT/SIGTERM), the step
+                # it reached is saved, so resume_mode=latest goes on from it, and exported.
+                saved = self.state.global_step <= self._saved_step
+                if self.cfg.trainer.ckpt_interval > 0 and not saved:
+                    self.checkpointer.save(self)
+                self.checkpointer.export(self)
         return last_eval
 
     def _loop(self, stop: GracefulStop) -> dict[str, float]:
