@@ -163,19 +163,17 @@ class Trainer:
             if ds.type != "filter":
                 played = self.group.generate(rows, self.train_settings, seed=self._seed(step))
                 return played, played
+
+            def draw() -> list[MazeRow] | None:  # the next batch, unless the limit or data is out
+                return None if 0 < limit <= drawn else next(more, None)
+
             first, drawn = list(rows), 1
-            while drawn < self.state.sample_batches and (limit <= 0 or drawn < limit):
-                extra = next(more, None)
-                if extra is None:
-                    break
+            while drawn < self.state.sample_batches and (extra := draw()) is not None:
                 first, drawn = first + list(extra), drawn + 1
             played = self.group.generate(first, self.train_settings, seed=self._seed(step))
             groups = spread_groups(played)
             counts = spread_per_batch(groups, drawn, len(rows))
-            while len(groups) < want and (limit <= 0 or drawn < limit):
-                extra = next(more, None)
-                if extra is None:
-                    break
+            while len(groups) < want and (extra := draw()) is not None:
                 seed = self._seed(step) + 1_000_000_007 * drawn
                 batch = self.group.generate(extra, self.train_settings, seed=seed)
                 found = spread_groups(batch)

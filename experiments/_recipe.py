@@ -35,10 +35,8 @@ def rows(prompts: int) -> list[MazeRow]:
 def settings(samples: int) -> RolloutSettings:
     """The recipe's rollout settings; ``FORCED=1`` in the environment: the forced reply format
     (``FORCED=1`` of gpu_easy.sh), ``TEMPERATURE`` (default 0.7) the sampling temperature."""
+    forced = os.environ.get("FORCED") == "1"
     temperature = float(os.environ.get("TEMPERATURE", "0.7"))
-    if os.environ.get("FORCED") == "1":
-        sampling = SamplingParams(temperature=temperature, max_tokens=1)
-        return RolloutSettings(samples, 32, 8192, sampling, 1, "<action>", "</action>")
-    return RolloutSettings(
-        samples, 32, 8192, SamplingParams(temperature=temperature, max_tokens=8), 1
-    )
+    sampling = SamplingParams(temperature=temperature, max_tokens=1 if forced else 8)
+    framing = ("<action>", "</action>") if forced else ("", "")
+    return RolloutSettings(samples, 32, 8192, sampling, 1, *framing)
