@@ -23,12 +23,17 @@ from clew.cluster.group import WorkerGroup
 from clew.config import ClewConfig
 from clew.data.rows import MazeRow
 from clew.data.sampler import ResumableSampler
+from clew.errors import ClewError
 from clew.evaluation import dump_eval, eval_metrics
 from clew.inference.sampling import SamplingParams
 from clew.metrics import MetricsCollector
 from clew.rollout.filtering import batches_needed, spread_groups, spread_per_batch, take_groups
 from clew.rollout.loop import RolloutSettings, rollout_metrics
 from clew.stopping import GracefulStop
+
+# Training steps in a row with every optimizer step dropped (a non-finite gradient)
+# before the run stops with an error.
+_MAX_DROPPED_UPDATES = 3
 
 
 @dataclass
@@ -89,6 +94,7 @@ class Trainer:
         self.checkpointer = checkpointer
         self.state = LoopState()
         self._saved_step = 0
+        self._dropped_updates = 0  # training steps in a row whose every optimizer step was dropped
         self.metrics = MetricsCollector()
         self.train_settings = rollout_settings(cfg, evaluation=False)
         self.eval_settings = rollout_settings(cfg, evaluation=True)
@@ -223,6 +229,22 @@ class Trainer:
         with self.metrics.timer("update"):
             stats = self.group.update(trajs, advantages, self.cfg)
         self.metrics.add_many(stats)
+        steps, dropped = (
+            stats.get("policy/optimizer_steps", 0),
+            stats.get("policy/skipped_steps", 0),
+        )
+        self._dropped_updates = self._dropped_updates + 1 if steps and dropped == steps else 0
+        if self._dropped_updates >= _MAX_DROPPED_UPDATES:
+            # The weights are untouched (clew.train.optim.clipped_step drops such steps), so
+            # going on would only burn device time on the same failure.
+            step = self.state.global_step
+            raise ClewError(
+                f"the gradient was NaN or infinite at every optimizer step of training steps "
+                f"{step - _MAX_DROPPED_UPDATES + 1}-{step}, so none of them changed the policy; "
+                "stopping. Check the loss settings (trainer.algorithm.entropy_loss_coef, "
+                "kl_loss_coef, trainer.policy.optimizer_config.lr); the checkpoints and "
+                "exports already written are kept."
+            )
 
     def sync(self) -> None:
         # The engine samples from the modules the optimizer just stepped: nothing to copy.

@@ -320,6 +320,20 @@ def test_entropy_matches_naive_and_chunking_and_handles_minus_inf():
     close(entropy_from_logits(one_hot), [[0.0]])
 
 
+def test_entropy_gradient_is_finite_with_banned_ids_and_equals_the_allowed_ids_gradient():
+    # The entropy bonus differentiates through logits with banned ids at -inf (the forced
+    # reply format): the gradient must be that of the entropy over the allowed ids alone.
+    g = torch.Generator().manual_seed(3)
+    allowed = torch.randn(2, 3, 4, generator=g)
+    full = torch.cat([allowed, torch.full((2, 3, 5), -torch.inf)], dim=-1).requires_grad_()
+    entropy_from_logits(full, temperature=0.8).sum().backward()
+    ref = allowed.clone().requires_grad_()
+    entropy_from_logits(ref, temperature=0.8).sum().backward()
+    assert torch.isfinite(full.grad).all()
+    close(full.grad[..., :4], ref.grad, 1e-6)
+    close(full.grad[..., 4:], torch.zeros(2, 3, 5))
+
+
 def test_logprobs_from_logits_matches_naive_including_bf16_and_temperature():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(3, 6, 13, generator=g) * 4

@@ -147,6 +147,54 @@ def test_ppo_update_moves_logprob_in_the_direction_of_the_advantage(model_dir, t
     assert stats["policy/entropy"] > 0 and stats["policy/grad_norm"] > 0
 
 
+def test_entropy_bonus_alone_gives_a_finite_update(model_dir, trajectories):
+    # The worker's logits carry banned ids at -inf; the bonus differentiates through them
+    # (it once wrote NaN into every weight on the GPU).
+    seqs = trajectories[:2]
+    worker = make_worker(model_dir, lr=1e-3)
+    before = [p.detach().clone() for p in worker.model.parameters()]
+    # Zero advantages: the bonus is the whole gradient.
+    args = ([torch.tensor(s.logprobs) for s in seqs], token_advantages(seqs, [0.0, 0.0]), None)
+    stats = worker.ppo_update(
+        seqs, *args, PPOSettings(entropy_loss_coef=1.0), mini_batch_size=2, micro_batch_size=2
+    )
+    assert stats["policy/skipped_steps"] == 0
+    assert 0 < stats["policy/grad_norm"] < float("inf")
+    after = list(worker.model.parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a.detach(), b) for a, b in zip(after, before, strict=True))
+
+
+def test_a_non_finite_gradient_is_dropped_leaving_weights_and_schedule_alone(
+    model_dir, trajectories, monkeypatch
+):
+    worker = make_worker(model_dir, lr=1e-3, num_warmup_steps=4)
+    seq = trajectories[0]
+    before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    lr = worker.optimizer.param_groups[0]["lr"]
+    real_backward = torch.Tensor.backward
+
+    def nan_backward(self, *a, **k):
+        real_backward(self * float("nan"), *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "backward", nan_backward)
+    stats = worker.ppo_update(
+        [seq],
+        [torch.tensor(seq.logprobs)],
+        token_advantages([seq], [1.0]),
+        None,
+        PPOSettings(),
+        mini_batch_size=1,
+        micro_batch_size=1,
+    )
+    monkeypatch.undo()
+    assert stats["policy/skipped_steps"] == 1 and stats["policy/optimizer_steps"] == 1
+    for n, p in worker.model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+        assert p.grad is None
+    assert worker.optimizer.param_groups[0]["lr"] == lr  # the warmup did not advance
+
+
 def test_lora_reference_is_the_base_model_with_the_adapter_off(model_dir, trajectories):
     base = make_worker(model_dir).compute_logprobs(trajectories)
     worker = make_worker(model_dir, lora_rank=4, lr=1e-2)

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from envs_for_tests import digits_rows
 
 from clew.config import load_config
-from clew.data.rows import write_rows
+from clew.data.rows import generate_rows, write_rows
+from clew.errors import ClewError
 from clew.models import build_model
+from clew.rollout.trajectory import Trajectory
 from clew.run import train
+from clew.trainer import Trainer
 
 
 def test_grpo_raises_the_training_reward(tmp_path):
@@ -76,3 +80,64 @@ def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch
     )
     clew.run.build_worker_group(cfg, num_train_rows=8)
     assert asked[-1] == ("32-true", False)
+
+
+class _DroppingGroup:
+    """A worker group whose update number ``n`` (from 1) reports ``dropped[n - 1]`` of its
+    two optimizer steps dropped for a non-finite gradient (0 past the list's end)."""
+
+    world_size = 1
+
+    def __init__(self, dropped: list[float]) -> None:
+        self.dropped, self.updates = dropped, 0
+
+    def generate(self, rows, settings, seed):
+        out = []
+        for g, row in enumerate(rows):
+            for s in range(settings.n_samples_per_prompt):
+                t = Trajectory(row.env_id, {}, int(row.seed), g, s)
+                t.reward = float(s == 0)
+                out.append(t)
+        return out
+
+    def update(self, trajs, advantages, cfg):
+        self.updates += 1
+        n = self.updates - 1
+        dropped = self.dropped[n] if n < len(self.dropped) else 0.0
+        return {"policy/optimizer_steps": 2.0, "policy/skipped_steps": dropped}
+
+
+class _Loggers:
+    def log(self, metrics, step):
+        pass
+
+
+def _fit(tmp_path, group) -> Trainer:
+    cfg = load_config(
+        None,
+        [
+            "trainer.train_batch_size=2",
+            "trainer.policy_mini_batch_size=1",
+            "generator.n_samples_per_prompt=2",
+            "trainer.eval_before_train=false",
+            "trainer.max_steps=8",
+            "trainer.epochs=1",
+        ],
+    )
+    rows = generate_rows("maze_2d/small", 32, "train")
+    trainer = Trainer(cfg, group, rows, [], _Loggers(), tmp_path)
+    trainer.fit()
+    return trainer
+
+
+def test_three_updates_in_a_row_with_every_step_dropped_stop_the_run_with_a_clear_error(tmp_path):
+    # Steps 1-2 drop one of their two optimizer steps (not all): no stop. Steps 3-5 drop all.
+    group = _DroppingGroup([1, 1, 2, 2, 2])
+    with pytest.raises(ClewError, match=r"NaN or infinite .* training steps 3-5"):
+        _fit(tmp_path, group)
+    assert group.updates == 5
+
+
+def test_a_good_update_between_dropped_ones_keeps_the_run_going(tmp_path):
+    group = _DroppingGroup([2, 2, 0, 2, 2, 1, 2, 2])
+    assert _fit(tmp_path, group).state.global_step == 8

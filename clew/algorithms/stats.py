@@ -125,7 +125,10 @@ def entropy_from_logits(
         if temperature != 1.0:
             z = z / temperature
         probs = torch.softmax(z, dim=-1)
-        # 0 * -inf is NaN; a zero-probability entry contributes 0 to the expectation.
-        expected = torch.where(probs > 0, probs * z, 0.0).sum(dim=-1)
+        # A zero-probability entry contributes 0 to the expectation. Its -inf is replaced
+        # before the product, not after: masking ``probs * z`` with a where still sends
+        # ``z`` = -inf into the product's backward (0 * -inf), a NaN gradient (the entropy
+        # bonus with banned ids).
+        expected = (probs * torch.where(torch.isfinite(z), z, 0.0)).sum(dim=-1)
         out.append(torch.logsumexp(z, dim=-1) - expected)
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)

@@ -97,6 +97,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("policy/entropy", "Mean token entropy of the policy on generated tokens.", "ent"),
     MetricSpec("policy/grad_norm", "Gradient norm before clipping.", "gnorm"),
     MetricSpec("policy/lr", "Learning rate used for the step."),
+    MetricSpec(
+        "policy/skipped_steps",
+        "Optimizer steps dropped because the gradient norm was NaN or infinite (should be 0).",
+    ),
     # timing/ and throughput/.
     MetricSpec(
         "timing/<phase>",

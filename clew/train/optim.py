@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -53,16 +54,21 @@ def clipped_step(
 ) -> dict[str, float]:
     """Clip the gradient's global norm (off when <= 0), step, advance the schedule.
 
-    Returns the norm before clipping and the learning rate this step used.
+    A gradient whose norm is NaN or infinite is dropped instead: no optimizer step and no
+    schedule step, so one bad batch cannot write NaN into every weight (as Megatron and
+    DeepSpeed skip such steps). Returns the norm before clipping, the learning rate this
+    step used, and ``skipped`` (1.0 when the step was dropped).
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
     limit = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, limit))
     lr = float(optimizer.param_groups[0]["lr"])
-    optimizer.step()
-    scheduler.step()
+    skipped = not math.isfinite(grad_norm)
+    if not skipped:
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"grad_norm": grad_norm, "lr": lr}
+    return {"grad_norm": grad_norm, "lr": lr, "skipped": float(skipped)}
 
 
 def to_cpu(obj: Any) -> Any:

@@ -344,6 +344,7 @@ class PolicyWorker:
         keys = ("loss", "clip_fraction", "approx_kl", "kl_loss", "entropy", "grad_norm", "lr")
         out = {f"policy/{k}": _mean(steps, k) for k in keys}
         out["policy/optimizer_steps"] = float(len(steps))
+        out["policy/skipped_steps"] = sum(s["skipped"] for s in steps)
         return out
 
     def sft_step(self, seqs: Sequence[SequenceLike], micro_batch_size: int) -> dict[str, float]:
