@@ -15,7 +15,7 @@ from clew.config import ClewConfig, save_config
 from clew.data.rows import read_rows
 from clew.errors import ConfigError
 from clew.inference.engine import InferenceEngine, cache_budget_bytes
-from clew.inference.runtime import pick_device
+from clew.inference.runtime import limit_host_threads, pick_device
 from clew.metrics import make_loggers
 from clew.models.precision import policy_precision
 from clew.train.worker import PolicyWorker, WorkerSettings
@@ -39,6 +39,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> LocalWorkerGroup
     if not t.policy.model.path:
         raise ConfigError("trainer.policy.model.path is required: a local checkpoint directory")
     device = pick_device(t.device)
+    limit_host_threads(device)
     opt, lora = t.policy.optimizer_config, t.policy.model.lora
     precision = "bf16-mixed" if t.bf16 else "32-true"
     dtype, autocast = policy_precision(device, precision, lora.rank > 0)

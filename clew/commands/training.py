@@ -75,12 +75,13 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         from clew.data.rows import read_rows
-        from clew.inference.runtime import pick_device
+        from clew.inference.runtime import limit_host_threads, pick_device
         from clew.models.precision import policy_precision
         from clew.train.sft import run_sft
 
         rows = read_rows(args.data)
         device = pick_device(args.device)
+        limit_host_threads(device)
         dtype, autocast = policy_precision(device, args.precision, args.lora_rank > 0)
         eval_fn = None
         if args.eval_data:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,25 @@ def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+# Host threads for torch's CPU ops in a process that drives an accelerator.
+ACCELERATOR_HOST_THREADS = 4
+
+
+def limit_host_threads(device: torch.device) -> None:
+    """On an accelerator, cap torch's CPU thread pool at ``ACCELERATOR_HOST_THREADS``.
+
+    torch sizes its pool to every core. A GPU process's host side is per-row Python and
+    small tensors, so the pool buys nothing alone, and two such processes on one machine
+    spin their pools against each other: on a 16-core H200 host two rollouts at once took
+    25 times as long each (about 44 s a batch of 24 x 8 episodes against 1.8 s), and 2.2-2.6 s
+    with four threads each, while one process plays as fast with 1, 4 or 16 threads
+    (BENCHMARKS.md, "Sixth attempt"). Ray does the same for its workers (OMP_NUM_THREADS).
+    An explicit ``OMP_NUM_THREADS`` wins; the CPU keeps torch's default.
+    """
+    if device.type != "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(min(ACCELERATOR_HOST_THREADS, torch.get_num_threads()))
 
 
 @dataclass
@@ -38,6 +58,7 @@ def open_policy(
     from clew.models.adapters import load_adapter
 
     dev = pick_device(device)
+    limit_host_threads(dev)
     if dtype == "auto":
         dtype = "bfloat16" if dev.type == "cuda" else "float32"
     model, processor = load_policy(model_dir, dtype=dtype, device=dev)

@@ -1,0 +1,30 @@
+"""Process-wide settings a clew command applies before it drives a device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clew.inference.runtime import ACCELERATOR_HOST_THREADS, limit_host_threads
+
+
+@pytest.fixture
+def eight_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(8)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_an_accelerator_process_caps_torch_host_threads(eight_threads, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    limit_host_threads(torch.device("cpu"))
+    assert torch.get_num_threads() == 8  # the CPU does its work on these threads
+    limit_host_threads(torch.device("cuda", 0))
+    assert torch.get_num_threads() == ACCELERATOR_HOST_THREADS < 8
+
+
+def test_an_explicit_omp_num_threads_is_left_alone(eight_threads, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    limit_host_threads(torch.device("cuda", 0))
+    assert torch.get_num_threads() == 8
