@@ -9,8 +9,9 @@
 # the logs and metrics that come back, and the SFT checkpoint and the latest GRPO policy as
 # 15 MiB parts (what comes back is at most 16 MiB a file): a later call on a fresh machine
 # restores them from the folder named by RESTORE (a carried copy of an earlier OUT).
-# Run one phase per GPU at a time: two processes on one GPU each rolled out 25 times slower
-# (43.8-45.2 s a batch of 24 x 8 episodes against 1.73 s alone; BENCHMARKS.md, "Fifth attempt").
+# Two phases may share a GPU (two calls of this script at once, each its own WORK and OUT):
+# clew caps torch's host threads at 4 on an accelerator, without which two processes each
+# rolled out 25 times slower (BENCHMARKS.md, "Fifth attempt" and "Sixth attempt").
 # Every eval maze is solvable within the turn budget: max_turns=32 covers the longest
 # optimal path of a 9x9 perfect maze (30 moves + stop).
 set -euo pipefail
