@@ -30,10 +30,7 @@ from clew.metrics import MetricsCollector
 from clew.rollout.filtering import batches_needed, spread_groups, spread_per_batch, take_groups
 from clew.rollout.loop import RolloutSettings, rollout_metrics
 from clew.stopping import GracefulStop
-
-# Training steps in a row with every optimizer step dropped (a non-finite gradient)
-# before the run stops with an error.
-_MAX_DROPPED_UPDATES = 3
+from clew.train.optim import MAX_DROPPED_STEPS
 
 
 @dataclass
@@ -234,13 +231,11 @@ class Trainer:
             stats.get("policy/skipped_steps", 0),
         )
         self._dropped_updates = self._dropped_updates + 1 if steps and dropped == steps else 0
-        if self._dropped_updates >= _MAX_DROPPED_UPDATES:
-            # The weights are untouched (clew.train.optim.clipped_step drops such steps), so
-            # going on would only burn device time on the same failure.
+        if self._dropped_updates >= MAX_DROPPED_STEPS:
             step = self.state.global_step
             raise ClewError(
                 f"the gradient was NaN or infinite at every optimizer step of training steps "
-                f"{step - _MAX_DROPPED_UPDATES + 1}-{step}, so none of them changed the policy; "
+                f"{step - MAX_DROPPED_STEPS + 1}-{step}, so none of them changed the policy; "
                 "stopping. Check the loss settings (trainer.algorithm.entropy_loss_coef, "
                 "kl_loss_coef, trainer.policy.optimizer_config.lr); the checkpoints and "
                 "exports already written are kept."

@@ -15,7 +15,7 @@ from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.envs.maze.actions import Action, format_action, parse_action
 from clew.envs.maze.solver import shortest_actions
-from clew.errors import ConfigError
+from clew.errors import ClewError, ConfigError
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.train.batch import collate
@@ -357,3 +357,31 @@ def test_teacher_forced_first_turn_is_what_the_greedy_policy_plays(model_dir, ro
         for p in predictions
         if "goal" not in p.groups
     )
+
+
+def test_sft_whose_gradient_stays_non_finite_stops_and_keeps_the_last_good_policy(
+    model_dir, rows, tmp_path, monkeypatch
+):
+    real_backward = torch.Tensor.backward
+    calls = {"n": 0}
+
+    def backward_nan_after_two(self, *a, **k):
+        calls["n"] += 1
+        real_backward(self * float("nan") if calls["n"] > 2 else self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward_nan_after_two)
+    logged: list[dict[str, float]] = []
+    with pytest.raises(ClewError, match=r"NaN or infinite at SFT steps 3-5.* policy of step 2"):
+        run_sft(
+            model_dir,
+            rows,
+            tmp_path / "sft",
+            steps=20,
+            batch_size=2,
+            lr=1e-3,
+            log=lambda step, stats: logged.append(stats),
+        )
+    monkeypatch.undo()
+    assert [s["sft/skipped"] for s in logged] == [0, 0, 1, 1, 1]
+    model, _ = load_policy(tmp_path / "sft")
+    assert all(torch.isfinite(p).all() for p in model.parameters())

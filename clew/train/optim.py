@@ -49,6 +49,11 @@ def build_optimizer(
     return optimizer, scheduler
 
 
+# Steps in a row with every optimizer step dropped (a non-finite gradient) before clew
+# train or clew sft stops: the weights no longer change, so going on only burns device time.
+MAX_DROPPED_STEPS = 3
+
+
 def clipped_step(
     optimizer: torch.optim.Optimizer, scheduler: Any, max_grad_norm: float
 ) -> dict[str, float]:

@@ -32,10 +32,11 @@ from clew.envs import make
 from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.generate import DIRECTIONS
 from clew.envs.maze.solver import distances_to, shortest_actions
-from clew.errors import ConfigError, DataError
+from clew.errors import ClewError, ConfigError, DataError
 from clew.models.chat import ChatFormat
 from clew.stopping import GracefulStop
 from clew.train.batch import Sample
+from clew.train.optim import MAX_DROPPED_STEPS
 from clew.train.worker import PolicyWorker, WorkerSettings
 
 EvalFn = Callable[[torch.nn.Module, ChatFormat, int], dict[str, float]]
@@ -308,6 +309,7 @@ def run_sft(
     )
     losses: list[float] = []
     evals: list[dict[str, float]] = []
+    dropped = 0  # steps in a row whose gradient was NaN or infinite (no update)
     started = time.monotonic()
     # One batch is played ahead on a thread while the current one trains.
     with (
@@ -320,6 +322,7 @@ def run_sft(
             if step < steps:
                 ahead = pool.submit(next, batches)
             stats = worker.sft_step(batch, micro_batch_size or batch_size)
+            dropped = dropped + 1 if stats["sft/skipped"] else 0
             losses.append(stats["sft/loss"])
             elapsed = time.monotonic() - started
             last = (
@@ -336,8 +339,14 @@ def run_sft(
                     last = last or metrics.get("eval/all/pass_at_1", 0.0) >= stop_at_pass
             if log is not None:
                 log(step, stats)
-            if last:
+            if last or dropped >= MAX_DROPPED_STEPS:
                 break
     worker.save_pretrained(output_dir, merged=True)
     chat.processor.save_pretrained(output_dir)
+    if dropped >= MAX_DROPPED_STEPS:
+        raise ClewError(
+            f"the gradient was NaN or infinite at SFT steps {step - dropped + 1}-{step}, so "
+            f"none of them changed the policy; stopped, and saved the policy of step "
+            f"{step - dropped} to {output_dir}. Lower --lr or check the data."
+        )
     return SFTResult(output_dir, losses, evals, len(solvable))
