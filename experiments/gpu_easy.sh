@@ -27,6 +27,9 @@ GRPO_STEPS=${GRPO_STEPS:-40}
 GRPO_MINUTES=${GRPO_MINUTES:-}
 TRAIN_ROWS=${TRAIN_ROWS:-20000}
 PRESET=${PRESET:-small}
+# INIT: more `clew init-model` flags, space-separated (e.g. "--vision depth=12 --vision
+# deepstack_visual_indexes=[2,5,8]": the small preset with a 12-layer vision tower)
+INIT=${INIT:-}
 DEVICE=${DEVICE:-cuda}
 RESTORE=${RESTORE:-}
 PROMPTS=${PROMPTS:-24}
@@ -76,7 +79,7 @@ data() {
 if [ "$phase" = sft ]; then
   data
   $CLEW init-model --preset "$PRESET" --arch qwen3_vl --image-size 126 --patch-size 14 \
-    --merge-size 1 --output "$work/base" --overwrite
+    --merge-size 1 --output "$work/base" --overwrite ${INIT:-}
   $CLEW sft --model "$work/base" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \

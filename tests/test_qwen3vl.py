@@ -203,3 +203,40 @@ def test_a_user_turn_without_pixels_has_the_same_tokens_and_grids(policy) -> Non
     again = chat.user_turn("You moved up.", images, first=False, pixels=False)
     again.token_ids.append(-1)
     assert chat.user_turn("You moved up.", images, first=False).token_ids == full.token_ids
+
+
+def test_init_model_replaces_preset_fields_from_the_command_line(tmp_path) -> None:
+    from clew.cli import main
+
+    out = tmp_path / "v"
+    code = main(
+        [
+            "init-model", "--preset", "tiny", "--arch", "qwen3_vl", "--image-size", "70",
+            "--patch-size", "14", "--merge-size", "1", "--output", str(out),
+            "--vision", "depth=3", "--vision", "deepstack_visual_indexes=[0,2]",
+            "--text", "num_hidden_layers=4",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["vision_config"]["depth"] == 3
+    assert config["vision_config"]["deepstack_visual_indexes"] == [0, 2]
+    assert config["text_config"]["num_hidden_layers"] == 4
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--vision", "dept=3", "did you mean 'depth'"),
+        ("--text", "num_hidden_layers", "takes KEY=VALUE"),
+        ("--vision", "deepstack_visual_indexes=[0,5]", "must be distinct vision layers"),
+    ],
+)
+def test_init_model_refuses_unknown_or_inconsistent_fields(tmp_path, capsys, flag, value, message):
+    from clew.cli import main
+
+    out = tmp_path / "v"
+    args = ["init-model", "--preset", "tiny", "--arch", "qwen3_vl", "--output", str(out)]
+    assert main([*args, flag, value]) != 0
+    assert message in capsys.readouterr().err
+    assert not (out / "config.json").exists()

@@ -3,9 +3,56 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
+from collections.abc import Sequence
+from typing import Any
 
 from clew.commands.registry import Handler, command, positive_int
 from clew.errors import ClewError
+
+# Fields of the language / vision config a user sets with --text / --vision; the rest (ids,
+# vocabulary, output width) follow from the tokenizer and the other fields.
+TEXT_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_parameters",
+    "max_position_embeddings",
+)
+VISION_FIELDS = (
+    "depth",
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "hidden_act",
+    "deepstack_visual_indexes",
+    "num_position_embeddings",
+)
+
+
+def parse_fields(pairs: Sequence[str], accepted: Sequence[str], flag: str) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as a dict; VALUE is read as JSON (16, [3, 7], "gelu"), else text."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ClewError(f"{flag} takes KEY=VALUE, got {pair!r} (e.g. {flag} depth=16)")
+        if key not in accepted:
+            near = difflib.get_close_matches(key, accepted, n=1, cutoff=0.5)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ClewError(f"{flag} does not set {key!r}{hint} accepted: {', '.join(accepted)}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
 
 
 @command("init-model", "build a Qwen-VL policy with random weights, offline")
@@ -19,6 +66,20 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--patch-size", type=positive_int, default=None, help="vision patch in px")
     p.add_argument("--merge-size", type=positive_int, default=2, help="patches merged per side")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--text",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"replace one language-model field of the preset ({', '.join(TEXT_FIELDS)})",
+    )
+    p.add_argument(
+        "--vision",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"replace one vision-tower field of the preset ({', '.join(VISION_FIELDS)})",
+    )
     p.add_argument("--overwrite", action="store_true")
 
     def run(args: argparse.Namespace) -> int:
@@ -36,6 +97,8 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
             arch=args.arch,
             patch_size=args.patch_size,
             merge_size=args.merge_size,
+            text_overrides=parse_fields(args.text, TEXT_FIELDS, "--text"),
+            vision_overrides=parse_fields(args.vision, VISION_FIELDS, "--vision"),
             overwrite=args.overwrite,
         )
         print(f"wrote {args.preset} model ({built.num_parameters:,} parameters) to {built.path}")

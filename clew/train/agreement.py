@@ -35,12 +35,12 @@ from clew.train.batch import collate
 from clew.train.sft import Demonstration, play_demonstration
 from clew.train.worker import logits_at
 
-__all__ = ["TurnPrediction", "solver_agreement", "solver_predictions"]
+__all__ = ["TurnPrediction", "decision_tokens", "solver_agreement", "solver_predictions"]
 
 PREFIX = "eval/agreement/"
 
 
-def _decision_tokens(chat: ChatFormat, action_format: str) -> tuple[int, dict[int, str]] | None:
+def decision_tokens(chat: ChatFormat, action_format: str) -> tuple[int, dict[int, str]] | None:
     """Where the actions' replies first differ, and the action each token there names."""
     actions = [Action("stop")] + [Action("move", d) for d in range(len(DIRECTIONS))]
     replies = {
@@ -118,7 +118,7 @@ def solver_predictions(
             continue
         action_format, groups = _turn_groups(row, demo)
         if action_format not in decisions:
-            decisions[action_format] = _decision_tokens(chat, action_format)
+            decisions[action_format] = decision_tokens(chat, action_format)
         if decisions[action_format] is not None:
             demo.image_window = image_window
             played.append((index, demo, groups, decisions[action_format]))
