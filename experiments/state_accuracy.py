@@ -8,13 +8,18 @@ the policy's most likely action is optimal, by the agent's cell (dead end, corri
 junction, goal) and by distance to the goal: low accuracy in corridors points at reading
 the frame, low accuracy only at junctions far from the goal at planning. Also prints the
 share of mazes whose whole optimal path the policy predicts: the solve rate a policy with
-these per-state errors and no recovery would reach.
+these per-state errors and no recovery would reach, and how the wrong picks split between a
+move into a wall (the frame misread) and an open but wrong way (the route misplanned).
 """
 
 import sys
 from collections import defaultdict
 
 from clew.data.rows import generate_rows
+from clew.envs import make
+from clew.envs.maze.actions import Action, format_action
+from clew.envs.maze.generate import DIRECTIONS
+from clew.envs.maze.solver import distances_to
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.train.agreement import solver_predictions
@@ -39,4 +44,40 @@ for key in sorted(hits):
     print(f"{key:14s} {sum(v) / len(v):6.1%} of {len(v)} turns")
 print(
     f"mazes whose whole optimal path the policy predicts: {sum(whole_path.values()) / len(whole_path):.1%}"
+)
+
+
+def path_cells(row) -> tuple:
+    """The cells of the solver's path from the start, one per turn."""
+    env = make(row.env_id, **row.options())
+    env.reset(int(row.seed))
+    maze, dist = env.maze, distances_to(env.maze, env.maze.goal)
+    cells = [maze.start]
+    while cells[-1] != maze.goal:
+        r, c = cells[-1]
+        steps = [(r + dr, c + dc) for dr, dc in DIRECTIONS]
+        cells.append(next(x for x in steps if maze.is_open(x) and dist[x] == dist[r, c] - 1))
+    return maze, cells
+
+
+moves = {format_action(Action("move", d), "keyword"): d for d in range(len(DIRECTIONS))}
+kinds: dict[str, int] = defaultdict(int)
+paths = {}
+for p in predictions:
+    if p.predicted in p.optimal:
+        continue
+    if p.row not in paths:
+        paths[p.row] = path_cells(rows[p.row])
+    maze, cells = paths[p.row]
+    if p.predicted in moves and p.turn < len(cells):
+        dr, dc = DIRECTIONS[moves[p.predicted]]
+        cell = (cells[p.turn][0] + dr, cells[p.turn][1] + dc)
+        kinds["into a wall" if not maze.is_open(cell) else "open but wrong"] += 1
+    else:
+        kinds["stop or other"] += 1
+total = len(predictions)
+print(
+    "wrong picks: "
+    + ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(kinds.items()))
+    + " of turns"
 )
