@@ -22,9 +22,9 @@ import sys
 
 import numpy as np
 import torch
+from _first_move import dead_end_start, first_move_batch
 
 from clew.data.rows import generate_rows
-from clew.envs import make
 from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.generate import DIRECTIONS, Maze
 from clew.envs.maze.render import render_state
@@ -32,8 +32,6 @@ from clew.inference.sampling import banned_token_ids, mask_banned
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.train.agreement import decision_tokens
-from clew.train.batch import collate
-from clew.train.sft import Demonstration
 from clew.train.worker import logits_at
 
 model_dir = sys.argv[1]
@@ -51,18 +49,9 @@ banned = banned_token_ids(chat)
 words = [format_action(Action("move", d), "keyword") for d in range(len(DIRECTIONS))]
 
 
-def first_move(text: str, image) -> tuple[dict[str, float], torch.Tensor]:
-    """The policy's first-move distribution and the vision tower's output for ``image``."""
-    chunk = chat.user_turn(text, [image], first=True, after_reply_end=True, pixels=False)
-    reply = chat.reply_tokens(words[0])
-    n_prompt = len(chunk.token_ids)
-    demo = Demonstration(
-        list(chunk.token_ids) + list(reply), [0] * n_prompt + [1] * len(reply), [image]
-    )
-    demo.chunk_starts, demo.image_window = [0], 1
-    batch = collate([demo], chat)
-    keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
-    keep[0, n_prompt + offset - 1] = True
+def first_move(text: str, frame) -> tuple[dict[str, float], torch.Tensor]:
+    """The policy's first-move distribution and the vision tower's output for ``frame``."""
+    batch, keep = first_move_batch(chat, offset, [(text, frame, words[0])], "cpu")
     with torch.no_grad():
         logits = logits_at(model, batch, keep, torch.float32)
         vision = model.model.visual(batch.pixel_values.patches(), grid_thw=batch.image_grid_thw)
@@ -71,30 +60,23 @@ def first_move(text: str, image) -> tuple[dict[str, float], torch.Tensor]:
 
 
 opts = {"cell_px": cell_px, "max_turns": 32, "action_format": "keyword"}
-rows = generate_rows(env_id, n, "eval", env_options=opts)
+starts = [
+    s for row in generate_rows(env_id, n, "eval", env_options=opts) if (s := dead_end_start(row))
+]
 before, after, agent_change, swapped_change = [], [], [], []
-for row in rows:
-    env = make(row.env_id, **row.options())
-    obs = env.reset(int(row.seed))
-    maze, agent = env.maze, env.maze.start
-    inner = [
-        (d, (agent[0] + dr, agent[1] + dc))
-        for d, (dr, dc) in enumerate(DIRECTIONS)
-        if 0 < agent[0] + dr < maze.size - 1 and 0 < agent[1] + dc < maze.size - 1
-    ]
-    if len(inner) != 2 or maze.is_open(inner[0][1]) == maze.is_open(inner[1][1]):
-        continue  # both open: a junction start, nothing forced
-    (d_open, c_open), (d_wall, c_wall) = sorted(inner, key=lambda x: not maze.is_open(x[1]))
+for s in starts:
+    maze, agent = s.maze, s.maze.start
     walls = maze.walls.copy()
-    walls[c_open], walls[c_wall] = True, False
-    p, v = first_move(obs.text, obs.images[0])
-    q, w = first_move(obs.text, render_state(Maze(walls, maze.start, maze.goal), agent, cell_px))
-    before.append(p[words[d_open]] - p[words[d_wall]])
-    after.append(q[words[d_wall]] - q[words[d_open]])  # the formerly walled side is open now
+    walls[s.open_cell], walls[s.wall_cell] = True, False
+    p, v = first_move(s.text, s.frame)
+    q, w = first_move(s.text, render_state(Maze(walls, maze.start, maze.goal), agent, cell_px))
+    before.append(p[words[s.open_move]] - p[words[s.wall_move]])
+    after.append(q[words[s.wall_move]] - q[words[s.open_move]])  # the walled side is open now
     side = maze.size
     change = (v - w).norm(dim=-1)
     agent_change.append(float(change[agent[0] * side + agent[1]]))
-    swapped_change.append(float(change[[c[0] * side + c[1] for c in (c_open, c_wall)]].mean()))
+    cells = [c[0] * side + c[1] for c in (s.open_cell, s.wall_cell)]
+    swapped_change.append(float(change[cells].mean()))
 k = len(before)
 print(f"dead-end starts: {k} of {n} mazes")
 print(

@@ -24,9 +24,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _first_move import dead_end_start, first_move_batch
 
 from clew.data.rows import generate_rows
-from clew.envs import make
 from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.generate import DIRECTIONS
 from clew.inference.runtime import limit_host_threads
@@ -34,8 +34,6 @@ from clew.inference.sampling import banned_token_ids, mask_banned
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.train.agreement import decision_tokens
-from clew.train.batch import collate
-from clew.train.sft import Demonstration
 from clew.train.worker import logits_at
 
 model_dir = sys.argv[1]
@@ -59,52 +57,26 @@ options = {"cell_px": 14, "max_turns": 32, "action_format": "keyword"}
 
 
 def dead_end_starts(split: str, n: int) -> list:
-    """(prompt text, first frame, the one open direction) of the dead-end starts in n rows."""
-    out = []
-    for row in generate_rows("maze_2d/easy", n, split, env_options=options):
-        env = make(row.env_id, **row.options())
-        obs = env.reset(int(row.seed))
-        maze, (r, c) = env.maze, env.maze.start
-        inner = [
-            d
-            for d, (dr, dc) in enumerate(DIRECTIONS)
-            if 0 < r + dr < maze.size - 1 and 0 < c + dc < maze.size - 1
-        ]
-        opened = [d for d in inner if maze.is_open((r + DIRECTIONS[d][0], c + DIRECTIONS[d][1]))]
-        if len(opened) == 1:
-            out.append((obs.text, obs.images[0], opened[0]))
-    return out
+    rows = generate_rows("maze_2d/easy", n, split, env_options=options)
+    return [s for row in rows if (s := dead_end_start(row))]
 
 
-def batch_of(items: list) -> tuple:
-    demos, at = [], []
-    for text, image, d in items:
-        chunk = chat.user_turn(text, [image], first=True, after_reply_end=True, pixels=False)
-        reply = chat.reply_tokens(words[d])
-        n = len(chunk.token_ids)
-        demo = Demonstration(
-            list(chunk.token_ids) + list(reply), [0] * n + [1] * len(reply), [image]
-        )
-        demo.chunk_starts, demo.image_window = [0], 1
-        demos.append(demo)
-        at.append(n + offset - 1)
-    batch = collate(demos, chat)
-    keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=device)
-    keep[torch.arange(len(at)), torch.tensor(at)] = True
-    target = torch.tensor([token_of[words[d]] for _, _, d in items], device=device)
-    return batch, keep, target
+def loss_and_logits(starts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    turns = [(s.text, s.frame, words[s.open_move]) for s in starts]
+    batch, keep = first_move_batch(chat, offset, turns, device)
+    logits = mask_banned(logits_at(model, batch, keep, torch.float32).float(), banned)
+    target = torch.tensor([token_of[words[s.open_move]] for s in starts], device=device)
+    return F.cross_entropy(logits, target), (logits.argmax(-1) == target)
 
 
-def accuracy(items: list) -> float:
+def accuracy(starts: list) -> float:
     model.eval()
-    hits = 0
     with torch.no_grad():
-        for i in range(0, len(items), 50):
-            batch, keep, target = batch_of(items[i : i + 50])
-            logits = mask_banned(logits_at(model, batch, keep, torch.float32).float(), banned)
-            hits += int((logits.argmax(-1) == target).sum())
+        hits = sum(
+            int(loss_and_logits(starts[i : i + 50])[1].sum()) for i in range(0, len(starts), 50)
+        )
     model.train()
-    return hits / len(items)
+    return hits / len(starts)
 
 
 train, test = dead_end_starts("train", 20000), dead_end_starts("eval", 350)
@@ -113,9 +85,7 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 rng = random.Random(0)
 start, step, passed = time.time(), 0, None
 while time.time() - start < minutes * 60:
-    batch, keep, target = batch_of(rng.sample(train, batch_size))
-    logits = mask_banned(logits_at(model, batch, keep, torch.float32).float(), banned)
-    loss = F.cross_entropy(logits, target)
+    loss, _ = loss_and_logits(rng.sample(train, batch_size))
     optimizer.zero_grad()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

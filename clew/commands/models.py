@@ -66,20 +66,17 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--patch-size", type=positive_int, default=None, help="vision patch in px")
     p.add_argument("--merge-size", type=positive_int, default=2, help="patches merged per side")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--text",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"replace one language-model field of the preset ({', '.join(TEXT_FIELDS)})",
-    )
-    p.add_argument(
-        "--vision",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"replace one vision-tower field of the preset ({', '.join(VISION_FIELDS)})",
-    )
+    for flag, part, fields in (
+        ("--text", "language-model", TEXT_FIELDS),
+        ("--vision", "vision-tower", VISION_FIELDS),
+    ):
+        p.add_argument(
+            flag,
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help=f"replace one {part} field of the preset ({', '.join(fields)})",
+        )
     p.add_argument("--overwrite", action="store_true")
 
     def run(args: argparse.Namespace) -> int:

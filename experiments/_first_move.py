@@ -1,0 +1,73 @@
+"""The first move of a dead-end start, shared by the wall-reading experiments.
+
+A maze_2d/easy start sits in a corner with two inner neighbours; where exactly one is open
+the first move is forced, and since both lie towards the goal only reading the frame tells
+them apart. ``wall_probe.py`` asks a trained policy about such starts, ``wall_reading.py``
+trains an untrained one on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from clew.data.rows import MazeRow
+from clew.envs import make
+from clew.envs.maze.generate import DIRECTIONS, Cell, Maze
+from clew.models.chat import ChatFormat
+from clew.train.batch import ModelBatch, collate
+from clew.train.sft import Demonstration
+
+
+@dataclass
+class DeadEndStart:
+    text: str  # the episode's first prompt
+    frame: Image.Image
+    maze: Maze
+    open_move: int  # direction ids (clew.envs.maze.generate.DIRECTIONS)
+    open_cell: Cell
+    wall_move: int
+    wall_cell: Cell
+
+
+def dead_end_start(row: MazeRow) -> DeadEndStart | None:
+    """``row``'s start if exactly one of its two inner neighbours is open, else None."""
+    env = make(row.env_id, **row.options())
+    obs = env.reset(int(row.seed))
+    maze, (r, c) = env.maze, env.maze.start
+    inner = [
+        (d, (r + dr, c + dc))
+        for d, (dr, dc) in enumerate(DIRECTIONS)
+        if 0 < r + dr < maze.size - 1 and 0 < c + dc < maze.size - 1
+    ]
+    if len(inner) != 2 or maze.is_open(inner[0][1]) == maze.is_open(inner[1][1]):
+        return None
+    (d_open, c_open), (d_wall, c_wall) = sorted(inner, key=lambda x: not maze.is_open(x[1]))
+    return DeadEndStart(obs.text, obs.images[0], maze, d_open, c_open, d_wall, c_wall)
+
+
+def first_move_batch(
+    chat: ChatFormat, offset: int, turns: list[tuple[str, Image.Image, str]], device: str
+) -> tuple[ModelBatch, torch.Tensor]:
+    """First turns (prompt, frame, reply) as one batch, and where each reply's word is predicted.
+
+    ``offset`` is the reply token that names the action (``decision_tokens``); the mask marks
+    the position whose logits predict it.
+    """
+    demos, at = [], []
+    for text, frame, reply_text in turns:
+        chunk = chat.user_turn(text, [frame], first=True, after_reply_end=True, pixels=False)
+        reply = chat.reply_tokens(reply_text)
+        n = len(chunk.token_ids)
+        demo = Demonstration(
+            list(chunk.token_ids) + list(reply), [0] * n + [1] * len(reply), [frame]
+        )
+        demo.chunk_starts, demo.image_window = [0], 1
+        demos.append(demo)
+        at.append(n + offset - 1)
+    batch = collate(demos, chat)
+    keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=device)
+    keep[torch.arange(len(at)), torch.tensor(at)] = True
+    return batch, keep
