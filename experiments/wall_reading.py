@@ -1,6 +1,6 @@
 """Can a policy architecture learn to read the walls next to it? A supervised first-move test.
 
-    python experiments/wall_reading.py MODEL [MINUTES] [DEVICE] [BATCH] [LR]
+    python experiments/wall_reading.py MODEL [MINUTES] [DEVICE] [BATCH] [LR] [ENV_ID]
 
 MODEL is an untrained policy directory (``clew init-model ... --image-size 126 --patch-size 14
 --merge-size 1``, with any ``--text`` / ``--vision`` fields). The test trains it on one thing:
@@ -13,7 +13,9 @@ on 200 held-out eval mazes' dead-end starts as it trains, and the steps it took 
 Why: every policy SFT'd for the GPU recipe so far (1,600 steps, three vision depths) and the
 GRPO policy after 185 steps choose their first move regardless of those two cells
 (``experiments/wall_probe.py``); this test measures that one skill in minutes, so candidate
-architectures can be compared before a whole SFT run is spent on one.
+architectures can be compared before a whole SFT run is spent on one. ENV_ID (default
+maze_2d/easy) takes a smaller maze (maze_2d/small: fewer cells to search the frame for, 100 held-out
+rows; build MODEL with ``--image-size 98``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ minutes = float(sys.argv[2]) if len(sys.argv) > 2 else 10.0
 device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
 batch_size = int(sys.argv[4]) if len(sys.argv) > 4 else 32
 lr = float(sys.argv[5]) if len(sys.argv) > 5 else 1e-3
+env_id = sys.argv[6] if len(sys.argv) > 6 else "maze_2d/easy"
 limit_host_threads(torch.device(device))
 torch.manual_seed(0)
 model, processor = load_policy(model_dir, "float32", device)
@@ -53,11 +56,11 @@ offset, action_of = decision
 token_of = {text: token for token, text in action_of.items()}
 banned = banned_token_ids(chat).to(device)
 words = [format_action(Action("move", d), "keyword") for d in range(len(DIRECTIONS))]
-options = {"cell_px": 14, "max_turns": 32, "action_format": "keyword"}
+options = {"cell_px": 14, "action_format": "keyword"}
 
 
 def dead_end_starts(split: str, n: int) -> list:
-    rows = generate_rows("maze_2d/easy", n, split, env_options=options)
+    rows = generate_rows(env_id, n, split, env_options=options)
     return [s for row in rows if (s := dead_end_start(row))]
 
 
@@ -79,7 +82,9 @@ def accuracy(starts: list) -> float:
     return hits / len(starts)
 
 
-train, test = dead_end_starts("train", 20000), dead_end_starts("eval", 350)
+# maze_2d/small has only about 120 eval-split layouts (clew.data.rows splits by layout)
+test_rows = 350 if env_id == "maze_2d/easy" else 100
+train, test = dead_end_starts("train", 20000), dead_end_starts("eval", test_rows)
 print(f"dead-end starts: {len(train)} to train on, {len(test)} held out", flush=True)
 optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 rng = random.Random(0)
