@@ -8,6 +8,7 @@ trains an untrained one on them.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -15,10 +16,23 @@ from PIL import Image
 
 from clew.data.rows import MazeRow
 from clew.envs import make
+from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.generate import DIRECTIONS, Cell, Maze
 from clew.models.chat import ChatFormat
+from clew.train.agreement import decision_tokens
 from clew.train.batch import ModelBatch, collate
 from clew.train.sft import Demonstration
+
+# The keyword reply of each move, indexed by direction id.
+MOVE_WORDS = [format_action(Action("move", d), "keyword") for d in range(len(DIRECTIONS))]
+
+
+def move_decision(chat: ChatFormat) -> tuple[int, dict[int, str]]:
+    """``decision_tokens`` for keyword replies; exits where the tokenizer has no such token."""
+    decision = decision_tokens(chat, "keyword")
+    if decision is None:
+        sys.exit("the keyword action format has no single decision token with this tokenizer")
+    return decision
 
 
 @dataclass

@@ -22,16 +22,14 @@ import sys
 
 import numpy as np
 import torch
-from _first_move import dead_end_start, first_move_batch
+from _first_move import MOVE_WORDS, dead_end_start, first_move_batch, move_decision
 
 from clew.data.rows import generate_rows
-from clew.envs.maze.actions import Action, format_action
-from clew.envs.maze.generate import DIRECTIONS, Maze
+from clew.envs.maze.generate import Maze
 from clew.envs.maze.render import render_state
 from clew.inference.sampling import banned_token_ids, mask_banned
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
-from clew.train.agreement import decision_tokens
 from clew.train.worker import logits_at
 
 model_dir = sys.argv[1]
@@ -41,12 +39,9 @@ cell_px = int(sys.argv[4]) if len(sys.argv) > 4 else 14
 model, processor = load_policy(model_dir, "float32", "cpu")
 model.eval()
 chat = ChatFormat(processor)
-decision = decision_tokens(chat, "keyword")
-if decision is None:
-    sys.exit("the keyword action format has no single decision token with this tokenizer")
-offset, action_of = decision
+offset, action_of = move_decision(chat)
 banned = banned_token_ids(chat)
-words = [format_action(Action("move", d), "keyword") for d in range(len(DIRECTIONS))]
+words = MOVE_WORDS
 
 
 def first_move(text: str, frame) -> tuple[dict[str, float], torch.Tensor]:

@@ -26,16 +26,13 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _first_move import dead_end_start, first_move_batch
+from _first_move import MOVE_WORDS, dead_end_start, first_move_batch, move_decision
 
 from clew.data.rows import generate_rows
-from clew.envs.maze.actions import Action, format_action
-from clew.envs.maze.generate import DIRECTIONS
 from clew.inference.runtime import limit_host_threads
 from clew.inference.sampling import banned_token_ids, mask_banned
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
-from clew.train.agreement import decision_tokens
 from clew.train.worker import logits_at
 
 model_dir = sys.argv[1]
@@ -49,13 +46,10 @@ torch.manual_seed(0)
 model, processor = load_policy(model_dir, "float32", device)
 model.train()
 chat = ChatFormat(processor)
-decision = decision_tokens(chat, "keyword")
-if decision is None:
-    sys.exit("the keyword action format has no single decision token with this tokenizer")
-offset, action_of = decision
+offset, action_of = move_decision(chat)
 token_of = {text: token for token, text in action_of.items()}
 banned = banned_token_ids(chat).to(device)
-words = [format_action(Action("move", d), "keyword") for d in range(len(DIRECTIONS))]
+words = MOVE_WORDS
 options = {"cell_px": 14, "action_format": "keyword"}
 
 
