@@ -55,7 +55,11 @@ if [ "$FORCED" = 1 ]; then
 fi
 PRECISION=${PRECISION:-bf16-mixed}  # clew sft --precision (bf16-true: the runs before session 5)
 # GRPO_EXTRA: more `clew train` overrides, space-separated (e.g. trainer.eval_interval=10)
-opts=(--env-id maze_2d/easy --option cell_px=14 --option max_turns=32 --option action_format=keyword)
+# BORDER: the env's border_px (7: half a cell, so the policy's 14 px patches fall across the
+# cells' centres and each holds parts of the agent's neighbours; the image grows to 140 px)
+BORDER=${BORDER:-0}
+IMAGE_SIZE=$((126 + 2 * BORDER))
+opts=(--env-id maze_2d/easy --option cell_px=14 --option border_px="$BORDER" --option max_turns=32 --option action_format=keyword)
 
 pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
   local src=$1
@@ -78,7 +82,7 @@ data() {
 
 if [ "$phase" = sft ]; then
   data
-  $CLEW init-model --preset "$PRESET" --arch qwen3_vl --image-size 126 --patch-size 14 \
+  $CLEW init-model --preset "$PRESET" --arch qwen3_vl --image-size "$IMAGE_SIZE" --patch-size 14 \
     --merge-size 1 --output "$work/base" --overwrite ${INIT:-}
   $CLEW sft --model "$work/base" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft" --steps "$SFT_STEPS" \

@@ -20,6 +20,7 @@ rows; build MODEL with ``--image-size 98``).
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import time
@@ -50,7 +51,14 @@ offset, action_of = move_decision(chat)
 token_of = {text: token for token, text in action_of.items()}
 banned = banned_token_ids(chat).to(device)
 words = MOVE_WORDS
-options = {"cell_px": 14, "action_format": "keyword"}
+# BORDER=7 draws the env's wall-gray border of 7 px (half a cell) around every frame, so the
+# patch grid (14 px) falls across the cells' centres instead of along their edges (build
+# MODEL with --image-size 140).
+options = {
+    "cell_px": 14,
+    "border_px": int(os.environ.get("BORDER", "0")),
+    "action_format": "keyword",
+}
 
 
 def dead_end_starts(split: str, n: int) -> list:

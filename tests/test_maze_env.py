@@ -129,6 +129,20 @@ def test_cell_size_option_scales_the_image():
     assert env.reset(0).images[0].size == (140, 140)
 
 
+def test_border_option_frames_the_same_maze_in_wall_gray():
+    plain, framed = make("maze_2d/easy", cell_px=14), make("maze_2d/easy", cell_px=14, border_px=7)
+    a, b = np.asarray(plain.reset(3).images[0]), np.asarray(framed.reset(3).images[0])
+    assert b.shape == (140, 140, 3)
+    assert np.array_equal(b[7:-7, 7:-7], a)  # the agent and maze sit shifted by the border
+    ring = np.concatenate([b[:7].reshape(-1, 3), b[-7:].reshape(-1, 3), b[:, :7].reshape(-1, 3)])
+    assert {tuple(map(int, x)) for x in ring} == {WALL_RGB}
+    step = framed.step(format_action(Action("move", 0), "tuple"))[0].images[0]
+    moved = np.asarray(plain.step(format_action(Action("move", 0), "tuple"))[0].images[0])
+    assert np.array_equal(np.asarray(step)[7:-7, 7:-7], moved)
+    with pytest.raises(EnvError, match="border_px must be an integer >= 0"):
+        make("maze_2d/easy", border_px=-1)
+
+
 def _play(env, seed, words):
     env.reset(seed)
     results = []

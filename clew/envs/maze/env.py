@@ -29,7 +29,15 @@ from clew.envs.maze.solver import distances_to
 from clew.errors import EnvError
 
 MAZE_OPTIONS = frozenset(
-    {"grid_size", "cell_px", "max_turns", "action_format", "success_on_reach", "layout"}
+    {
+        "grid_size",
+        "cell_px",
+        "border_px",
+        "max_turns",
+        "action_format",
+        "success_on_reach",
+        "layout",
+    }
 )
 
 
@@ -59,6 +67,7 @@ class MazeEnv:
         action_format: str = "tuple",
         success_on_reach: bool = False,
         layout: str = "maze",
+        border_px: int = 0,
     ) -> None:
         try:
             check_size(grid_size)
@@ -66,6 +75,10 @@ class MazeEnv:
             raise EnvError(f"option grid_size: {exc}") from None
         if not isinstance(cell_px, int) or isinstance(cell_px, bool) or cell_px < 4:
             raise EnvError(f"option cell_px must be an integer >= 4, got {cell_px!r}")
+        if not isinstance(border_px, int) or isinstance(border_px, bool) or border_px < 0:
+            raise EnvError(
+                f"option border_px must be an integer >= 0 (pixels of wall around the maze), got {border_px!r}"
+            )
         if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
             raise EnvError(f"option max_turns must be a positive integer, got {max_turns!r}")
         if action_format not in ACTION_FORMATS:
@@ -81,6 +94,7 @@ class MazeEnv:
         self.layout = layout
         self.grid_size = grid_size
         self.cell_px = cell_px
+        self.border_px = border_px
         self.max_turns = max_turns
         self.action_format = action_format
         self.success_on_reach = success_on_reach
@@ -97,7 +111,7 @@ class MazeEnv:
         self.agent = self.maze.start
         self.turn = 0
         self.done = False
-        self._background = render_background(self.maze, self.cell_px)
+        self._background = render_background(self.maze, self.cell_px, self.border_px)
         self._dist = distances_to(self.maze, self.maze.goal)
         return Observation([self.render()], self.prompt)
 
@@ -106,12 +120,14 @@ class MazeEnv:
         from PIL import Image
 
         assert self._background is not None, "call reset() first"
-        return Image.fromarray(stamp_agent(self._background, self.agent, self.cell_px))
+        return Image.fromarray(
+            stamp_agent(self._background, self.agent, self.cell_px, self.border_px)
+        )
 
     def frame(self) -> np.ndarray:
         """The current state as an HxWx3 uint8 array (no PIL object)."""
         assert self._background is not None, "call reset() first"
-        return stamp_agent(self._background, self.agent, self.cell_px)
+        return stamp_agent(self._background, self.agent, self.cell_px, self.border_px)
 
     def step(self, action_text: str) -> tuple[Observation, float, bool, dict[str, Any]]:
         if self.done or self.maze is None:

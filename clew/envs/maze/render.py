@@ -5,6 +5,15 @@
 radius ``cell_px / 4`` (6.25 px at 25 px) at its cell's centre; no grid lines, no text.
 The static part of a maze is drawn once per episode and the disc is stamped with a
 precomputed mask, so a frame costs one array copy: rendering never limits rollouts.
+
+``border_px`` (0 by default, VisGym's frame) draws a wall-gray border that wide around the
+maze. Half a cell (7 px at 14 px cells) matters for a policy trained from scratch whose
+vision patch is one cell: without it the patch grid runs along the cells' edges, so no
+patch holds any part of the agent's neighbours and the vision tower must learn attention to
+fixed offsets before the policy can see a wall next to it, which our small towers did not
+learn in thousands of steps (BENCHMARKS.md, "Eighth attempt"). Shifted by half a cell, the
+four patches around the agent's centre each hold a quarter of the agent and of two of its
+neighbours, and a linear probe reads the open move off them at once.
 """
 
 from __future__ import annotations
@@ -34,24 +43,32 @@ def disc_mask(cell_px: int) -> np.ndarray:
     return mask
 
 
-def render_background(maze: Maze, cell_px: int) -> np.ndarray:
+def render_background(maze: Maze, cell_px: int, border_px: int = 0) -> np.ndarray:
     """The maze without the agent: walls, floor and goal, as an HxWx3 uint8 array."""
     cells = np.empty((*maze.walls.shape, 3), dtype=np.uint8)
     cells[:] = FLOOR_RGB
     cells[maze.walls] = WALL_RGB
     cells[maze.goal] = GOAL_RGB
-    return np.repeat(np.repeat(cells, cell_px, axis=0), cell_px, axis=1)
+    image = np.repeat(np.repeat(cells, cell_px, axis=0), cell_px, axis=1)
+    if border_px:
+        b = border_px
+        image = np.pad(image, ((b, b), (b, b), (0, 0)))
+        image[:b], image[-b:], image[:, :b], image[:, -b:] = WALL_RGB, WALL_RGB, WALL_RGB, WALL_RGB
+    return image
 
 
-def stamp_agent(background: np.ndarray, agent: Cell, cell_px: int) -> np.ndarray:
+def stamp_agent(
+    background: np.ndarray, agent: Cell, cell_px: int, border_px: int = 0
+) -> np.ndarray:
     """A copy of ``background`` with the agent's disc drawn in cell ``agent``."""
     frame = background.copy()
-    r, c = agent
-    block = frame[r * cell_px : (r + 1) * cell_px, c * cell_px : (c + 1) * cell_px]
+    top, left = border_px + agent[0] * cell_px, border_px + agent[1] * cell_px
+    block = frame[top : top + cell_px, left : left + cell_px]
     block[disc_mask(cell_px)] = AGENT_RGB
     return frame
 
 
-def render_state(maze: Maze, agent: Cell, cell_px: int = 25) -> Image.Image:
+def render_state(maze: Maze, agent: Cell, cell_px: int = 25, border_px: int = 0) -> Image.Image:
     """The RGB image of ``maze`` with the agent at ``agent``."""
-    return Image.fromarray(stamp_agent(render_background(maze, cell_px), agent, cell_px))
+    background = render_background(maze, cell_px, border_px)
+    return Image.fromarray(stamp_agent(background, agent, cell_px, border_px))
