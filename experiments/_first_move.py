@@ -85,3 +85,14 @@ def first_move_batch(
     keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=device)
     keep[torch.arange(len(at)), torch.tensor(at)] = True
     return batch, keep
+
+
+def patches_of(cell: Cell, size: int, cell_px: int, border_px: int, patch: int) -> list[int]:
+    """Row-major indices of the vision tokens (merge size 1) whose patch holds part of ``cell``
+    in a ``size`` x ``size`` maze drawn with ``cell_px`` cells inside a ``border_px`` frame."""
+    side = (size * cell_px + 2 * border_px) // patch
+    span = [
+        range((border_px + i * cell_px) // patch, (border_px + (i + 1) * cell_px - 1) // patch + 1)
+        for i in cell
+    ]
+    return [r * side + c for r in span[0] for c in span[1]]

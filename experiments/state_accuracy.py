@@ -1,9 +1,10 @@
 """Per-state action accuracy of a maze policy along the solver's path (teacher forced).
 
-    python experiments/state_accuracy.py MODEL [ROWS] [DEVICE]
+    python experiments/state_accuracy.py MODEL [ROWS] [DEVICE] [BORDER_PX]
 
 Runs ``clew.train.agreement.solver_predictions`` on ROWS (default 64) fixed maze_2d/easy
-eval mazes (14 px cells, 32 turns, current frame only) and prints the share of turns where
+eval mazes (14 px cells, 32 turns, current frame only; BORDER_PX the env's ``border_px``
+for a policy trained on framed images) and prints the share of turns where
 the policy's most likely action is optimal, by the agent's cell (dead end, corridor,
 junction, goal) and by distance to the goal: low accuracy in corridors points at reading
 the frame, low accuracy only at junctions far from the goal at planning. Also prints the
@@ -27,7 +28,8 @@ from clew.train.agreement import solver_predictions
 model_dir = sys.argv[1]
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
-opts = {"cell_px": 14, "max_turns": 32, "action_format": "keyword"}
+border_px = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+opts = {"cell_px": 14, "border_px": border_px, "max_turns": 32, "action_format": "keyword"}
 rows = generate_rows("maze_2d/easy", n, "eval", env_options=opts)
 model, processor = load_policy(model_dir, "float32", device)
 predictions = solver_predictions(model, ChatFormat(processor), rows, image_window=1)

@@ -1,6 +1,6 @@
 """Does a maze policy read the walls next to it? A counterfactual probe on the first move.
 
-    python experiments/wall_probe.py MODEL [ROWS] [ENV_ID] [CELL_PX]
+    python experiments/wall_probe.py MODEL [ROWS] [ENV_ID] [CELL_PX] [BORDER_PX]
 
 On ROWS (default 64) fixed eval mazes (maze_2d/easy, 14 px cells by default), the agent
 starts in a corner with two inner neighbours. Where exactly one of them is open (a dead-end
@@ -13,7 +13,9 @@ and after the swap (a reader: nearly all, both times; a blind policy: about half
 same mazes' preference unchanged); the mean margin p(open) - p(wall) in both frames; and
 how much the vision tower's output at the agent's own cell changes with the swap, beside
 the change at the two swapped cells (near zero at the agent: the tower keeps each cell to
-itself, and reading the neighbours is left to the language model).
+itself, and reading the neighbours is left to the language model). With BORDER_PX (the
+env's ``border_px``, for a policy trained on framed images) a cell spans several patches;
+the change is averaged over the patches that hold part of it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 
 import numpy as np
 import torch
-from _first_move import MOVE_WORDS, dead_end_start, first_move_batch, move_decision
+from _first_move import MOVE_WORDS, dead_end_start, first_move_batch, move_decision, patches_of
 
 from clew.data.rows import generate_rows
 from clew.envs.maze.generate import Maze
@@ -36,6 +38,7 @@ model_dir = sys.argv[1]
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 env_id = sys.argv[3] if len(sys.argv) > 3 else "maze_2d/easy"
 cell_px = int(sys.argv[4]) if len(sys.argv) > 4 else 14
+border_px = int(sys.argv[5]) if len(sys.argv) > 5 else 0
 model, processor = load_policy(model_dir, "float32", "cpu")
 model.eval()
 chat = ChatFormat(processor)
@@ -54,7 +57,14 @@ def first_move(text: str, frame) -> tuple[dict[str, float], torch.Tensor]:
     return {action_of[t]: float(probs[t]) for t in action_of}, vision.pooler_output
 
 
-opts = {"cell_px": cell_px, "max_turns": 32, "action_format": "keyword"}
+opts = {"cell_px": cell_px, "border_px": border_px, "max_turns": 32, "action_format": "keyword"}
+patch = model.config.vision_config.patch_size
+
+
+def patches_at(cell: tuple[int, int], size: int) -> list[int]:
+    return patches_of(cell, size, cell_px, border_px, patch)
+
+
 starts = [
     s for row in generate_rows(env_id, n, "eval", env_options=opts) if (s := dead_end_start(row))
 ]
@@ -64,13 +74,14 @@ for s in starts:
     walls = maze.walls.copy()
     walls[s.open_cell], walls[s.wall_cell] = True, False
     p, v = first_move(s.text, s.frame)
-    q, w = first_move(s.text, render_state(Maze(walls, maze.start, maze.goal), agent, cell_px))
+    q, w = first_move(
+        s.text, render_state(Maze(walls, maze.start, maze.goal), agent, cell_px, border_px)
+    )
     before.append(p[words[s.open_move]] - p[words[s.wall_move]])
     after.append(q[words[s.wall_move]] - q[words[s.open_move]])  # the walled side is open now
-    side = maze.size
     change = (v - w).norm(dim=-1)
-    agent_change.append(float(change[agent[0] * side + agent[1]]))
-    cells = [c[0] * side + c[1] for c in (s.open_cell, s.wall_cell)]
+    agent_change.append(float(change[patches_at(agent, maze.size)].mean()))
+    cells = patches_at(s.open_cell, maze.size) + patches_at(s.wall_cell, maze.size)
     swapped_change.append(float(change[cells].mean()))
 k = len(before)
 print(f"dead-end starts: {k} of {n} mazes")
