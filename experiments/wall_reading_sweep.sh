@@ -3,6 +3,10 @@
 #
 #   bash experiments/wall_reading_sweep.sh WORK OUT [MINUTES]
 #
+# Building 8 models and their data takes about 2.5 minutes on the H200 host before training
+# starts: MINUTES=6 fits a 10-minute device call (7.3 did not, session 10). 17 files land in
+# OUT: tar them into one before they come back (a call returns at most 8 files).
+#
 # Each variant: NAME PRESET BORDER LR [init-model flags...]. A BORDER of 7 draws a
 # half-cell wall border so the 14 px patches fall across the cells' centres (image 140 px
 # instead of 126). Logs go to OUT/NAME.log; all variants run side by side.
