@@ -16,6 +16,11 @@ GRPO policy after 185 steps choose their first move regardless of those two cell
 architectures can be compared before a whole SFT run is spent on one. ENV_ID (default
 maze_2d/easy) takes a smaller maze (maze_2d/small: fewer cells to search the frame for, 100 held-out
 rows; build MODEL with ``--image-size 98``).
+
+Measured (BENCHMARKS.md, "Seventh attempt" and "Eighth attempt"): every model tried stays at
+chance, on the CPU and for 2,200-2,400 GPU steps of 64, with or without ``BORDER=7``; one bit
+a sample through the whole model is too little signal. SFT on whole episodes did learn it
+with the border (``wall_probe.py``), and ``vision_probe.py`` isolates the vision tower.
 """
 
 from __future__ import annotations
