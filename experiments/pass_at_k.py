@@ -1,11 +1,12 @@
 """Sampled solve rate and pass@k of a maze policy on the 64 fixed maze_2d/easy eval mazes.
 
-    python experiments/pass_at_k.py MODEL [TEMPERATURE] [K]
+    python experiments/pass_at_k.py MODEL [TEMPERATURE] [K] [BORDER_PX]
 
 Plays every eval maze K times (default 8) at TEMPERATURE (default 0.7, GRPO's), 14 px
 cells, 32 turns, current frame only, and prints the mean solve rate, pass@K (the share of
 mazes solved at least once), how many mazes failed all K (groups without a learning
-signal for GRPO) and the share of turns by env event.
+signal for GRPO) and the share of turns by env event. BORDER_PX: the env's ``border_px``
+(7 for a policy trained on framed images, ``gpu_easy.sh`` with ``BORDER=7``).
 """
 
 import sys
@@ -25,7 +26,8 @@ torch.set_num_threads(2)
 model_dir = sys.argv[1]
 temperature = float(sys.argv[2]) if len(sys.argv) > 2 else 0.7
 k = int(sys.argv[3]) if len(sys.argv) > 3 else 8
-opts = {"cell_px": 14, "max_turns": 32, "action_format": "keyword"}
+border_px = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+opts = {"cell_px": 14, "border_px": border_px, "max_turns": 32, "action_format": "keyword"}
 rows = generate_rows("maze_2d/easy", 64, "eval", env_options=opts)
 model, processor = load_policy(model_dir, "float32", "cpu")
 engine = InferenceEngine(model, ChatFormat(processor))
