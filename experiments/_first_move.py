@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from clew.data.rows import MazeRow
+from clew.data.rows import MazeRow, generate_rows
 from clew.envs import make
 from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.generate import DIRECTIONS, Cell, Maze
@@ -60,6 +60,12 @@ def dead_end_start(row: MazeRow) -> DeadEndStart | None:
         return None
     (d_open, c_open), (d_wall, c_wall) = sorted(inner, key=lambda x: not maze.is_open(x[1]))
     return DeadEndStart(obs.text, obs.images[0], maze, d_open, c_open, d_wall, c_wall)
+
+
+def dead_end_starts(env_id: str, n: int, split: str, options: dict) -> list[DeadEndStart]:
+    """The dead-end starts among ``n`` rows of ``split`` (about 60% of maze_2d/easy's)."""
+    rows = generate_rows(env_id, n, split, env_options=options)
+    return [s for row in rows if (s := dead_end_start(row))]
 
 
 def first_move_batch(

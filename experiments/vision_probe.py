@@ -24,9 +24,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _first_move import MOVE_WORDS, dead_end_start, first_move_batch, move_decision, patches_of
+from _first_move import MOVE_WORDS, dead_end_starts, first_move_batch, move_decision, patches_of
 
-from clew.data.rows import generate_rows
 from clew.inference.runtime import limit_host_threads
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
@@ -44,13 +43,8 @@ offset, _ = move_decision(chat)
 options = {"cell_px": 14, "border_px": border_px, "action_format": "keyword"}
 patch = model.config.vision_config.patch_size
 
-
-def dead_end_starts(split: str, n: int) -> list:
-    rows = generate_rows("maze_2d/easy", n, split, env_options=options)
-    return [s for row in rows if (s := dead_end_start(row))]
-
-
-train, test = dead_end_starts("train", 6000), dead_end_starts("eval", 350)
+train = dead_end_starts("maze_2d/easy", 6000, "train", options)
+test = dead_end_starts("maze_2d/easy", 350, "eval", options)
 visual = model.model.visual
 at = patches_of(train[0].maze.start, train[0].maze.size, 14, border_px, patch)
 head = torch.nn.Linear(visual.config.out_hidden_size * len(at), 4).to(device)

@@ -24,9 +24,8 @@ import sys
 
 import numpy as np
 import torch
-from _first_move import MOVE_WORDS, dead_end_start, first_move_batch, move_decision, patches_of
+from _first_move import MOVE_WORDS, dead_end_starts, first_move_batch, move_decision, patches_of
 
-from clew.data.rows import generate_rows
 from clew.envs.maze.generate import Maze
 from clew.envs.maze.render import render_state
 from clew.inference.sampling import banned_token_ids, mask_banned
@@ -65,9 +64,7 @@ def patches_at(cell: tuple[int, int], size: int) -> list[int]:
     return patches_of(cell, size, cell_px, border_px, patch)
 
 
-starts = [
-    s for row in generate_rows(env_id, n, "eval", env_options=opts) if (s := dead_end_start(row))
-]
+starts = dead_end_starts(env_id, n, "eval", opts)
 before, after, agent_change, swapped_change = [], [], [], []
 for s in starts:
     maze, agent = s.maze, s.maze.start

@@ -32,9 +32,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _first_move import MOVE_WORDS, dead_end_start, first_move_batch, move_decision
+from _first_move import MOVE_WORDS, dead_end_starts, first_move_batch, move_decision
 
-from clew.data.rows import generate_rows
 from clew.inference.runtime import limit_host_threads
 from clew.inference.sampling import banned_token_ids, mask_banned
 from clew.models import load_policy
@@ -66,11 +65,6 @@ options = {
 }
 
 
-def dead_end_starts(split: str, n: int) -> list:
-    rows = generate_rows(env_id, n, split, env_options=options)
-    return [s for row in rows if (s := dead_end_start(row))]
-
-
 def loss_and_logits(starts: list) -> tuple[torch.Tensor, torch.Tensor]:
     turns = [(s.text, s.frame, words[s.open_move]) for s in starts]
     batch, keep = first_move_batch(chat, offset, turns, device)
@@ -91,7 +85,8 @@ def accuracy(starts: list) -> float:
 
 # maze_2d/small has only about 120 eval-split layouts (clew.data.rows splits by layout)
 test_rows = 350 if env_id == "maze_2d/easy" else 100
-train, test = dead_end_starts("train", 20000), dead_end_starts("eval", test_rows)
+train = dead_end_starts(env_id, 20000, "train", options)
+test = dead_end_starts(env_id, test_rows, "eval", options)
 print(f"dead-end starts: {len(train)} to train on, {len(test)} held out", flush=True)
 optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 rng = random.Random(0)
