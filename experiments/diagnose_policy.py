@@ -1,12 +1,13 @@
 """Where a maze policy goes wrong: per-turn move quality in closed loop, greedy.
 
-    python experiments/diagnose_policy.py MODEL [ROWS] [DEVICE]
+    python experiments/diagnose_policy.py MODEL [ROWS] [DEVICE] [BORDER_PX]
 
 Plays ROWS (default 64) fixed maze_2d/easy eval mazes (14 px cells, 32 turns, current frame
 only) and classifies every turn: an optimal move (distance to the goal falls), a wrong move
 (rises), a wall bump, stop on/off the goal, or a turn on the goal that is not a stop. Also
 counts episodes that revisit a state (loops) and what ended each failed episode. A bump that
 repeats the previous turn's bump (same frame, same move) counts as ``wall_repeated``.
+BORDER_PX: the env's ``border_px`` (7 for a policy trained with ``gpu_easy.sh BORDER=7``).
 """
 
 import sys
@@ -24,7 +25,8 @@ from clew.rollout.loop import RolloutSettings, play
 model_dir = sys.argv[1]
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
-opts = {"cell_px": 14, "max_turns": 32, "action_format": "keyword"}
+border_px = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+opts = {"cell_px": 14, "border_px": border_px, "max_turns": 32, "action_format": "keyword"}
 rows = generate_rows("maze_2d/easy", n, "eval", env_options=opts)
 model, processor = load_policy(model_dir, "float32", device)
 model.eval()
