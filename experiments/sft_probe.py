@@ -4,8 +4,11 @@
     python experiments/sft_probe.py /tmp/probe6 150 16 1e-3 0.0 maze_2d/room 14 tiny 50 qwen2_vl
 
 Prints "EVAL step seconds pass@1 parse-error-rate mean-turns first-actions" lines.
+BORDER=N in the environment draws the env's ``border_px`` frame (half a cell: the patches
+fall across the cells' centres; BENCHMARKS.md, "Eighth attempt").
 """
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,12 +31,13 @@ env_id = sys.argv[6]
 cell = int(sys.argv[7])
 preset = sys.argv[8] if len(sys.argv) > 8 else "tiny"
 KEEP = int(sys.argv[11]) if len(sys.argv) > 11 else None
-opts = {"cell_px": cell, "action_format": "keyword"}
+border = int(os.environ.get("BORDER", "0"))
+opts = {"cell_px": cell, "border_px": border, "action_format": "keyword"}
 build_model(
     preset,
     out / "base",
     corpus=text_corpus(),
-    image_size=7 * cell,
+    image_size=7 * cell + 2 * border,
     patch_size=cell,
     merge_size=1,
     overwrite=True,
