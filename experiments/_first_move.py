@@ -18,6 +18,8 @@ from clew.data.rows import MazeRow, generate_rows
 from clew.envs import make
 from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.generate import DIRECTIONS, Cell, Maze
+from clew.inference.runtime import limit_host_threads
+from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.train.agreement import decision_tokens
 from clew.train.batch import ModelBatch, collate
@@ -33,6 +35,18 @@ def move_decision(chat: ChatFormat) -> tuple[int, dict[int, str]]:
     if decision is None:
         sys.exit("the keyword action format has no single decision token with this tokenizer")
     return decision
+
+
+def open_for_moves(
+    model_dir: str, device: str
+) -> tuple[torch.nn.Module, ChatFormat, int, dict[int, str]]:
+    """The policy in float32 on ``device`` (seeded, host threads capped), its chat format and
+    ``move_decision``: what every first-move experiment starts from."""
+    limit_host_threads(torch.device(device))
+    torch.manual_seed(0)
+    model, processor = load_policy(model_dir, "float32", device)
+    chat = ChatFormat(processor)
+    return model, chat, *move_decision(chat)
 
 
 @dataclass

@@ -24,22 +24,14 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _first_move import MOVE_WORDS, dead_end_starts, first_move_batch, move_decision, patches_of
-
-from clew.inference.runtime import limit_host_threads
-from clew.models import load_policy
-from clew.models.chat import ChatFormat
+from _first_move import MOVE_WORDS, dead_end_starts, first_move_batch, open_for_moves, patches_of
 
 model_dir = sys.argv[1]
 minutes = float(sys.argv[2]) if len(sys.argv) > 2 else 4.0
 border_px = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 lr = float(sys.argv[4]) if len(sys.argv) > 4 else 1e-3
 device = sys.argv[5] if len(sys.argv) > 5 else "cpu"
-limit_host_threads(torch.device(device))
-torch.manual_seed(0)
-model, processor = load_policy(model_dir, "float32", device)
-chat = ChatFormat(processor)
-offset, _ = move_decision(chat)
+model, chat, offset, _ = open_for_moves(model_dir, device)
 options = {"cell_px": 14, "border_px": border_px, "action_format": "keyword"}
 patch = model.config.vision_config.patch_size
 

@@ -24,13 +24,11 @@ import sys
 
 import numpy as np
 import torch
-from _first_move import MOVE_WORDS, dead_end_starts, first_move_batch, move_decision, patches_of
+from _first_move import MOVE_WORDS, dead_end_starts, first_move_batch, open_for_moves, patches_of
 
 from clew.envs.maze.generate import Maze
 from clew.envs.maze.render import render_state
 from clew.inference.sampling import banned_token_ids, mask_banned
-from clew.models import load_policy
-from clew.models.chat import ChatFormat
 from clew.train.worker import logits_at
 
 model_dir = sys.argv[1]
@@ -38,10 +36,8 @@ n = int(sys.argv[2]) if len(sys.argv) > 2 else 64
 env_id = sys.argv[3] if len(sys.argv) > 3 else "maze_2d/easy"
 cell_px = int(sys.argv[4]) if len(sys.argv) > 4 else 14
 border_px = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-model, processor = load_policy(model_dir, "float32", "cpu")
+model, chat, offset, action_of = open_for_moves(model_dir, "cpu")
 model.eval()
-chat = ChatFormat(processor)
-offset, action_of = move_decision(chat)
 banned = banned_token_ids(chat)
 words = MOVE_WORDS
 

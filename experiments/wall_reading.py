@@ -32,12 +32,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _first_move import MOVE_WORDS, dead_end_starts, first_move_batch, move_decision
+from _first_move import MOVE_WORDS, dead_end_starts, first_move_batch, open_for_moves
 
-from clew.inference.runtime import limit_host_threads
 from clew.inference.sampling import banned_token_ids, mask_banned
-from clew.models import load_policy
-from clew.models.chat import ChatFormat
 from clew.train.worker import logits_at
 
 model_dir = sys.argv[1]
@@ -46,12 +43,8 @@ device = sys.argv[3] if len(sys.argv) > 3 else "cpu"
 batch_size = int(sys.argv[4]) if len(sys.argv) > 4 else 32
 lr = float(sys.argv[5]) if len(sys.argv) > 5 else 1e-3
 env_id = sys.argv[6] if len(sys.argv) > 6 else "maze_2d/easy"
-limit_host_threads(torch.device(device))
-torch.manual_seed(0)
-model, processor = load_policy(model_dir, "float32", device)
+model, chat, offset, action_of = open_for_moves(model_dir, device)
 model.train()
-chat = ChatFormat(processor)
-offset, action_of = move_decision(chat)
 token_of = {text: token for token, text in action_of.items()}
 banned = banned_token_ids(chat).to(device)
 words = MOVE_WORDS
