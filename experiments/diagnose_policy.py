@@ -5,7 +5,8 @@
 Plays ROWS (default 64) fixed maze_2d/easy eval mazes (14 px cells, 32 turns, current frame
 only) and classifies every turn: an optimal move (distance to the goal falls), a wrong move
 (rises), a wall bump, stop on/off the goal, or a turn on the goal that is not a stop. Also
-counts episodes that revisit a state (loops) and what ended each failed episode. A bump that
+counts episodes that revisit a state (loops), what ended each failed episode, and the
+episodes solved by the length of the optimal path (moves from the start to the goal). A bump that
 repeats the previous turn's bump (same frame, same move) counts as ``wall_repeated``.
 BORDER_PX: the env's ``border_px`` (7 for a policy trained with ``gpu_easy.sh BORDER=7``).
 """
@@ -36,11 +37,15 @@ trajs = play(engine, rows, settings, seed=0)
 turns: Counter = Counter()
 ends: Counter = Counter()
 first_error_at: list[int] = []
+by_length: dict[str, list[int]] = {}  # optimal path length band -> [solved, episodes]
 loops = 0
 for traj, row in zip(trajs, rows, strict=True):
     env = make(row.env_id, **row.options())
     env.reset(int(row.seed))
     dist = distances_to(env.maze, env.maze.goal)
+    band = f"{dist[env.agent] // 10 * 10:2d}-{dist[env.agent] // 10 * 10 + 9}"
+    by_length.setdefault(band, [0, 0])[0] += traj.success
+    by_length[band][1] += 1
     seen = {env.agent}
     looped = False
     first = None
@@ -77,3 +82,7 @@ print(f"episodes {len(trajs)}  solved {sum(t.success for t in trajs)}  with a lo
 print("ends:", dict(ends))
 print("turns:", {k: f"{v} ({v / total:.1%})" for k, v in turns.most_common()})
 print("first non-optimal turn (sorted):", sorted(first_error_at))
+print(
+    "solved by optimal path length:",
+    {k: f"{s}/{n}" for k, (s, n) in sorted(by_length.items())},
+)

@@ -8,7 +8,8 @@
 # WORK holds what the next call needs (kept on the machine while it is held); OUT gets
 # the logs and metrics that come back, and the SFT checkpoint and the latest GRPO policy as
 # 15 MiB parts (what comes back is at most 16 MiB a file): a later call on a fresh machine
-# restores them from the folder named by RESTORE (a carried copy of an earlier OUT).
+# restores them from the folder named by RESTORE (a carried copy of an earlier OUT). A grpo
+# call also evaluates the policy it packs (OUT/final_eval.json, `clew eval`).
 # Two phases may share a GPU (two calls of this script at once, each its own WORK and OUT):
 # clew caps torch's host threads at 4 on an accelerator, without which two processes each
 # rolled out 25 times slower (BENCHMARKS.md, "Fifth attempt" and "Sixth attempt").
@@ -151,7 +152,15 @@ elif [ "$phase" = grpo ]; then
     ${GRPO_EXTRA:-} || echo "clew train stopped (rc $?)"
   cat "$work/runs/grpo/metrics.jsonl" >> "$out/grpo_metrics.jsonl" || true
   last=$(ls -d "$work"/runs/grpo/exports/global_step_*/policy 2>/dev/null | sort -V | tail -1)
-  if [ -n "$last" ]; then rm -rf "$work/policy" && cp -r "$last" "$work/policy" && pack "$work/policy" policy; fi
+  if [ -n "$last" ]; then
+    rm -rf "$work/policy" && cp -r "$last" "$work/policy" && pack "$work/policy" policy
+    # The policy that comes back is the last step trained, which the run's own evaluations
+    # (every eval_interval steps) may not have seen: evaluate it as it was trained.
+    $CLEW eval --model "$work/policy" --data "$work/data/eval.parquet" --output-dir "$work/final_eval" \
+      --max-turns "$MAX_TURNS" --max-generate-length "$MAX_GEN" --keep-last-k-images 1 \
+      ${forced[@]+--reply-prefix "<action>" --reply-suffix "</action>"} --device "$DEVICE" --num-gifs 0 \
+      && cp "$work/final_eval/metrics.json" "$out/final_eval.json" || echo "final eval failed (rc $?)"
+  fi
 else
   echo "usage: $0 sft|grpo WORK OUT" >&2
   exit 2

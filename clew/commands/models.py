@@ -117,6 +117,22 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
     )
     p.add_argument("--max-generate-length", type=positive_int, default=64)
     p.add_argument("--max-input-length", type=positive_int, default=8192)
+    p.add_argument(
+        "--reply-prefix",
+        default="",
+        help="as generator.reply_prefix: text written before sampling each reply (a policy "
+        "trained with it is evaluated with it)",
+    )
+    p.add_argument(
+        "--reply-suffix", default="", help="as generator.reply_suffix (e.g. '</action>')"
+    )
+    p.add_argument(
+        "--keep-last-k-images",
+        type=positive_int,
+        default=None,
+        help="as generator.keep_last_k_images: only the last K frames stay in the context "
+        "(a policy trained so is evaluated so); default: all",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--num-gifs", type=int, default=4)
 
@@ -134,6 +150,9 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
             max_turns=args.max_turns or max(r.max_turns for r in rows),
             max_input_length=args.max_input_length,
             sampling=SamplingParams(temperature=0.0, max_tokens=args.max_generate_length),
+            keep_last_k_images=args.keep_last_k_images,
+            reply_prefix=args.reply_prefix,
+            reply_suffix=args.reply_suffix,
         )
         metrics, _ = evaluate(
             policy.engine, rows, settings, output_dir=args.output_dir, num_gifs=args.num_gifs

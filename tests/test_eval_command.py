@@ -1,0 +1,41 @@
+"""`clew eval`: a policy is evaluated the way it was trained (reply format, visible frames)."""
+
+from __future__ import annotations
+
+import json
+
+from clew.cli import main
+from clew.data.rows import generate_rows, write_rows
+
+
+def _tiny_policy_and_mazes(tmp_path):
+    model = tmp_path / "model"
+    code = main(
+        [
+            "init-model", "--preset", "tiny", "--arch", "qwen3_vl", "--image-size", "70",
+            "--patch-size", "14", "--merge-size", "1", "--output", str(model),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    opts = {"cell_px": 14, "action_format": "keyword", "max_turns": 3}
+    data = write_rows(
+        generate_rows("maze_2d/small", 2, "eval", env_options=opts), tmp_path / "e.parquet"
+    )
+    return model, data
+
+
+def test_eval_writes_the_reply_prefix_and_suffix_around_each_sampled_reply(tmp_path, capsys):
+    model, data = _tiny_policy_and_mazes(tmp_path)
+    out = tmp_path / "eval"
+    args = ["eval", "--model", str(model), "--data", str(data), "--output-dir", str(out)]
+    forced = ["--reply-prefix", "<action>", "--reply-suffix", "</action>"]
+    code = main([*args, *forced, "--max-generate-length", "1", "--keep-last-k-images", "1",
+                 "--num-gifs", "0", "--device", "cpu"])  # fmt: skip
+    assert code == 0
+    assert "eval/all/pass_at_1" in capsys.readouterr().out
+    trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert len(trajs) == 2 and all(t["turns"] >= 1 for t in trajs)
+    for t in trajs:
+        assert t["generated_tokens"] == t["turns"]  # one sampled token a turn, the rest written
+        for action in t["actions"]:
+            assert action.startswith("<action>") and action.endswith("</action>")
