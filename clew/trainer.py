@@ -119,6 +119,7 @@ class Trainer:
             self.loggers.log(self.metrics.flush(0), 0)
         batches = iter(self.sampler)
         self._saved_step = self.state.global_step  # a resumed step is saved already
+        evaluated = self.state.global_step
         while not stop.requested and not 0 <= t.max_steps <= self.state.global_step:
             rows = next(batches, None)
             if rows is None:  # every epoch done
@@ -132,7 +133,7 @@ class Trainer:
                 self.update(trajs, advantages)
                 self.sync()
                 if self._due(t.eval_interval, step) and self.eval_rows:
-                    last_eval = self.evaluate()
+                    last_eval, evaluated = self.evaluate(), step
             # Logged before the checkpoint, so a checkpoint of step N holds step N's metrics
             # and a run killed right after it resumes with its history complete. The save's
             # own time is therefore reported with the next step.
@@ -146,6 +147,11 @@ class Trainer:
                     self.checkpointer.export(self)
         if stop.requested:
             print(f"stopped by {stop.signal_name} after step {self.state.global_step}", flush=True)
+        elif t.eval_interval > 0 and self.eval_rows and evaluated < self.state.global_step:
+            # The run ended (max_steps or the data) between evaluations: the final policy is
+            # evaluated too, logged at its step. A signal stops at once instead.
+            last_eval = self.evaluate()
+            self.loggers.log(self.metrics.flush(self.state.global_step), self.state.global_step)
         return last_eval
 
     # -- the phases -----------------------------------------------------------------

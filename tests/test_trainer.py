@@ -141,3 +141,34 @@ def test_three_updates_in_a_row_with_every_step_dropped_stop_the_run_with_a_clea
 def test_a_good_update_between_dropped_ones_keeps_the_run_going(tmp_path):
     group = _DroppingGroup([2, 2, 0, 2, 2, 1, 2, 2])
     assert _fit(tmp_path, group).state.global_step == 8
+
+
+class _RecordingLoggers:
+    def __init__(self) -> None:
+        self.records: list[tuple[int, dict]] = []
+
+    def log(self, metrics, step):
+        self.records.append((step, dict(metrics)))
+
+
+@pytest.mark.parametrize(("max_steps", "evaluated"), [(7, [3, 6, 7]), (6, [3, 6])])
+def test_a_run_ending_between_evaluations_evaluates_its_last_step_once(
+    tmp_path, max_steps, evaluated
+):
+    cfg = load_config(
+        None,
+        [
+            "trainer.train_batch_size=2",
+            "trainer.policy_mini_batch_size=1",
+            "generator.n_samples_per_prompt=2",
+            "trainer.eval_before_train=false",
+            "trainer.eval_interval=3",
+            f"trainer.max_steps={max_steps}",
+            "trainer.epochs=1",
+        ],
+    )
+    rows = generate_rows("maze_2d/small", 32, "train")
+    loggers = _RecordingLoggers()
+    Trainer(cfg, _DroppingGroup([]), rows, rows[:4], loggers, tmp_path).fit()
+    steps = [step for step, m in loggers.records if "eval/all/pass_at_1" in m]
+    assert steps == evaluated

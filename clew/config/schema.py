@@ -316,7 +316,11 @@ class TrainerConfig(Section):
     remove_microbatch_padding: bool = Field(
         False, description="SkyRL: pack micro-batches without padding."
     )
-    eval_interval: int = Field(5, description="Evaluate every this many steps; -1 never.")
+    eval_interval: int = Field(
+        5,
+        description="Evaluate every this many steps, and at the last step when the run ends "
+        "on max_steps or the data (not on a SIGINT/SIGTERM); -1 never.",
+    )
     eval_before_train: bool = Field(True, description="Evaluate once before the first step.")
     ckpt_interval: int = Field(
         10,
