@@ -1,6 +1,7 @@
 """Can one forward pass plan a maze_2d/easy move, and does it take depth? (symbolic, CPU)
 
     python experiments/planning_probe.py STEPS DEVICE LAYERS [LAYERS ...]
+    WIDTH=64 BATCH=64 python experiments/planning_probe.py ...   # a CPU-sized model
 
 The question the GPU runs left (BENCHMARKS.md, "Ninth attempt"): the `small` policy reads
 its walls, yet on the solver's path it agrees with the solver at only 59-70% of junctions,
@@ -11,8 +12,8 @@ heads, 2 kv heads, mlp 1024) with LAYERS layers names the solver's next move fro
 query's last hidden state. Training states: any open cell of train-split mazes (the agent
 anywhere, as after a detour); evaluation: every open cell but the goal of the 64 fixed eval
 mazes, overall and at junctions (three or more open neighbours: a choice of ways on). Each
-LAYERS trains STEPS steps of 256 states from the same seed, one after the other (bfloat16
-autocast on cuda). A GPU question: on the 2-core CPU a 2-layer model takes about 2 s a step.
+LAYERS trains STEPS steps of BATCH (256) states from the same seed, one after the other
+(bfloat16 autocast on cuda); WIDTH (256) sets the width, with the policy's proportions. A GPU question: on the 2-core CPU a 2-layer model takes about 2 s a step.
 
 Beside it, in the same run, a policy that does not plan (`no_plan_bounds.greedy_move`: the
 open move that most shortens the straight-line distance to the goal) on the same states.
@@ -20,6 +21,7 @@ open move that most shortens the straight-line distance to the goal) on the same
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -76,18 +78,18 @@ def states(mazes: list[Maze]) -> tuple[torch.Tensor, ...]:
     )
 
 
-def model_of(layers: int) -> tuple[Qwen3Model, torch.nn.Linear]:
+def model_of(layers: int, width: int = 256) -> tuple[Qwen3Model, torch.nn.Linear]:
     config = Qwen3Config(
         vocab_size=8,
-        hidden_size=256,
-        intermediate_size=1024,
+        hidden_size=width,
+        intermediate_size=4 * width,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,
+        head_dim=width // 4,
         max_position_embeddings=128,
     )
-    return Qwen3Model(config), torch.nn.Linear(256, len(DIRECTIONS))
+    return Qwen3Model(config), torch.nn.Linear(width, len(DIRECTIONS))
 
 
 def accuracy(model, head, ids, labels, mask=None) -> float:
@@ -105,6 +107,7 @@ def accuracy(model, head, ids, labels, mask=None) -> float:
 
 def main() -> None:
     steps, device = int(sys.argv[1]), sys.argv[2]
+    width, batch = int(os.environ.get("WIDTH", 256)), int(os.environ.get("BATCH", 256))
     depths = [int(a) for a in sys.argv[3:]] or [6]
     if device == "cpu":
         torch.set_num_threads(2)
@@ -131,13 +134,13 @@ def main() -> None:
     for layers in depths:
         torch.manual_seed(0)
         gen = torch.Generator().manual_seed(0)
-        model, head = (m.to(device) for m in model_of(layers))
+        model, head = (m.to(device) for m in model_of(layers, width))
         params = list(model.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
         start = time.perf_counter()
         for step in range(1, steps + 1):
-            pick = torch.randint(len(train[0]), (256,), generator=gen).to(device)
+            pick = torch.randint(len(train[0]), (batch,), generator=gen).to(device)
             with torch.autocast("cuda", torch.bfloat16, enabled=device.startswith("cuda")):
                 h = model(input_ids=train[0][pick]).last_hidden_state[:, -1]
                 loss = torch.nn.functional.cross_entropy(head(h).float(), train[1][pick])
