@@ -108,24 +108,26 @@ class _DroppingGroup:
 
 
 class _Loggers:
+    def __init__(self) -> None:
+        self.records: list[tuple[int, dict]] = []
+
     def log(self, metrics, step):
-        pass
+        self.records.append((step, dict(metrics)))
 
 
-def _fit(tmp_path, group) -> Trainer:
-    cfg = load_config(
-        None,
-        [
-            "trainer.train_batch_size=2",
-            "trainer.policy_mini_batch_size=1",
-            "generator.n_samples_per_prompt=2",
-            "trainer.eval_before_train=false",
-            "trainer.max_steps=8",
-            "trainer.epochs=1",
-        ],
-    )
+def _fit(tmp_path, group, *overrides: str, eval_rows=0, loggers=None) -> Trainer:
+    """A run of 8 steps (unless ``overrides`` say otherwise) on a group without a model."""
+    base = [
+        "trainer.train_batch_size=2",
+        "trainer.policy_mini_batch_size=1",
+        "generator.n_samples_per_prompt=2",
+        "trainer.eval_before_train=false",
+        "trainer.max_steps=8",
+        "trainer.epochs=1",
+    ]
+    cfg = load_config(None, [*base, *overrides])
     rows = generate_rows("maze_2d/small", 32, "train")
-    trainer = Trainer(cfg, group, rows, [], _Loggers(), tmp_path)
+    trainer = Trainer(cfg, group, rows, rows[:eval_rows], loggers or _Loggers(), tmp_path)
     trainer.fit()
     return trainer
 
@@ -143,32 +145,12 @@ def test_a_good_update_between_dropped_ones_keeps_the_run_going(tmp_path):
     assert _fit(tmp_path, group).state.global_step == 8
 
 
-class _RecordingLoggers:
-    def __init__(self) -> None:
-        self.records: list[tuple[int, dict]] = []
-
-    def log(self, metrics, step):
-        self.records.append((step, dict(metrics)))
-
-
 @pytest.mark.parametrize(("max_steps", "evaluated"), [(7, [3, 6, 7]), (6, [3, 6])])
 def test_a_run_ending_between_evaluations_evaluates_its_last_step_once(
     tmp_path, max_steps, evaluated
 ):
-    cfg = load_config(
-        None,
-        [
-            "trainer.train_batch_size=2",
-            "trainer.policy_mini_batch_size=1",
-            "generator.n_samples_per_prompt=2",
-            "trainer.eval_before_train=false",
-            "trainer.eval_interval=3",
-            f"trainer.max_steps={max_steps}",
-            "trainer.epochs=1",
-        ],
-    )
-    rows = generate_rows("maze_2d/small", 32, "train")
-    loggers = _RecordingLoggers()
-    Trainer(cfg, _DroppingGroup([]), rows, rows[:4], loggers, tmp_path).fit()
+    loggers = _Loggers()
+    overrides = ("trainer.eval_interval=3", f"trainer.max_steps={max_steps}")
+    _fit(tmp_path, _DroppingGroup([]), *overrides, eval_rows=4, loggers=loggers)
     steps = [step for step, m in loggers.records if "eval/all/pass_at_1" in m]
     assert steps == evaluated
