@@ -254,3 +254,12 @@ def test_exported_adapter_loads_with_peft_and_matches_the_trainer(setup):
         trained = group.worker.model(input_ids=ids).logits
     assert not torch.allclose(loaded, plain, atol=1e-4)  # the adapter learned something
     torch.testing.assert_close(loaded, trained, atol=1e-5, rtol=1e-5)
+
+
+def test_resuming_with_a_new_learning_rate_warns_that_the_checkpoints_value_goes_on(setup):
+    train(_cfg(setup, "newlr", "trainer.ckpt_interval=6"))
+    changed = "trainer.policy.optimizer_config.lr=1.0e-3"
+    with pytest.warns(
+        UserWarning, match=r"optimizer_config\.lr: checkpoint 0\.003, this run 0\.001"
+    ):
+        train(_cfg(setup, "newlr", changed, "trainer.epochs=2"))

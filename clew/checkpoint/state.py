@@ -45,6 +45,13 @@ COMPATIBILITY_KEYS = (
 )
 
 
+# Values the restored optimizer state carries (AdamW's param groups): a resumed run goes on
+# with the checkpoint's, whatever this run's config says, so a change is reported.
+OPTIMIZER_STATE_KEYS = tuple(
+    ("trainer", "policy", "optimizer_config", k) for k in ("lr", "adam_betas", "weight_decay")
+)
+
+
 def rng_states() -> dict[str, Any]:
     return {
         "python": random.getstate(),
@@ -68,9 +75,11 @@ def _dig(d: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return d
 
 
-def config_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def config_differences(
+    saved: dict[str, Any], current: dict[str, Any], keys_list: tuple = COMPATIBILITY_KEYS
+) -> list[str]:
     out = []
-    for keys in COMPATIBILITY_KEYS:
+    for keys in keys_list:
         a, b = _dig(saved, keys), _dig(current, keys)
         if a != b:
             out.append(f"{'.'.join(keys)}: checkpoint {a!r}, this run {b!r}")
@@ -138,6 +147,17 @@ class Checkpointer:
                 f"the checkpoint at {source} does not fit this run:\n  "
                 + "\n  ".join(diffs)
                 + "\nstart a new ckpt_path, or set trainer.resume_mode=none"
+            )
+        ignored = config_differences(
+            state["config"], self.cfg.model_dump(mode="python"), OPTIMIZER_STATE_KEYS
+        )
+        if ignored:
+            warnings.warn(
+                "the optimizer state resumes with the checkpoint's values, not this run's:\n  "
+                + "\n  ".join(ignored)
+                + "\nto train with the new ones, start a new ckpt_path (or trainer.resume_mode=none)"
+                " from the exported policy",
+                stacklevel=2,
             )
         trainer.group.load_state_dict(state["group"])
         trainer.sampler.load_state(state["sampler"])
