@@ -22,7 +22,7 @@ import numpy as np
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.envs.maze.generate import DIRECTIONS, Cell, Maze, generate_maze
-from clew.envs.maze.solver import distances_to
+from clew.envs.maze.solver import distances_to, next_move
 
 BUDGET = 31  # moves: 32 turns, one of them the stop
 
@@ -47,11 +47,9 @@ def solver_path_agreement(maze: Maze) -> list[tuple[bool, bool]]:
     out, cell = [], maze.start
     while cell != maze.goal:
         r, c = cell
-        exits = [d for d, (dr, dc) in enumerate(DIRECTIONS) if maze.is_open((r + dr, c + dc))]
-        best = next(
-            d for d in exits if dist[r + DIRECTIONS[d][0], c + DIRECTIONS[d][1]] == dist[cell] - 1
-        )
-        out.append((greedy_move(maze, cell) == best, len(exits) >= 3))
+        exits = sum(maze.is_open((r + dr, c + dc)) for dr, dc in DIRECTIONS)
+        best = next_move(maze, dist, cell)
+        out.append((greedy_move(maze, cell) == best, exits >= 3))
         cell = (r + DIRECTIONS[best][0], c + DIRECTIONS[best][1])
     return out
 

@@ -33,7 +33,7 @@ from transformers import Qwen3Config, Qwen3Model
 from clew.data.rows import generate_rows, split_of_layout
 from clew.envs import make
 from clew.envs.maze.generate import DIRECTIONS, Maze, generate_maze
-from clew.envs.maze.solver import distances_to
+from clew.envs.maze.solver import distances_to, next_move
 
 SIZE = 9
 WALL, FLOOR, AGENT, GOAL, QUERY = range(5)
@@ -47,9 +47,7 @@ def encode(maze: Maze) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     dist = distances_to(maze, maze.goal)
     move = np.full(maze.walls.shape, -1, dtype=np.int64)
     for r, c in zip(*np.nonzero(dist > 0), strict=True):
-        for d, (dr, dc) in enumerate(DIRECTIONS):
-            if maze.is_open((r + dr, c + dc)) and dist[r + dr, c + dc] == dist[r, c] - 1:
-                move[r, c] = d
+        move[r, c] = next_move(maze, dist, (r, c))
     return tokens.ravel(), dist.ravel(), move.ravel()
 
 

@@ -76,10 +76,12 @@ def _dig(d: dict[str, Any], keys: tuple[str, ...]) -> Any:
 
 
 def config_differences(
-    saved: dict[str, Any], current: dict[str, Any], keys_list: tuple = COMPATIBILITY_KEYS
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    fields: tuple[tuple[str, ...], ...] = COMPATIBILITY_KEYS,
 ) -> list[str]:
     out = []
-    for keys in keys_list:
+    for keys in fields:
         a, b = _dig(saved, keys), _dig(current, keys)
         if a != b:
             out.append(f"{'.'.join(keys)}: checkpoint {a!r}, this run {b!r}")
@@ -141,16 +143,15 @@ class Checkpointer:
         with tempfile.TemporaryDirectory(prefix="clew-resume-") as tmp:
             download_checkpoint(storage, source, tmp)
             state = torch.load(Path(tmp) / STATE_FILE, weights_only=False)
-        diffs = config_differences(state["config"], self.cfg.model_dump(mode="python"))
+        current = self.cfg.model_dump(mode="python")
+        diffs = config_differences(state["config"], current)
         if diffs:
             raise CheckpointError(
                 f"the checkpoint at {source} does not fit this run:\n  "
                 + "\n  ".join(diffs)
                 + "\nstart a new ckpt_path, or set trainer.resume_mode=none"
             )
-        ignored = config_differences(
-            state["config"], self.cfg.model_dump(mode="python"), OPTIMIZER_STATE_KEYS
-        )
+        ignored = config_differences(state["config"], current, OPTIMIZER_STATE_KEYS)
         if ignored:
             warnings.warn(
                 "the optimizer state resumes with the checkpoint's values, not this run's:\n  "

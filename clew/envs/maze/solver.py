@@ -34,10 +34,17 @@ def shortest_actions(maze: Maze, start: Cell | None = None, goal: Cell | None = 
     actions: list[int] = []
     cell = start
     while cell != goal:
-        for d, (dr, dc) in enumerate(DIRECTIONS):
-            n = (cell[0] + dr, cell[1] + dc)
-            if maze.is_open(n) and dist[n] == dist[cell] - 1:
-                actions.append(d)
-                cell = n
-                break
+        d = next_move(maze, dist, cell)
+        actions.append(d)
+        cell = (cell[0] + DIRECTIONS[d][0], cell[1] + DIRECTIONS[d][1])
     return actions
+
+
+def next_move(maze: Maze, dist: np.ndarray, cell: Cell) -> int | None:
+    """The first direction id (VisGym's order) from ``cell`` one move closer on ``dist``
+    (``distances_to`` the goal); None on the goal or where no move is closer."""
+    for d, (dr, dc) in enumerate(DIRECTIONS):
+        n = (cell[0] + dr, cell[1] + dc)
+        if maze.is_open(n) and dist[n] == dist[cell] - 1:
+            return d
+    return None
