@@ -203,17 +203,37 @@ class Trainer:
             self.metrics.add_many(rollout_metrics(played, "train"))
             return torch.tensor([t.reward for t in trajs], dtype=torch.float32)
 
-    def advantages(self, trajs: Sequence, rewards: torch.Tensor) -> torch.Tensor:
+    def advantages(
+        self, trajs: Sequence, rewards: torch.Tensor
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """One advantage per trajectory, or per turn (``Float[T_i]`` each) for ``gigpo``."""
         a = self.cfg.trainer.algorithm
         with self.metrics.timer("advantages"):
             if not trajs:  # dynamic sampling found no group with signal: nothing to learn
                 return torch.zeros(0)
             kwargs: dict[str, Any] = {"drop_zero_spread": a.drop_zero_spread_groups}
-            if a.advantage_estimator == "grpo":
+            if a.advantage_estimator in ("grpo", "gigpo"):
                 kwargs["norm_adv_by_std_in_grpo"] = a.norm_adv_by_std_in_grpo
+            if a.advantage_estimator == "gigpo":
+                kwargs |= {
+                    "turn_rewards": [torch.tensor(t.padded_turn_rewards()) for t in trajs],
+                    "state_keys": [t.state_keys for t in trajs],
+                    "gamma": a.gigpo.gamma,
+                    "step_advantage_w": a.gigpo.step_advantage_w,
+                }
             groups = torch.tensor([t.group_id for t in trajs])
             result = compute_advantages(a.advantage_estimator, rewards, groups, **kwargs)
             adv = result.advantages * result.keep.float()
+            self.metrics.add_many({f"train/{k}": v for k, v in result.stats.items()})
+            if result.turn_advantages is not None:
+                turns = [
+                    ta * k.float()
+                    for ta, k in zip(result.turn_advantages, result.keep, strict=True)
+                ]
+                flat = torch.cat(turns) if turns else torch.zeros(0)
+                self.metrics.add(
+                    "train/turn_advantage_std", flat.std().item() if len(flat) > 1 else 0.0
+                )
             self.metrics.add_many(
                 {
                     "train/advantage_mean": adv.mean().item(),
@@ -224,9 +244,9 @@ class Trainer:
                     / max(result.num_groups, 1),
                 }
             )
-            return adv
+            return adv if result.turn_advantages is None else turns
 
-    def update(self, trajs: Sequence, advantages: torch.Tensor) -> None:
+    def update(self, trajs: Sequence, advantages: torch.Tensor | list[torch.Tensor]) -> None:
         if not trajs:
             return
         with self.metrics.timer("update"):

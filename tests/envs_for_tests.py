@@ -34,10 +34,51 @@ class DigitsEnv:
         return Observation([], "done"), reward, True, {"done_reason": "stop"}
 
 
-try:
-    spec("test/digits")
-except EnvError:
-    register("test/digits", DigitsEnv, accepted_options=set(), description="digits bandit")
+class WalkEnv:
+    """Several turns on a line of four cells: a reply whose first byte is even steps right,
+    any other (or none) steps left, not past cell 0; reward 1 on reaching cell 3, within six
+    turns. About half of a random model's tokens step right.
+
+    The frame's colour is the cell, so the samples of a group revisit the same states: a
+    test of per-turn credit (gigpo) that a random policy already solves often.
+    """
+
+    max_turns = 6
+
+    def __init__(self, **options):
+        self.cell, self.turn, self.done = 0, 0, False
+
+    def _obs(self, text):
+        return Observation([Image.new("RGB", (28, 28), (60 * self.cell, 0, 0))], text)
+
+    def reset(self, seed):
+        self.cell, self.turn, self.done = 0, 0, False
+        return self._obs("Walk right.")
+
+    def step(self, text):
+        self.turn += 1
+        right = text.encode()[:1] and text.encode()[0] % 2 == 0
+        self.cell = self.cell + 1 if right else max(self.cell - 1, 0)
+        self.done = self.cell == 3 or self.turn >= self.max_turns
+        reward = float(self.cell == 3)
+        return self._obs(f"turn {self.turn}"), reward, self.done, {"done_reason": "stop"}
+
+
+for _name, _cls, _text in (
+    ("test/digits", DigitsEnv, "digits bandit"),
+    ("test/walk", WalkEnv, "a walk on a line"),
+):
+    try:
+        spec(_name)
+    except EnvError:
+        register(_name, _cls, accepted_options=set(), description=_text)
+
+
+def walk_rows(n: int, split: str = "train") -> list[MazeRow]:
+    return [
+        MazeRow("test/walk", json.dumps({}), seed, split, "Walk.", 0, 3, 3, True, f"{split}{seed}")
+        for seed in range(n)
+    ]
 
 
 def digits_rows(n: int, split: str = "train") -> list[MazeRow]:

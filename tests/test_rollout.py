@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from clew.algorithms import turn_token_advantages
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.errors import ConfigError
@@ -115,6 +116,12 @@ def test_loss_mask_marks_exactly_the_sampled_tokens(policy, rows):
         if run:
             replies.append(run)
         assert [chat.decode(r) for r in replies] == t.actions
+        # One reward and one state per turn, for per-turn credit (gigpo).
+        assert len(t.turn_rewards) == len(t.state_keys) == t.turns == len(replies)
+        spread = turn_token_advantages(torch.arange(1.0, t.turns + 1), t.loss_mask)
+        assert spread[torch.tensor(t.loss_mask, dtype=torch.bool)].unique().tolist() == list(
+            range(1, t.turns + 1)
+        )
         assert len(generated) == t.generated_tokens
         assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if not m)
         assert all(lp <= 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from envs_for_tests import digits_rows
+from envs_for_tests import digits_rows, walk_rows
 
 from clew.config import load_config
 from clew.data.rows import generate_rows, write_rows
@@ -55,6 +55,41 @@ def test_grpo_raises_the_training_reward(tmp_path):
     assert last > first + 0.2, f"reward went from {first:.3f} to {last:.3f}"
     assert (tmp_path / "runs" / "digits" / "config.yaml").is_file()
     assert (tmp_path / "runs" / "digits" / "exports" / "global_step_64" / "policy").is_dir()
+
+
+def test_gigpo_updates_each_turn_with_its_own_advantage_end_to_end(tmp_path):
+    model_dir = tmp_path / "tiny"
+    build_model("tiny", model_dir, corpus=["0123456789 abc " * 20], image_size=28, overwrite=True)
+    write_rows(walk_rows(8), tmp_path / "walk.parquet")
+    cfg = load_config(
+        None,
+        [
+            f"data.train_data=['{tmp_path / 'walk.parquet'}']",
+            f"trainer.policy.model.path={model_dir}",
+            f"trainer.log_path={tmp_path / 'runs'}",
+            "trainer.run_name=gigpo",
+            "trainer.logger=jsonl",
+            "trainer.algorithm.advantage_estimator=gigpo",
+            "trainer.algorithm.gigpo.gamma=0.9",
+            "trainer.train_batch_size=2",
+            "trainer.policy_mini_batch_size=2",
+            "trainer.max_steps=3",
+            "trainer.eval_before_train=false",
+            "trainer.ckpt_interval=-1",
+            "generator.n_samples_per_prompt=4",
+            "generator.max_turns=6",
+            "generator.sampling_params.max_generate_length=1",
+            "generator.max_input_length=2048",
+            "trainer.max_prompt_length=128",
+        ],
+    )
+    train(cfg)
+    lines = (tmp_path / "runs" / "gigpo" / "metrics.jsonl").read_text().splitlines()
+    steps = [h for h in map(json.loads, lines) if "train/step_groups" in h]
+    assert len(steps) == 3
+    # The four samples of a prompt all act from cell 0 first: a step group a prompt at least.
+    assert all(h["train/step_groups"] >= 2 and h["train/grouped_turn_fraction"] > 0 for h in steps)
+    assert any(h["train/turn_advantage_std"] > 0 and h["policy/grad_norm"] > 0 for h in steps)
 
 
 def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch):

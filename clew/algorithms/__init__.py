@@ -39,6 +39,12 @@ from clew.algorithms.stats import (
     masked_mean,
     masked_sum,
 )
+from clew.algorithms.step_advantages import (
+    discounted_returns,
+    gigpo_advantages,
+    step_advantages,
+    turn_token_advantages,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -49,10 +55,12 @@ __all__ = [
     "AdvantageResult",
     "compute_advantages",
     "compute_policy_loss",
+    "discounted_returns",
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_kl_estimator",
     "get_policy_loss",
+    "gigpo_advantages",
     "grpo_advantages",
     "kl_loss",
     "kl_penalty",
@@ -65,5 +73,7 @@ __all__ = [
     "register_kl_estimator",
     "register_policy_loss",
     "rloo_advantages",
+    "step_advantages",
     "token_advantages",
+    "turn_token_advantages",
 ]

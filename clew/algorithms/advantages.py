@@ -19,7 +19,7 @@ drop_zero_spread=False, **config)`` and returns an :class:`AdvantageResult`.
 """
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -40,12 +40,18 @@ class AdvantageResult:
             ``drop_zero_spread=True``; all True otherwise.
         num_groups: number of distinct group ids.
         zero_spread_groups: how many of those groups had all rewards equal.
+        turn_advantages: per trajectory ``Float[T_i]``, one advantage per turn, from
+            estimators that assign credit within an episode (``gigpo``); None when every
+            turn shares its trajectory's advantage.
+        stats: estimator-specific statistics, logged as ``train/<name>``.
     """
 
     advantages: Tensor
     keep: Tensor
     num_groups: int
     zero_spread_groups: int
+    turn_advantages: tuple[Tensor, ...] | None = None
+    stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

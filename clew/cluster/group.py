@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from clew.algorithms.step_advantages import turn_token_advantages
 from clew.data.rows import MazeRow
 from clew.inference.engine import InferenceEngine
 from clew.rollout.loop import RolloutSettings, play
@@ -46,7 +47,10 @@ class WorkerGroup(Protocol):
     ) -> list[Trajectory]: ...
 
     def update(
-        self, trajs: Sequence[Trajectory], advantages: torch.Tensor, cfg: Any
+        self,
+        trajs: Sequence[Trajectory],
+        advantages: torch.Tensor | Sequence[torch.Tensor],
+        cfg: Any,
     ) -> dict[str, float]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -72,12 +76,19 @@ class LocalWorkerGroup:
         return play(self.engine, rows, settings, seed=seed, progress=progress)
 
     def update(
-        self, trajs: Sequence[Trajectory], advantages: torch.Tensor, cfg: Any
+        self,
+        trajs: Sequence[Trajectory],
+        advantages: torch.Tensor | Sequence[torch.Tensor],
+        cfg: Any,
     ) -> dict[str, float]:
+        """PPO updates; ``advantages`` is ``Float[N]`` (one per trajectory, on every reply
+        token) or ``N`` tensors ``Float[T_i]`` (one per turn, on that turn's reply tokens)."""
         ppo = ppo_settings(cfg)
         t = cfg.trainer
         per_token = [
-            adv * torch.tensor(tr.loss_mask, dtype=torch.float32)
+            turn_token_advantages(adv.float(), tr.loss_mask)
+            if adv.dim() == 1
+            else adv * torch.tensor(tr.loss_mask, dtype=torch.float32)
             for adv, tr in zip(advantages, trajs, strict=True)
         ]
         old = [torch.tensor(tr.logprobs, dtype=torch.float32) for tr in trajs]

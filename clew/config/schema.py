@@ -167,11 +167,33 @@ class DynamicSamplingConfig(Section):
     )
 
 
+class GigpoConfig(Section):
+    gamma: float = Field(
+        0.95,
+        gt=0.0,
+        le=1.0,
+        description="Discount of the per-turn returns that GiGPO's step groups compare, in "
+        "(0, 1]: below 1, reaching the goal in fewer turns from a state is better.",
+    )
+    step_advantage_w: float = Field(
+        1.0,
+        ge=0.0,
+        description="Weight of the step-level advantage added to the episode-level one "
+        "(0: every turn gets its episode's GRPO advantage).",
+    )
+
+
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo", "rloo"] = Field(
+    advantage_estimator: Literal["grpo", "rloo", "gigpo"] = Field(
         "grpo",
         description="How advantages are computed within a group: 'grpo' (reward minus group "
-        "mean) or 'rloo' (reward minus the mean of the others).",
+        "mean), 'rloo' (reward minus the mean of the others) or 'gigpo' (GRPO per episode "
+        "plus a per-turn advantage among the group's turns taken from the same state; "
+        "clew.algorithms.step_advantages).",
+    )
+    gigpo: GigpoConfig = Field(
+        default_factory=GigpoConfig,
+        description="Settings of the 'gigpo' estimator (unused by the others).",
     )
     norm_adv_by_std_in_grpo: bool = Field(
         True, description="Divide GRPO advantages by the group's reward standard deviation."

@@ -141,7 +141,7 @@ def _rules(cfg: ClewConfig) -> list[str]:
                 f"n_samples_per_prompt {n}) does not split into micro batches of {micro} "
                 f"on {gpus} GPUs ({micro * gpus} per pass)",
             )
-    if alg.advantage_estimator in ("grpo", "rloo") and n < 2:
+    if alg.advantage_estimator in ("grpo", "rloo", "gigpo") and n < 2:
         fail(
             "group-size",
             f"generator.n_samples_per_prompt must be >= 2 for {alg.advantage_estimator!r}, "

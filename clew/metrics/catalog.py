@@ -60,6 +60,21 @@ CATALOG: tuple[MetricSpec, ...] = (
         "zero",
     ),
     MetricSpec(
+        "train/step_groups",
+        "gigpo: step groups (two or more turns of one prompt's episodes taken from the same "
+        "state) in the batch.",
+    ),
+    MetricSpec(
+        "train/grouped_turn_fraction",
+        "gigpo: share of turns that share their state with another turn of the group (the "
+        "others get only the episode-level advantage).",
+    ),
+    MetricSpec("train/step_group_size_mean", "gigpo: mean turns per step group."),
+    MetricSpec(
+        "train/turn_advantage_std",
+        "gigpo: standard deviation of the per-turn advantages (episode plus step level).",
+    ),
+    MetricSpec(
         "train/dynamic_sampling/batches",
         "Batches of train_batch_size prompts played for the step (dynamic sampling 'filter'; "
         "1 when the first batch had enough groups with reward spread).",

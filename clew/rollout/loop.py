@@ -31,7 +31,7 @@ from clew.errors import ConfigError
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
-from clew.rollout.trajectory import Trajectory
+from clew.rollout.trajectory import Trajectory, state_key
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def play(
                     f"a reply up to {settings.sampling.max_tokens}; raise max_input_length to at "
                     f"least {len(chunk.token_ids) + settings.sampling.max_tokens}"
                 )
-            ep.traj.add_observation(chunk, obs.images)
+            ep.traj.add_observation(chunk, obs.images, state_key(obs.images, obs.text))
             ep.traj.image_window = settings.keep_last_k_images
             episodes[i] = ep
             chunks[i] = chunk
@@ -143,6 +143,7 @@ def play(
                     finished.append(i)
                     continue
                 traj.infos.append(info)
+                traj.turn_rewards.append(float(reward))
                 traj.reward = float(reward)
                 if env_done:
                     traj.end_reason = info.get("done_reason") or "stop"
@@ -165,7 +166,7 @@ def play(
                     traj.end_reason = "context_full"
                     finished.append(i)
                     continue
-                traj.add_observation(chunk, obs.images)
+                traj.add_observation(chunk, obs.images, state_key(obs.images, obs.text))
                 chunks[i] = chunk
             for i in finished:
                 done.append(episodes.pop(i).traj)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +35,21 @@ class Trajectory:
     chunk_starts: list[int] = field(default_factory=list)  # where each observation begins
     image_window: int | None = None  # generator.keep_last_k_images the episode ran with
     actions: list[str] = field(default_factory=list)
+    # Per turn: the reward env.step returned, and the state the reply acted from
+    # (state_key of the observation before it), for estimators that credit turns (gigpo).
+    turn_rewards: list[float] = field(default_factory=list)
+    state_keys: list[str] = field(default_factory=list)
     infos: list[dict[str, Any]] = field(default_factory=list)
     reward: float = 0.0
     turns: int = 0
     end_reason: str = ""
     error: str | None = None
 
-    def add_observation(self, chunk: Chunk, images: list[Image.Image]) -> None:
+    def add_observation(
+        self, chunk: Chunk, images: list[Image.Image], state: str | None = None
+    ) -> None:
+        if state is not None:
+            self.state_keys.append(state)
         self.chunk_starts.append(len(self.token_ids))
         self.token_ids += chunk.token_ids
         self.loss_mask += [0] * len(chunk.token_ids)
@@ -51,6 +60,10 @@ class Trajectory:
         self.token_ids += token_ids
         self.loss_mask += [1] * len(token_ids)
         self.logprobs += logprobs
+
+    def padded_turn_rewards(self) -> list[float]:
+        """``turn_rewards`` with one entry per turn (0 for a turn whose env step raised)."""
+        return self.turn_rewards + [0.0] * (self.turns - len(self.turn_rewards))
 
     @property
     def success(self) -> bool:
@@ -90,3 +103,20 @@ class Trajectory:
             "events": [i.get("event") for i in self.infos],
             "optimal_turns": self.infos[0].get("optimal_turns") if self.infos else None,
         }
+
+
+def state_key(images: list[Image.Image], text: str) -> str:
+    """A digest naming the state an observation shows: its images' pixels, else its text.
+
+    The images alone when there are any: the maze's text says which turn it is and what
+    the last move did, so two visits of one cell differ in text but not in the frame, and
+    the frame is the state. Equal keys within a prompt's group form GiGPO's step groups.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    if images:
+        for im in images:
+            h.update(f"{im.mode}{im.size}".encode())
+            h.update(im.tobytes())
+    else:
+        h.update(text.encode())
+    return h.hexdigest()
