@@ -81,7 +81,9 @@ class Frames:
 
 
 def hidden(model, inputs: dict) -> torch.Tensor:
-    return model.model(**inputs).last_hidden_state[:, -1]
+    cuda = inputs["input_ids"].device.type == "cuda"
+    with torch.autocast("cuda", torch.bfloat16, enabled=cuda):
+        return model.model(**inputs).last_hidden_state[:, -1].float()
 
 
 def accuracy(model, head, frames: Frames, ev: list) -> tuple[float, float, float]:
