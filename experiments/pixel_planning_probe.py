@@ -86,6 +86,24 @@ def hidden(model, inputs: dict) -> torch.Tensor:
         return model.model(**inputs).last_hidden_state[:, -1].float()
 
 
+def input_dependence(model, frames: Frames, picked: list) -> tuple[float, float]:
+    """How much the frame moves the model's states: across ``picked`` states, the spread of
+    the image embeddings at each position over their overall spread, and the spread of the
+    query's last hidden state over its mean size (0 for a model that ignores the frame)."""
+    inputs = frames.batch(picked)
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(module, args, kwargs, out) -> None:
+        seen["embeds"] = kwargs["inputs_embeds"]
+
+    handle = model.model.language_model.register_forward_hook(keep, with_kwargs=True)
+    with torch.no_grad():
+        h = hidden(model, inputs)
+    handle.remove()
+    image = seen["embeds"][:, 1:-2].float()
+    return float(image.std(0).mean() / image.std()), float(h.std(0).mean() / h.abs().mean())
+
+
 def accuracy(model, head, frames: Frames, ev: list) -> tuple[float, float, float]:
     model.eval()
     right = []
@@ -157,6 +175,10 @@ def main() -> None:
         model.train()
         frames_train = Frames(chat, train_mazes, border, device)
         frames_ev = Frames(chat, eval_mazes, border, device)
+        image_spread, query_spread = input_dependence(model, frames_ev, ev[::30][:64])
+        print(f"theta {theta:g} at initialisation: image embeddings vary across frames by "
+              f"{image_spread:.1%} of their spread, the query's state by {query_spread:.1%} "
+              "of its size")  # fmt: skip
         params = list(model.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))

@@ -13,7 +13,8 @@ query's last hidden state. Training states: any open cell of train-split mazes (
 anywhere, as after a detour); evaluation: every open cell but the goal of the 64 fixed eval
 mazes, overall and at junctions (three or more open neighbours: a choice of ways on). Each
 LAYERS trains STEPS steps of BATCH (256) states from the same seed, one after the other
-(bfloat16 autocast on cuda); WIDTH (256) sets the width, with the policy's proportions. A GPU question: on the 2-core CPU a 2-layer model takes about 2 s a step.
+(bfloat16 autocast on cuda); WIDTH (256) sets the width, with the policy's proportions,
+HEADS (4) the attention heads (2 at WIDTH=128: head_dim 64, as ``pixel_planning_probe.py``). A GPU question: on the 2-core CPU a 2-layer model takes about 2 s a step.
 
 Beside it, in the same run, a policy that does not plan (`no_plan_bounds.greedy_move`: the
 open move that most shortens the straight-line distance to the goal) on the same states.
@@ -76,15 +77,15 @@ def states(mazes: list[Maze]) -> tuple[torch.Tensor, ...]:
     )
 
 
-def model_of(layers: int, width: int = 256) -> tuple[Qwen3Model, torch.nn.Linear]:
+def model_of(layers: int, width: int = 256, heads: int = 4) -> tuple[Qwen3Model, torch.nn.Linear]:
     config = Qwen3Config(
         vocab_size=8,
         hidden_size=width,
         intermediate_size=4 * width,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=width // 4,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=width // heads,
         max_position_embeddings=128,
     )
     return Qwen3Model(config), torch.nn.Linear(width, len(DIRECTIONS))
@@ -106,9 +107,10 @@ def accuracy(model, head, ids, labels, mask=None) -> float:
 def main() -> None:
     steps, device = int(sys.argv[1]), sys.argv[2]
     width, batch = int(os.environ.get("WIDTH", 256)), int(os.environ.get("BATCH", 256))
+    heads = int(os.environ.get("HEADS", 4))
     depths = [int(a) for a in sys.argv[3:]] or [6]
     if device == "cpu":
-        torch.set_num_threads(2)
+        torch.set_num_threads(int(os.environ.get("THREADS", 2)))
     eval_rows = generate_rows("maze_2d/easy", 64, "eval")
     eval_mazes = []
     for row in eval_rows:
@@ -132,7 +134,7 @@ def main() -> None:
     for layers in depths:
         torch.manual_seed(0)
         gen = torch.Generator().manual_seed(0)
-        model, head = (m.to(device) for m in model_of(layers, width))
+        model, head = (m.to(device) for m in model_of(layers, width, heads))
         params = list(model.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
