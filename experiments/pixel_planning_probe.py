@@ -30,16 +30,15 @@ import time
 import numpy as np
 import torch
 from PIL import Image
+from planning_probe import SIZE, probe_mazes
 
-from clew.data.rows import generate_rows, split_of_layout
-from clew.envs import make
-from clew.envs.maze.generate import DIRECTIONS, Maze, generate_maze
+from clew.envs.maze.generate import DIRECTIONS, Maze
 from clew.envs.maze.render import render_background, stamp_agent
 from clew.envs.maze.solver import distances_to, next_move
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 
-SIZE, CELL = 9, 14
+CELL = 14
 
 
 def states(mazes: list[Maze]) -> list[tuple[int, tuple[int, int], int, bool]]:
@@ -104,7 +103,7 @@ def input_dependence(model, frames: Frames, picked: list) -> tuple[float, float]
     return float(image.std(0).mean() / image.std()), float(h.std(0).mean() / h.abs().mean())
 
 
-def accuracy(model, head, frames: Frames, ev: list) -> tuple[float, float, float]:
+def accuracy(model, head, frames: Frames, ev: list) -> tuple[float, float]:
     model.eval()
     right = []
     with torch.no_grad():
@@ -115,7 +114,7 @@ def accuracy(model, head, frames: Frames, ev: list) -> tuple[float, float, float
     model.train()
     right_t = torch.tensor(right, dtype=torch.float32)
     junction = torch.tensor([s[3] for s in ev])
-    return float(right_t.mean()), float(right_t[junction].mean()), 0.0
+    return float(right_t.mean()), float(right_t[junction].mean())
 
 
 def main() -> None:
@@ -126,17 +125,7 @@ def main() -> None:
     border = int(os.environ.get("BORDER", 7))
     if device == "cpu":
         torch.set_num_threads(int(os.environ.get("THREADS", 2)))
-    eval_mazes = []
-    for row in generate_rows("maze_2d/easy", 64, "eval"):
-        env = make(row.env_id, **row.options())
-        env.reset(int(row.seed))
-        eval_mazes.append(env.maze)
-    train_mazes, seed = [], 0
-    while len(train_mazes) < 20_000:
-        maze = generate_maze(SIZE, seed)
-        seed += 1
-        if split_of_layout(maze.layout_key()) == "train":
-            train_mazes.append(maze)
+    eval_mazes, train_mazes = probe_mazes()
     train, ev = states(train_mazes), states(eval_mazes)
     print(f"{len(train)} training states; eval {len(ev)} ({sum(s[3] for s in ev)} at junctions); "
           f"width {width}, {heads} heads, {layers} layers, border {border}, batch {batch}")  # fmt: skip
@@ -196,7 +185,7 @@ def main() -> None:
             opt.step()
             sched.step()
             if step % max(1, steps // 5) == 0 or step == steps:
-                all_, junction, _ = accuracy(model, head, frames_ev, ev)
+                all_, junction = accuracy(model, head, frames_ev, ev)
                 print(
                     f"theta {theta:g} step {step:5d} ({time.perf_counter() - start:6.0f} s) "
                     f"loss {loss.item():.3f} | eval all {all_:.1%} junction {junction:.1%}",

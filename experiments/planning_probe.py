@@ -104,16 +104,10 @@ def accuracy(model, head, ids, labels, mask=None) -> float:
     return float(right[mask].float().mean() if mask is not None else right.float().mean())
 
 
-def main() -> None:
-    steps, device = int(sys.argv[1]), sys.argv[2]
-    width, batch = int(os.environ.get("WIDTH", 256)), int(os.environ.get("BATCH", 256))
-    heads = int(os.environ.get("HEADS", 4))
-    depths = [int(a) for a in sys.argv[3:]] or [6]
-    if device == "cpu":
-        torch.set_num_threads(int(os.environ.get("THREADS", 2)))
-    eval_rows = generate_rows("maze_2d/easy", 64, "eval")
+def probe_mazes() -> tuple[list[Maze], list[Maze]]:
+    """The 64 fixed eval mazes of maze_2d/easy, and the first 20,000 train-split layouts."""
     eval_mazes = []
-    for row in eval_rows:
+    for row in generate_rows("maze_2d/easy", 64, "eval"):
         env = make(row.env_id, **row.options())
         env.reset(int(row.seed))
         eval_mazes.append(env.maze)
@@ -123,6 +117,17 @@ def main() -> None:
         seed += 1
         if split_of_layout(maze.layout_key()) == "train":
             train_mazes.append(maze)
+    return eval_mazes, train_mazes
+
+
+def main() -> None:
+    steps, device = int(sys.argv[1]), sys.argv[2]
+    width, batch = int(os.environ.get("WIDTH", 256)), int(os.environ.get("BATCH", 256))
+    heads = int(os.environ.get("HEADS", 4))
+    depths = [int(a) for a in sys.argv[3:]] or [6]
+    if device == "cpu":
+        torch.set_num_threads(int(os.environ.get("THREADS", 2)))
+    eval_mazes, train_mazes = probe_mazes()
     train = [t.to(device) for t in states(train_mazes)[:2]]
     ev_ids, ev_labels, ev_junction, ev_dist, ev_greedy = (t.to(device) for t in states(eval_mazes))
     far = ev_dist >= 12

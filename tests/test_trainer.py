@@ -17,38 +17,47 @@ from clew.run import train
 from clew.trainer import Trainer
 
 
-def test_grpo_raises_the_training_reward(tmp_path):
+def _tiny_run(tmp_path, rows, corpus: str, run: str, *overrides: str) -> list[dict]:
+    """Train the tiny model on ``rows`` with ``overrides``; the run's metrics, one per line."""
     model_dir = tmp_path / "tiny"
-    build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28, overwrite=True)
-    write_rows(digits_rows(64), tmp_path / "train.parquet")
+    build_model("tiny", model_dir, corpus=[corpus * 20], image_size=28, overwrite=True)
+    write_rows(rows, tmp_path / "train.parquet")
     cfg = load_config(
         None,
         [
             f"data.train_data=['{tmp_path / 'train.parquet'}']",
             f"trainer.policy.model.path={model_dir}",
             f"trainer.log_path={tmp_path / 'runs'}",
-            "trainer.run_name=digits",
+            f"trainer.run_name={run}",
             "trainer.logger=jsonl",
-            "trainer.train_batch_size=4",
-            "trainer.policy_mini_batch_size=4",
-            "trainer.micro_train_batch_size_per_gpu=32",
-            "trainer.epochs=4",
             "trainer.eval_before_train=false",
             "trainer.ckpt_interval=-1",
-            "trainer.policy.optimizer_config.lr=3.0e-3",
-            "trainer.policy.optimizer_config.weight_decay=0.0",
-            "generator.n_samples_per_prompt=8",
-            "generator.max_turns=1",
-            "generator.sampling_params.max_generate_length=6",
-            "generator.max_input_length=512",
             "trainer.max_prompt_length=128",
+            *overrides,
         ],
     )
     train(cfg)
-    history = [
-        json.loads(line)
-        for line in (tmp_path / "runs" / "digits" / "metrics.jsonl").read_text().splitlines()
-    ]
+    lines = (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_grpo_raises_the_training_reward(tmp_path):
+    history = _tiny_run(
+        tmp_path,
+        digits_rows(64),
+        "0123456789 ",
+        "digits",
+        "trainer.train_batch_size=4",
+        "trainer.policy_mini_batch_size=4",
+        "trainer.micro_train_batch_size_per_gpu=32",
+        "trainer.epochs=4",
+        "trainer.policy.optimizer_config.lr=3.0e-3",
+        "trainer.policy.optimizer_config.weight_decay=0.0",
+        "generator.n_samples_per_prompt=8",
+        "generator.max_turns=1",
+        "generator.sampling_params.max_generate_length=6",
+        "generator.max_input_length=512",
+    )
     rewards = [h["train/reward_mean"] for h in history if "train/reward_mean" in h]
     assert len(rewards) == 64
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
@@ -58,34 +67,22 @@ def test_grpo_raises_the_training_reward(tmp_path):
 
 
 def test_gigpo_updates_each_turn_with_its_own_advantage_end_to_end(tmp_path):
-    model_dir = tmp_path / "tiny"
-    build_model("tiny", model_dir, corpus=["0123456789 abc " * 20], image_size=28, overwrite=True)
-    write_rows(walk_rows(8), tmp_path / "walk.parquet")
-    cfg = load_config(
-        None,
-        [
-            f"data.train_data=['{tmp_path / 'walk.parquet'}']",
-            f"trainer.policy.model.path={model_dir}",
-            f"trainer.log_path={tmp_path / 'runs'}",
-            "trainer.run_name=gigpo",
-            "trainer.logger=jsonl",
-            "trainer.algorithm.advantage_estimator=gigpo",
-            "trainer.algorithm.gigpo.gamma=0.9",
-            "trainer.train_batch_size=2",
-            "trainer.policy_mini_batch_size=2",
-            "trainer.max_steps=3",
-            "trainer.eval_before_train=false",
-            "trainer.ckpt_interval=-1",
-            "generator.n_samples_per_prompt=4",
-            "generator.max_turns=6",
-            "generator.sampling_params.max_generate_length=1",
-            "generator.max_input_length=2048",
-            "trainer.max_prompt_length=128",
-        ],
+    history = _tiny_run(
+        tmp_path,
+        walk_rows(8),
+        "0123456789 abc ",
+        "gigpo",
+        "trainer.algorithm.advantage_estimator=gigpo",
+        "trainer.algorithm.gigpo.gamma=0.9",
+        "trainer.train_batch_size=2",
+        "trainer.policy_mini_batch_size=2",
+        "trainer.max_steps=3",
+        "generator.n_samples_per_prompt=4",
+        "generator.max_turns=6",
+        "generator.sampling_params.max_generate_length=1",
+        "generator.max_input_length=2048",
     )
-    train(cfg)
-    lines = (tmp_path / "runs" / "gigpo" / "metrics.jsonl").read_text().splitlines()
-    steps = [h for h in map(json.loads, lines) if "train/step_groups" in h]
+    steps = [h for h in history if "train/step_groups" in h]
     assert len(steps) == 3
     # The four samples of a prompt all act from cell 0 first: a step group a prompt at least.
     assert all(h["train/step_groups"] >= 2 and h["train/grouped_turn_fraction"] > 0 for h in steps)
