@@ -51,6 +51,7 @@ def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
         keep_last_k_images=g.keep_last_k_images,
         reply_prefix=g.reply_prefix,
         reply_suffix=g.reply_suffix,
+        state_keys=not evaluation and cfg.trainer.algorithm.advantage_estimator == "gigpo",
         sampling=SamplingParams(
             temperature=sp.temperature,
             top_p=sp.top_p,

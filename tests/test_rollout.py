@@ -100,7 +100,7 @@ def test_positions_of_text_and_one_image_and_a_grid_mismatch():
 
 def test_loss_mask_marks_exactly_the_sampled_tokens(policy, rows):
     model, chat = policy
-    trajs = play(InferenceEngine(model, chat), rows, _settings(), seed=1)
+    trajs = play(InferenceEngine(model, chat), rows, _settings(state_keys=True), seed=1)
     for t in trajs:
         assert len(t.token_ids) == len(t.loss_mask) == len(t.logprobs)
         generated = [tok for tok, m in zip(t.token_ids, t.loss_mask, strict=True) if m]
@@ -146,6 +146,7 @@ def test_greedy_samples_of_a_group_are_identical(policy, rows):
     settings = RolloutSettings(2, 3, 4096, SamplingParams(temperature=0.0, max_tokens=5))
     trajs = play(InferenceEngine(model, chat), rows[:1], settings, seed=0)
     assert trajs[0].token_ids == trajs[1].token_ids
+    assert trajs[0].state_keys == []  # frames are hashed only when asked (state_keys)
 
 
 class _Exploding:

@@ -45,6 +45,9 @@ class RolloutSettings:
     keep_last_k_images: int | None = None
     reply_prefix: str = ""
     reply_suffix: str = ""
+    # Record a state key per turn (Trajectory.state_keys) for per-turn credit (gigpo); off
+    # otherwise: hashing every frame costs about 0.1 ms a turn on the host.
+    state_keys: bool = False
 
 
 @dataclass
@@ -78,6 +81,10 @@ def play(
     specs = [
         (g, s, row) for g, row in enumerate(rows) for s in range(settings.n_samples_per_prompt)
     ]
+
+    def keyed(obs: Any) -> str | None:
+        return state_key(obs.images, obs.text) if settings.state_keys else None
+
     prefix = chat.encode_text(settings.reply_prefix)
     suffix = chat.encode_text(settings.reply_suffix)
     wave = engine.max_sequences(settings.max_input_length)
@@ -101,7 +108,7 @@ def play(
                     f"a reply up to {settings.sampling.max_tokens}; raise max_input_length to at "
                     f"least {len(chunk.token_ids) + settings.sampling.max_tokens}"
                 )
-            ep.traj.add_observation(chunk, obs.images, state_key(obs.images, obs.text))
+            ep.traj.add_observation(chunk, obs.images, keyed(obs))
             ep.traj.image_window = settings.keep_last_k_images
             episodes[i] = ep
             chunks[i] = chunk
@@ -166,7 +173,7 @@ def play(
                     traj.end_reason = "context_full"
                     finished.append(i)
                     continue
-                traj.add_observation(chunk, obs.images, state_key(obs.images, obs.text))
+                traj.add_observation(chunk, obs.images, keyed(obs))
                 chunks[i] = chunk
             for i in finished:
                 done.append(episodes.pop(i).traj)
