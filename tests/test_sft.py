@@ -15,7 +15,7 @@ from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.envs.maze.actions import Action, format_action, parse_action
 from clew.envs.maze.solver import shortest_actions
-from clew.errors import ClewError, ConfigError
+from clew.errors import ClewError, ConfigError, EnvError
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.train.batch import collate
@@ -89,6 +89,24 @@ def test_detours_stay_within_max_turns_and_still_end_on_the_goal(chat, rows):
             assert len(runs) == len(demo.actions) - len(demo.detour_turns)
             detours += len(demo.detour_turns)
     assert detours > 20
+
+
+def test_demonstrations_from_anywhere_start_on_other_open_cells_and_still_solve(chat, rows):
+    def moved(demos) -> int:
+        count = 0
+        for demo in demos:
+            row = next(r for r in rows if r.seed == demo.row_seed)
+            start = make(row.env_id, **row.options()).reset(row.seed).images[0]
+            assert demo.reward == 1.0 and len(demo.actions) <= row.max_turns
+            count += demo.images[0].tobytes() != start.tobytes()
+        return count
+
+    assert moved(demonstrations(rows, chat, start_anywhere=1.0)) >= len(rows) // 2
+    assert moved(demonstrations(rows, chat, detour_prob=0.5)) == 0  # the maze's own start
+    with pytest.raises(ConfigError, match=r"start_anywhere is a share in \[0, 1\], got 1.5"):
+        demonstrations(rows, chat, start_anywhere=1.5)
+    with pytest.raises(EnvError, match="is not an open cell"):
+        make(rows[0].env_id, **rows[0].options()).reset(rows[0].seed, start=(0, 0))
 
 
 def test_detour_replies_enter_the_loss_only_when_asked(chat, rows):

@@ -43,6 +43,12 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
     p.add_argument(
         "--detour-prob", type=float, default=0.0, help="share of detour turns (VisGym-style)"
     )
+    p.add_argument(
+        "--start-anywhere",
+        type=float,
+        default=0.0,
+        help="share of demonstrations that start on a random open cell, in [0, 1]",
+    )
     p.add_argument("--eval-interval", type=int, default=0)
     p.add_argument(
         "--max-minutes",
@@ -117,6 +123,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
             warmup_steps=args.warmup_steps,
             lora_rank=args.lora_rank,
             detour_prob=args.detour_prob,
+            start_anywhere=args.start_anywhere,
             keep_last_k_images=args.keep_last_k_images,
             max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
             stop_at_pass=args.stop_at_pass,

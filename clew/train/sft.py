@@ -11,7 +11,10 @@ extend. With ``detour_prob`` > 0 some turns take a wrong move on purpose (an ope
 the shortest path, or a bump into a wall) and the solver recovers from there, as VisGym
 pads its demonstrations: the policy then sees states off the optimal path and how to come
 back from them. Detour replies are in the context but out of the loss by default
-(``train_on_detours``), so the policy learns to recover without learning to stray.
+(``train_on_detours``), so the policy learns to recover without learning to stray. With
+``start_anywhere`` > 0 that share of demonstrations starts on a random open cell (one
+the budget still reaches the goal from) instead of the maze's start: the solver's move from
+every part of the maze, as the planning probes learn it (BENCHMARKS.md, "Tenth attempt").
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ def play_demonstration(
     rng: random.Random,
     detour_prob: float = 0.0,
     train_on_detours: bool = False,
+    start_anywhere: float = 0.0,
 ) -> Demonstration | None:
     """Play ``row`` with the solver; None if the optimal play does not fit its turn budget."""
     env = make(row.env_id, **row.options())
@@ -113,6 +117,14 @@ def play_demonstration(
     if env.turns_needed() > env.max_turns:
         return None
     dist = distances_to(env.maze, env.maze.goal)
+    if start_anywhere > 0 and rng.random() < start_anywhere:
+        stop_cost = 0 if env.success_on_reach else 1
+        cells = [
+            (int(r), int(c))
+            for r, c in zip(*np.nonzero(dist > 0), strict=True)
+            if dist[r, c] + stop_cost <= env.max_turns
+        ]
+        obs = env.reset(int(row.seed), start=rng.choice(cells))
     demo = Demonstration([], [], [], row_seed=int(row.seed))
     turn = 0
     while True:
@@ -144,20 +156,27 @@ def demonstrations(
     detour_prob: float = 0.0,
     seed: int = 0,
     train_on_detours: bool = False,
+    start_anywhere: float = 0.0,
 ) -> list[Demonstration]:
     """Solver episodes for ``rows`` (rows whose optimal play exceeds max_turns are skipped).
 
-    Each row's detours depend only on ``seed`` and the row's seed, not on the row order.
+    Each row's detours and start depend only on ``seed`` and the row's seed, not on the
+    row order.
     """
-    if not 0.0 <= detour_prob <= 1.0:
-        raise ConfigError(f"detour_prob must be in [0, 1], got {detour_prob}")
+    _check_shares(detour_prob, start_anywhere)
     out = []
     for row in rows:
         rng = random.Random(seed * 1_000_003 + int(row.seed))
-        demo = play_demonstration(row, chat, rng, detour_prob, train_on_detours)
+        demo = play_demonstration(row, chat, rng, detour_prob, train_on_detours, start_anywhere)
         if demo is not None:
             out.append(demo)
     return out
+
+
+def _check_shares(detour_prob: float, start_anywhere: float) -> None:
+    for name, value in (("detour_prob", detour_prob), ("start_anywhere", start_anywhere)):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{name} is a share in [0, 1], got {value}")
 
 
 def demonstration_batches(
@@ -167,12 +186,13 @@ def demonstration_batches(
     detour_prob: float = 0.0,
     seed: int = 0,
     image_window: int | None = None,
+    start_anywhere: float = 0.0,
 ) -> Iterator[list[Demonstration]]:
     """Endless batches of ``batch_size`` demonstrations of ``rows``, played when asked for.
 
     Rows are drawn without replacement, reshuffled each pass (``random.Random(seed)``).
-    Pass ``p`` (from 1) plays its detours with seed ``seed + p - 1``, so each pass sees new
-    detours; without detours every pass replays the first pass's episodes. A batch is
+    Pass ``p`` (from 1) plays its detours and starts with seed ``seed + p - 1``, so each
+    pass sees new ones; without either every pass replays the first pass's episodes. A batch is
     exactly what ``demonstrations(rows, chat, detour_prob, pass seed)`` holds for its rows,
     but only one batch lives in memory at a time: a whole dataset of played episodes
     (every frame as an image) would not fit for large datasets. A row whose optimal play
@@ -182,9 +202,8 @@ def demonstration_batches(
         raise ConfigError(f"batch_size must be positive, got {batch_size}")
     if not rows:
         raise DataError("no rows to play demonstrations of")
-    if not 0.0 <= detour_prob <= 1.0:
-        raise ConfigError(f"detour_prob must be in [0, 1], got {detour_prob}")
-    return _batches(list(rows), chat, batch_size, detour_prob, seed, image_window)
+    _check_shares(detour_prob, start_anywhere)
+    return _batches(list(rows), chat, batch_size, detour_prob, seed, image_window, start_anywhere)
 
 
 def _batches(
@@ -194,6 +213,7 @@ def _batches(
     detour_prob: float,
     seed: int,
     image_window: int | None,
+    start_anywhere: float,
 ) -> Iterator[list[Demonstration]]:
     rng = random.Random(seed)
     queue: list[MazeRow] = []
@@ -210,8 +230,11 @@ def _batches(
                 rng.shuffle(queue)
                 passes += 1
                 played = 0
-            pass_seed = seed + passes - 1 if detour_prob > 0 else seed
-            for demo in demonstrations([queue.pop()], chat, detour_prob, pass_seed):
+            pass_seed = seed + passes - 1 if detour_prob > 0 or start_anywhere > 0 else seed
+            row = [queue.pop()]
+            for demo in demonstrations(
+                row, chat, detour_prob, pass_seed, start_anywhere=start_anywhere
+            ):
                 demo.image_window = image_window
                 batch.append(demo)
                 played += 1
@@ -245,6 +268,7 @@ def run_sft(
     scheduler: str = "constant_with_warmup",
     micro_batch_size: int | None = None,
     detour_prob: float = 0.0,
+    start_anywhere: float = 0.0,
     keep_last_k_images: int | None = None,
     max_seconds: float | None = None,
     stop_at_pass: float | None = None,
@@ -279,8 +303,7 @@ def run_sft(
         raise ConfigError(f"output_dir {output_dir} is the starting model; choose another folder")
     if keep_last_k_images is not None and keep_last_k_images < 1:
         raise ConfigError(f"keep_last_k_images must be >= 1 or None, got {keep_last_k_images}")
-    if not 0.0 <= detour_prob <= 1.0:
-        raise ConfigError(f"detour_prob must be in [0, 1], got {detour_prob}")
+    _check_shares(detour_prob, start_anywhere)
     if stop_at_pass is not None and not 0.0 < stop_at_pass <= 1.0:
         raise ConfigError(f"stop_at_pass is a solve rate in (0, 1], got {stop_at_pass}")
     if stop_at_pass is not None and eval_fn is None:
@@ -305,7 +328,7 @@ def run_sft(
     if not solvable:
         raise DataError("no training row can be solved within its turn budget; nothing to imitate")
     batches = demonstration_batches(
-        solvable, chat, batch_size, detour_prob, seed, keep_last_k_images
+        solvable, chat, batch_size, detour_prob, seed, keep_last_k_images, start_anywhere
     )
     losses: list[float] = []
     evals: list[dict[str, float]] = []

@@ -106,9 +106,13 @@ class MazeEnv:
         self._background: np.ndarray | None = None
         self._dist: np.ndarray | None = None
 
-    def reset(self, seed: int) -> Observation:
+    def reset(self, seed: int, start: Cell | None = None) -> Observation:
+        """The maze of ``seed`` with the agent on its start, or on ``start`` (an open cell;
+        SFT demonstrations from anywhere use it, the env's own episodes never do)."""
         self.maze = generate_layout(self.layout, self.grid_size, int(seed))
-        self.agent = self.maze.start
+        if start is not None and not self.maze.is_open(tuple(start)):
+            raise EnvError(f"start {tuple(start)} is not an open cell of maze {seed}")
+        self.agent = self.maze.start if start is None else tuple(start)
         self.turn = 0
         self.done = False
         self._background = render_background(self.maze, self.cell_px, self.border_px)
