@@ -30,7 +30,7 @@ import time
 import numpy as np
 import torch
 from PIL import Image
-from planning_probe import SIZE, probe_mazes
+from planning_probe import SIZE, optimizer_step, probe_mazes
 
 from clew.envs.maze.generate import DIRECTIONS, Maze
 from clew.envs.maze.render import render_background, stamp_agent
@@ -179,11 +179,7 @@ def main() -> None:
             loss = torch.nn.functional.cross_entropy(
                 head(hidden(model, frames_train.batch(picked))).float(), labels
             )
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
+            optimizer_step(opt, sched, params, loss)
             if step % max(1, steps // 5) == 0 or step == steps:
                 all_, junction = accuracy(model, head, frames_ev, ev)
                 print(

@@ -104,6 +104,15 @@ def accuracy(model, head, ids, labels, mask=None) -> float:
     return float(right[mask].float().mean() if mask is not None else right.float().mean())
 
 
+def optimizer_step(opt, sched, params: list, loss: torch.Tensor) -> None:
+    """One AdamW step of the probes: gradients clipped to norm 1, then the warmup schedule."""
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    sched.step()
+
+
 def probe_mazes() -> tuple[list[Maze], list[Maze]]:
     """The 64 fixed eval mazes of maze_2d/easy, and the first 20,000 train-split layouts."""
     eval_mazes = []
@@ -149,11 +158,7 @@ def main() -> None:
             with torch.autocast("cuda", torch.bfloat16, enabled=device.startswith("cuda")):
                 h = model(input_ids=train[0][pick]).last_hidden_state[:, -1]
                 loss = torch.nn.functional.cross_entropy(head(h).float(), train[1][pick])
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
+            optimizer_step(opt, sched, params, loss)
             if step % max(1, steps // 5) == 0 or step == steps:
                 all_ = accuracy(model, head, ev_ids, ev_labels)
                 junction = accuracy(model, head, ev_ids, ev_labels, ev_junction)
