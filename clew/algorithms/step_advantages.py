@@ -21,6 +21,7 @@ bound to its DataProto batches and text anchors; this one takes plain tensors an
 hashable state key (``clew.rollout.trajectory.state_key`` hashes the observation's images).
 """
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -100,10 +101,7 @@ def step_advantages(
         }
     values = torch.cat(flat)
     result = grpo_advantages(values, anchors, norm_adv_by_std_in_grpo=norm_by_std, epsilon=epsilon)
-    counts: dict[tuple, int] = {}
-    for a in anchors:
-        counts[a] = counts.get(a, 0) + 1
-    shared = [c for c in counts.values() if c > 1]
+    shared = [c for c in Counter(anchors).values() if c > 1]
     stats = {
         "step_groups": float(len(shared)),
         "grouped_turn_fraction": sum(shared) / len(anchors),
@@ -174,18 +172,13 @@ def turn_token_advantages(turn_adv: Tensor, loss_mask: Sequence[int]) -> Tensor:
     Each maximal run of 1s in ``loss_mask`` (length ``L``) is one turn's reply, in order;
     tokens off the mask get 0. Raises when the runs do not number ``T``.
     """
-    out = torch.zeros(len(loss_mask), dtype=turn_adv.dtype)
-    turn, prev = -1, 0
-    for i, m in enumerate(loss_mask):
-        if m and not prev:
-            turn += 1
-            if turn >= turn_adv.shape[0]:
-                break
-        if m:
-            out[i] = turn_adv[turn]
-        prev = m
-    if turn + 1 != turn_adv.shape[0]:
+    mask = torch.as_tensor(list(loss_mask), dtype=torch.bool)
+    # A reply begins where the mask turns on; its turn is the number of beginnings so far.
+    begins = mask & ~torch.cat([torch.zeros(1, dtype=torch.bool), mask[:-1]])
+    replies = int(begins.sum())
+    if replies != turn_adv.shape[0]:
         raise ValueError(
-            f"the loss mask holds {turn + 1}+ replies for {turn_adv.shape[0]} turn advantages"
+            f"the loss mask holds {replies} replies for {turn_adv.shape[0]} turn advantages"
         )
-    return out
+    turn = (begins.cumsum(0) - 1).clamp_min(0)
+    return torch.where(mask, turn_adv[turn] if replies else 0.0, 0.0).to(turn_adv.dtype)

@@ -193,7 +193,8 @@ def demonstration_batches(
     Rows are drawn without replacement, reshuffled each pass (``random.Random(seed)``).
     Pass ``p`` (from 1) plays its detours and starts with seed ``seed + p - 1``, so each
     pass sees new ones; without either every pass replays the first pass's episodes. A batch is
-    exactly what ``demonstrations(rows, chat, detour_prob, pass seed)`` holds for its rows,
+    exactly what ``demonstrations(rows, chat, detour_prob, pass seed, start_anywhere=...)``
+    holds for its rows,
     but only one batch lives in memory at a time: a whole dataset of played episodes
     (every frame as an image) would not fit for large datasets. A row whose optimal play
     does not fit its turn budget is skipped.
