@@ -2,6 +2,7 @@
 
     python experiments/pixel_planning_probe.py STEPS DEVICE THETA [THETA ...]
     WIDTH=128 HEADS=2 LAYERS=6 BATCH=32 BORDER=7 python experiments/pixel_planning_probe.py 1500 cpu 5e6 100
+    WIDTH=256 HEADS=4 BATCH=256 WORKERS=6 python experiments/pixel_planning_probe.py 3000 cuda 5e6
 
 ``planning_probe.py`` showed a Qwen3 text model of the policy's size naming the solver's
 move from 81 cell tokens at 98.5% of junctions (6 layers, width 256, 3,600 GPU steps), while
@@ -53,10 +54,10 @@ def states(mazes: list[Maze]) -> list[tuple[int, tuple[int, int], int, bool]]:
 
 
 class Frames:
-    """Renders (maze, agent) states into the model's inputs, one batch at a time."""
+    """Renders (maze, agent) states into the model's inputs (on the host), one batch at a time."""
 
-    def __init__(self, chat: ChatFormat, mazes: list[Maze], border: int, device: str) -> None:
-        self.chat, self.border, self.device = chat, border, device
+    def __init__(self, chat: ChatFormat, mazes: list[Maze], border: int) -> None:
+        self.chat, self.border = chat, border
         self.backgrounds = [render_background(m, CELL, border) for m in mazes]
         side = SIZE * CELL + 2 * border
         n = (side // CELL) ** 2
@@ -69,14 +70,37 @@ class Frames:
             for m, cell, _, _ in picked
         ]
         pixel_values, grid = self.chat.encode_images(images)
-        ids = torch.tensor([self.ids] * len(picked), device=self.device)
+        ids = torch.tensor([self.ids] * len(picked))
         return {
             "input_ids": ids,
             "attention_mask": torch.ones_like(ids),
-            "pixel_values": pixel_values.to(self.device),
-            "image_grid_thw": grid.to(self.device),
+            "pixel_values": pixel_values,
+            "image_grid_thw": grid,
             "mm_token_type_ids": (ids == self.chat.image_token_id).int(),
+            "labels": torch.tensor([s[2] for s in picked]),
         }
+
+
+class TrainBatches(torch.utils.data.IterableDataset):
+    """Random training batches, rendered in DataLoader workers (WORKERS, default 0: in the
+    loop): on the H200 machine one batch of 256 frames took about 0.1 s on the host, as
+    long as the model's step, so the GPU waited half the time."""
+
+    def __init__(self, frames: Frames, train: list, batch: int, steps: int) -> None:
+        self.frames, self.train, self.batch, self.steps = frames, train, batch, steps
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        rng = np.random.default_rng(worker)
+        for _ in range(worker, self.steps, workers):
+            yield self.frames.batch(
+                [self.train[i] for i in rng.integers(len(self.train), size=self.batch)]
+            )
+
+
+def to_device(inputs: dict, device: str) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in inputs.items() if k != "labels"}
 
 
 def hidden(model, inputs: dict) -> torch.Tensor:
@@ -85,11 +109,11 @@ def hidden(model, inputs: dict) -> torch.Tensor:
         return model.model(**inputs).last_hidden_state[:, -1].float()
 
 
-def input_dependence(model, frames: Frames, picked: list) -> tuple[float, float]:
+def input_dependence(model, frames: Frames, picked: list, device: str) -> tuple[float, float]:
     """How much the frame moves the model's states: across ``picked`` states, the spread of
     the image embeddings at each position over their overall spread, and the spread of the
     query's last hidden state over its mean size (0 for a model that ignores the frame)."""
-    inputs = frames.batch(picked)
+    inputs = to_device(frames.batch(picked), device)
     seen: dict[str, torch.Tensor] = {}
 
     def keep(module, args, kwargs, out) -> None:
@@ -103,13 +127,13 @@ def input_dependence(model, frames: Frames, picked: list) -> tuple[float, float]
     return float(image.std(0).mean() / image.std()), float(h.std(0).mean() / h.abs().mean())
 
 
-def accuracy(model, head, frames: Frames, ev: list) -> tuple[float, float]:
+def accuracy(model, head, frames: Frames, ev: list, device: str) -> tuple[float, float]:
     model.eval()
     right = []
     with torch.no_grad():
         for i in range(0, len(ev), 64):
             chunk = ev[i : i + 64]
-            pred = head(hidden(model, frames.batch(chunk))).argmax(-1).cpu()
+            pred = head(hidden(model, to_device(frames.batch(chunk), device))).argmax(-1).cpu()
             right += [int(p) == s[2] for p, s in zip(pred, chunk, strict=True)]
     model.train()
     right_t = torch.tensor(right, dtype=torch.float32)
@@ -162,26 +186,32 @@ def main() -> None:
         head = torch.nn.Linear(width, len(DIRECTIONS))
         model, head = model.to(device), head.to(device)
         model.train()
-        frames_train = Frames(chat, train_mazes, border, device)
-        frames_ev = Frames(chat, eval_mazes, border, device)
-        image_spread, query_spread = input_dependence(model, frames_ev, ev[::30][:64])
+        frames_train = Frames(chat, train_mazes, border)
+        frames_ev = Frames(chat, eval_mazes, border)
+        image_spread, query_spread = input_dependence(model, frames_ev, ev[::30][:64], device)
         print(f"theta {theta:g} at initialisation: image embeddings vary across frames by "
               f"{image_spread:.1%} of their spread, the query's state by {query_spread:.1%} "
               "of its size")  # fmt: skip
         params = list(model.parameters()) + list(head.parameters())
         opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
-        rng = np.random.default_rng(0)
+        workers = int(os.environ.get("WORKERS", 0))
+        loader = torch.utils.data.DataLoader(
+            TrainBatches(frames_train, train, batch, steps),
+            batch_size=None,
+            num_workers=workers,
+            prefetch_factor=4 if workers else None,
+            pin_memory=device == "cuda",
+        )
         start = time.perf_counter()
-        for step in range(1, steps + 1):
-            picked = [train[i] for i in rng.integers(len(train), size=batch)]
-            labels = torch.tensor([s[2] for s in picked], device=device)
+        for step, inputs in enumerate(loader, start=1):
+            labels = inputs["labels"].to(device)
             loss = torch.nn.functional.cross_entropy(
-                head(hidden(model, frames_train.batch(picked))).float(), labels
+                head(hidden(model, to_device(inputs, device))).float(), labels
             )
             optimizer_step(opt, sched, params, loss)
-            if step % max(1, steps // 5) == 0 or step == steps:
-                all_, junction = accuracy(model, head, frames_ev, ev)
+            if step % max(1, steps // int(os.environ.get("EVALS", 5))) == 0 or step == steps:
+                all_, junction = accuracy(model, head, frames_ev, ev, device)
                 print(
                     f"theta {theta:g} step {step:5d} ({time.perf_counter() - start:6.0f} s) "
                     f"loss {loss.item():.3f} | eval all {all_:.1%} junction {junction:.1%}",
