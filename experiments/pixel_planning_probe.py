@@ -17,7 +17,9 @@ THETA is the language model's ``rope_theta``; each value trains one model from t
 seed. The policy's is 5e6 (Qwen3-VL's): with interleaved M-RoPE and head_dim 64 the
 image's row and column axes get 10 rotary frequencies each, of which only two or three turn
 by more than 0.1 rad a cell, so attending to "the cell beside me" is blurred over the grid;
-the text probe had 1-D RoPE with theta 1e4 and every frequency. WIDTH (128) and HEADS (2)
+the text probe had 1-D RoPE with theta 1e4 and every frequency. MEAN, STD (one value for
+the three channels) and POSITION_TABLE are ``clew init-model``'s ``--image-mean``,
+``--image-std``, ``--position-table``. WIDTH (128) and HEADS (2)
 give head_dim 64 as in the policy; LAYERS (6) as in the `small` preset.
 """
 
@@ -171,6 +173,9 @@ def main() -> None:
             patch_size=CELL,
             merge_size=1,
             text_overrides=text,
+            image_mean=[float(os.environ["MEAN"])] * 3 if "MEAN" in os.environ else None,
+            image_std=[float(os.environ["STD"])] * 3 if "STD" in os.environ else None,
+            position_table=os.environ.get("POSITION_TABLE", "sincos"),
             overwrite=True,
         )
         del built

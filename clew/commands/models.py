@@ -55,6 +55,18 @@ def parse_fields(pairs: Sequence[str], accepted: Sequence[str], flag: str) -> di
     return out
 
 
+def _three_floats(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 3:
+        raise argparse.ArgumentTypeError(
+            f"expected three numbers R,G,B (e.g. 0.83,0.83,0.83), got {text!r}"
+        )
+    return values
+
+
 @command("init-model", "build a Qwen-VL policy with random weights, offline")
 def _init_model(p: argparse.ArgumentParser) -> Handler:
     p.add_argument(
@@ -77,6 +89,20 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
             metavar="KEY=VALUE",
             help=f"replace one {part} field of the preset ({', '.join(fields)})",
         )
+    p.add_argument(
+        "--image-mean",
+        type=_three_floats,
+        default=None,
+        metavar="R,G,B",
+        help="pixel normalization mean per channel, in [0, 1] (default: the architecture's)",
+    )
+    p.add_argument("--image-std", type=_three_floats, default=None, metavar="R,G,B")
+    p.add_argument(
+        "--position-table",
+        default="sincos",
+        help="qwen3_vl vision position table at start: sincos | centered (less its mean, "
+        "0.3x: see clew.models.qwen3.init_position_table)",
+    )
     p.add_argument("--overwrite", action="store_true")
 
     def run(args: argparse.Namespace) -> int:
@@ -96,6 +122,9 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
             merge_size=args.merge_size,
             text_overrides=parse_fields(args.text, TEXT_FIELDS, "--text"),
             vision_overrides=parse_fields(args.vision, VISION_FIELDS, "--vision"),
+            image_mean=args.image_mean,
+            image_std=args.image_std,
+            position_table=args.position_table,
             overwrite=args.overwrite,
         )
         print(f"wrote {args.preset} model ({built.num_parameters:,} parameters) to {built.path}")

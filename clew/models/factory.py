@@ -71,7 +71,7 @@ from clew.models.processor import ClewVLProcessor, make_image_processor
 from clew.models.qwen3 import DEFAULT_PATCH_SIZE as QWEN3_PATCH_SIZE
 from clew.models.qwen3 import IMAGE_MEAN as QWEN3_IMAGE_MEAN
 from clew.models.qwen3 import IMAGE_STD as QWEN3_IMAGE_STD
-from clew.models.qwen3 import build_qwen3_config, init_position_table
+from clew.models.qwen3 import POSITION_TABLES, build_qwen3_config, init_position_table
 from clew.models.text_config import base_text_config
 from clew.models.tokenizer import (
     IMAGE_TOKEN,
@@ -266,6 +266,9 @@ def build_model(
     dtype: str = "float32",
     text_overrides: Mapping[str, Any] | None = None,
     vision_overrides: Mapping[str, Any] | None = None,
+    image_mean: Sequence[float] | None = None,
+    image_std: Sequence[float] | None = None,
+    position_table: str = "sincos",
     overwrite: bool = False,
 ) -> BuiltModel:
     """Build a random-weight Qwen-VL policy and save it as a Hugging Face directory.
@@ -279,7 +282,10 @@ def build_model(
     ``vision_overrides`` replace single fields of the text / vision config
     (``Qwen2VLTextConfig`` / ``Qwen2VLVisionConfig``, or their Qwen3-VL twins, e.g.
     ``num_position_embeddings`` or ``deepstack_visual_indexes``). The same arguments and
-    seed give the same weights and tokenizer.
+    seed give the same weights and tokenizer. ``image_mean`` / ``image_std`` (three values
+    each) replace the architecture's pixel normalization, as for a dataset's own statistics.
+    ``position_table`` ("sincos" or "centered", Qwen3-VL only) starts the vision position
+    table (see ``clew.models.qwen3.init_position_table``).
 
     The directory holds config.json, generation_config.json, model.safetensors, the
     tokenizer (tokenizer.json, tokenizer_config.json), chat_template.jinja,
@@ -291,6 +297,15 @@ def build_model(
         raise ConfigError(f"unknown model arch {arch!r}; accepted: {', '.join(ARCHS)}")
     if dtype not in _DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; accepted: {', '.join(_DTYPES)}")
+    for name, values in (("image_mean", image_mean), ("image_std", image_std)):
+        if values is not None and (len(values) != 3 or (name == "image_std" and min(values) <= 0)):
+            raise ConfigError(
+                f"{name} takes three per-channel values (R, G, B){', each > 0' if name == 'image_std' else ''}, got {list(values)}"
+            )
+    if position_table not in POSITION_TABLES:
+        raise ConfigError(
+            f"unknown position_table {position_table!r}; accepted: {', '.join(POSITION_TABLES)}"
+        )
     if patch_size is None:
         patch_size = _DEFAULT_PATCH_SIZE[arch]
     if patch_size < 1 or merge_size < 1:
@@ -325,13 +340,17 @@ def build_model(
         )
         model_class = Qwen2VLForConditionalGeneration
         normalize = {}
+    if image_mean is not None:
+        normalize["image_mean"] = list(image_mean)
+    if image_std is not None:
+        normalize["image_std"] = list(image_std)
 
     # fork_rng: building a model must not reseed the caller's global generator.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
     if arch == "qwen3_vl":
-        init_position_table(model)
+        init_position_table(model, centered=position_table == "centered")
     model = model.to(_DTYPES[dtype])
     model.eval()
     # Stop on <|im_end|> (end of turn) or <|endoftext|>; greedy unless the caller samples.
@@ -368,6 +387,9 @@ def build_model(
         "patch_size": patch_size,
         "merge_size": merge_size,
         "pixels_per_vision_token": factor,
+        "image_mean": list(image_processor.image_mean),
+        "image_std": list(image_processor.image_std),
+        "position_table": position_table if arch == "qwen3_vl" else None,
         "dtype": dtype,
         "transformers_version": transformers.__version__,
     }
