@@ -240,3 +240,68 @@ def test_init_model_refuses_unknown_or_inconsistent_fields(tmp_path, capsys, fla
     assert main([*args, flag, value]) != 0
     assert message in capsys.readouterr().err
     assert not (out / "config.json").exists()
+
+
+def _image_embedding_shares(path, border: int) -> tuple[float, float]:
+    """(shared-vector share, frame-varying share) of the image embeddings' energy over 16
+    maze frames (one agent cell each), as ``experiments/frame_path_trace.py`` splits them."""
+    from clew.envs.maze.generate import generate_maze
+    from clew.envs.maze.render import render_background, stamp_agent
+
+    model, processor = load_policy(path)
+    chat = ChatFormat(processor)
+    frames = []
+    for seed in range(16):
+        maze = generate_maze(7, seed)
+        background = render_background(maze, 14, border)
+        frames.append(Image.fromarray(stamp_agent(background, maze.start, 14, border)))
+    pixel_values, grid = chat.encode_images(frames)
+    with torch.no_grad():
+        out = model.model.visual(pixel_values, grid_thw=grid)
+    embeds = (out[0] if isinstance(out, tuple) else out.pooler_output).float()
+    x = embeds.reshape(len(frames), -1, embeds.shape[-1])
+    total = x.pow(2).mean()
+    return float(x.mean((0, 1)).pow(2).mean() / total), float((x - x.mean(0)).pow(2).mean() / total)
+
+
+def test_centered_positions_and_maze_statistics_let_the_frame_reach_the_language_model(tmp_path):
+    # The plain sin-cos table adds one vector to every patch (its low-frequency cosines are
+    # near 1 everywhere), and with 0.5 / 0.5 normalization white floor and gray wall are one
+    # direction at two scales: the image embeddings are mostly one shared vector.
+    plain = build_model("tiny", tmp_path / "p", arch="qwen3_vl", image_size=98, patch_size=14,
+                        merge_size=1)  # fmt: skip
+    balanced = build_model(
+        "tiny", tmp_path / "b", arch="qwen3_vl", image_size=98, patch_size=14, merge_size=1,
+        image_mean=[0.83] * 3, image_std=[0.5] * 3, position_table="centered",
+    )  # fmt: skip
+    table = balanced.model.model.visual.pos_embed.weight.detach()
+    assert table.mean(0).abs().max() < 1e-5
+    assert plain.model.model.visual.pos_embed.weight.detach().mean(0).abs().max() > 0.5
+    info = json.loads((balanced.path / "clew_build.json").read_text())
+    assert info["image_mean"] == [0.83] * 3 and info["position_table"] == "centered"
+    _, processor = load_policy(balanced.path)
+    assert list(processor.image_processor.image_mean) == [0.83] * 3
+    shared_plain, content_plain = _image_embedding_shares(plain.path, 0)
+    shared_balanced, content_balanced = _image_embedding_shares(balanced.path, 0)
+    assert shared_balanced < shared_plain
+    assert content_balanced > 2 * content_plain, (content_plain, content_balanced)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--image-mean", "0.5,0.5", "expected three numbers R,G,B"),
+        ("--image-std", "0.5,0,0.5", "each > 0"),
+        ("--position-table", "sin", "accepted: sincos, centered"),
+    ],
+)
+def test_init_model_refuses_bad_normalization_or_position_table(
+    tmp_path, capsys, flag, value, message
+):
+    from clew.cli import main
+
+    out = tmp_path / "v"
+    args = ["init-model", "--preset", "tiny", "--arch", "qwen3_vl", "--output", str(out)]
+    assert main([*args, flag, value]) != 0
+    assert message in capsys.readouterr().err
+    assert not (out / "config.json").exists()

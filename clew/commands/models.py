@@ -55,15 +55,15 @@ def parse_fields(pairs: Sequence[str], accepted: Sequence[str], flag: str) -> di
     return out
 
 
-def _three_floats(text: str) -> list[float]:
+def _three_floats(flag: str, text: str | None) -> list[float] | None:
+    if text is None:
+        return None
     try:
         values = [float(v) for v in text.split(",")]
     except ValueError:
         values = []
     if len(values) != 3:
-        raise argparse.ArgumentTypeError(
-            f"expected three numbers R,G,B (e.g. 0.83,0.83,0.83), got {text!r}"
-        )
+        raise ClewError(f"{flag} expected three numbers R,G,B (e.g. 0.83,0.83,0.83), got {text!r}")
     return values
 
 
@@ -91,12 +91,11 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
         )
     p.add_argument(
         "--image-mean",
-        type=_three_floats,
         default=None,
         metavar="R,G,B",
         help="pixel normalization mean per channel, in [0, 1] (default: the architecture's)",
     )
-    p.add_argument("--image-std", type=_three_floats, default=None, metavar="R,G,B")
+    p.add_argument("--image-std", default=None, metavar="R,G,B")
     p.add_argument(
         "--position-table",
         default="sincos",
@@ -122,8 +121,8 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
             merge_size=args.merge_size,
             text_overrides=parse_fields(args.text, TEXT_FIELDS, "--text"),
             vision_overrides=parse_fields(args.vision, VISION_FIELDS, "--vision"),
-            image_mean=args.image_mean,
-            image_std=args.image_std,
+            image_mean=_three_floats("--image-mean", args.image_mean),
+            image_std=_three_floats("--image-std", args.image_std),
             position_table=args.position_table,
             overwrite=args.overwrite,
         )
