@@ -31,6 +31,11 @@ PRESET=${PRESET:-small}
 # INIT: more `clew init-model` flags, space-separated (e.g. "--vision depth=12 --vision
 # deepstack_visual_indexes=[2,5,8]": the small preset with a 12-layer vision tower)
 INIT=${INIT:-}
+# BALANCED=1: build the policy so the frame reaches its language model (pixel statistics of
+# maze frames, a centered position table; BENCHMARKS.md, "Eleventh attempt")
+if [ "${BALANCED:-0}" = 1 ]; then
+  INIT="--image-mean 0.83,0.83,0.83 --image-std 0.5,0.5,0.5 --position-table centered $INIT"
+fi
 DEVICE=${DEVICE:-cuda}
 RESTORE=${RESTORE:-}
 PROMPTS=${PROMPTS:-24}
