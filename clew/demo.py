@@ -36,6 +36,11 @@ class DemoPlan:
     eval_rows: int = 64
     preset: str = "tiny"
     arch: str = "qwen3_vl"
+    # The base policy's pixel normalization (None: the architecture's) and vision position
+    # table at start (`clew init-model --image-mean/--image-std/--position-table`).
+    image_mean: tuple[float, float, float] | None = None
+    image_std: tuple[float, float, float] | None = None
+    position_table: str = "sincos"
     # The policy sees the current image only (generator.keep_last_k_images), in SFT and GRPO.
     keep_last_k_images: int | None = 1
     sft_steps: int = 150
@@ -98,6 +103,9 @@ def make_sft_start(out: Path, plan: DemoPlan, rows: dict[str, list]) -> Path:
         patch_size=plan.cell_px,
         merge_size=1,
         arch=plan.arch,
+        image_mean=plan.image_mean,
+        image_std=plan.image_std,
+        position_table=plan.position_table,
         overwrite=True,
     )
     _say(f"built the {plan.preset} policy ({base.num_parameters:,} parameters) at {base.path}")

@@ -27,6 +27,9 @@ for arg in sys.argv[4:]:
         extra.append(f"{key[2:]}={value}")
         continue
     default = {f.name: f.default for f in dataclasses.fields(DemoPlan)}[key]
+    if "," in value:  # image_mean=0.83,0.83,0.83
+        fields[key] = tuple(float(v) for v in value.split(","))
+        continue
     fields[key] = (
         None if value == "None" else type(default)(value) if default is not None else int(value)
     )
