@@ -293,6 +293,7 @@ def test_centered_positions_and_maze_statistics_let_the_frame_reach_the_language
         ("--image-mean", "0.5,0.5", "expected three numbers R,G,B"),
         ("--image-std", "0.5,0,0.5", "each > 0"),
         ("--position-table", "sin", "accepted: sincos, centered"),
+        ("--arch", "qwen2_vl", "needs arch qwen3_vl"),
     ],
 )
 def test_init_model_refuses_bad_normalization_or_position_table(
@@ -302,6 +303,8 @@ def test_init_model_refuses_bad_normalization_or_position_table(
 
     out = tmp_path / "v"
     args = ["init-model", "--preset", "tiny", "--arch", "qwen3_vl", "--output", str(out)]
+    if flag == "--arch":  # a later --arch wins: qwen2_vl with the Qwen3-VL-only table
+        args += ["--position-table", "centered"]
     assert main([*args, flag, value]) != 0
     assert message in capsys.readouterr().err
     assert not (out / "config.json").exists()

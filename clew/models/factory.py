@@ -297,14 +297,19 @@ def build_model(
         raise ConfigError(f"unknown model arch {arch!r}; accepted: {', '.join(ARCHS)}")
     if dtype not in _DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; accepted: {', '.join(_DTYPES)}")
-    for name, values in (("image_mean", image_mean), ("image_std", image_std)):
-        if values is not None and (len(values) != 3 or (name == "image_std" and min(values) <= 0)):
-            raise ConfigError(
-                f"{name} takes three per-channel values (R, G, B){', each > 0' if name == 'image_std' else ''}, got {list(values)}"
-            )
+    if image_mean is not None and len(image_mean) != 3:
+        raise ConfigError(f"image_mean takes three values (R, G, B), got {list(image_mean)}")
+    if image_std is not None and (len(image_std) != 3 or min(image_std) <= 0):
+        raise ConfigError(
+            f"image_std takes three values (R, G, B), each > 0, got {list(image_std)}"
+        )
     if position_table not in POSITION_TABLES:
         raise ConfigError(
             f"unknown position_table {position_table!r}; accepted: {', '.join(POSITION_TABLES)}"
+        )
+    if position_table != "sincos" and arch != "qwen3_vl":
+        raise ConfigError(
+            f"position_table {position_table!r} needs arch qwen3_vl ({arch} has no position table)"
         )
     if patch_size is None:
         patch_size = _DEFAULT_PATCH_SIZE[arch]
