@@ -85,8 +85,8 @@ class Frames:
 
 class TrainBatches(torch.utils.data.IterableDataset):
     """Random training batches, rendered in DataLoader workers (WORKERS, default 0: in the
-    loop): on the H200 machine one batch of 256 frames took about 0.1 s on the host, as
-    long as the model's step, so the GPU waited half the time."""
+    loop): one batch of 256 frames took about 0.1 s on a core of the 2-core dev machine,
+    longer than the symbolic probe's whole GPU step (0.04 s), so the GPU would wait on it."""
 
     def __init__(self, frames: Frames, train: list, batch: int, steps: int) -> None:
         self.frames, self.train, self.batch, self.steps = frames, train, batch, steps
