@@ -117,7 +117,8 @@ elif [ "$phase" = grpo ]; then
     start=$(cat "$work/grpo_start")
   elif [ -n "$RESTORE" ] && ls "$RESTORE"/policy.tgz.part-* >/dev/null 2>&1; then
     # A fresh machine: go on from the last policy that came back (a new optimizer state).
-    rm -rf "$work/runs/grpo" && unpack policy "$work" && start=$work/policy
+    rm -rf "$work/runs/grpo" "$work/restored" && mkdir -p "$work/restored"
+    unpack policy "$work/restored" && start=$work/restored/policy
   elif [ ! -d "$work/sft" ]; then
     unpack sft "$work"
   fi
@@ -159,7 +160,16 @@ elif [ "$phase" = grpo ]; then
   cat "$work/runs/grpo/metrics.jsonl" >> "$out/grpo_metrics.jsonl" || true
   last=$(ls -d "$work"/runs/grpo/exports/global_step_*/policy 2>/dev/null | sort -V | tail -1)
   if [ -n "$last" ]; then
-    rm -rf "$work/policy" && cp -r "$last" "$work/policy" && pack "$work/policy" policy
+    rm -rf "$work/policy_new"  # WORK/policy: the packed output, never a run's start
+    if [ -f "$last/adapter_config.json" ]; then
+      # A LoRA run (trainer.policy.model.lora.rank > 0) exports an adapter: merged into its
+      # base, it is a standalone policy that a fresh machine restores and trains on (a new
+      # adapter on the merged weights) and that `clew eval` plays without the base.
+      $CLEW export --model "$(cat "$work/grpo_start")" --adapter "$last" --output "$work/policy_new" --merge
+    else
+      cp -r "$last" "$work/policy_new"
+    fi
+    rm -rf "$work/policy" && mv "$work/policy_new" "$work/policy" && pack "$work/policy" policy
     # The policy that comes back is the last step trained, which the run's own evaluations
     # (every eval_interval steps) may not have seen: evaluate it as it was trained.
     $CLEW eval --model "$work/policy" --data "$work/data/eval.parquet" --output-dir "$work/final_eval" \
