@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from clew.cluster.group import LocalWorkerGroup
 from clew.data.rows import generate_rows
 from clew.errors import ClewError
 from clew.inference.engine import InferenceEngine
@@ -15,6 +16,7 @@ from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
 from clew.train import worker as worker_module
 from clew.train.batch import Sample, collate, micro_batches, target_values
+from clew.train.lora import mergeable, merged_for_rollouts
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
@@ -208,6 +210,52 @@ def test_lora_reference_is_the_base_model_with_the_adapter_off(model_dir, trajec
     off = worker.compute_logprobs(trajectories, adapter_enabled=False)
     assert max_diff(on, base) > 1e-3
     assert max_diff(off, base) < 1e-5
+
+
+def test_lora_rollouts_sample_the_merged_adapter_and_leave_the_weights_as_they_were(
+    model_dir, rows
+):
+    worker = make_worker(model_dir, lora_rank=4)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a trained adapter: B starts at zero, which would hide a lost delta
+        for name, p in worker.model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.05)
+    weights = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    assert mergeable(worker.model)
+    unmerged = rollout(worker, rows)
+    group = LocalWorkerGroup(worker, InferenceEngine(worker.model, worker.chat))
+    settings = RolloutSettings(
+        n_samples_per_prompt=2, max_turns=3, sampling=SamplingParams(temperature=1.0, max_tokens=6)
+    )
+    layer = next(m for m in worker.model.modules() if hasattr(m, "lora_A"))
+    seen: list[bool] = []
+    hook = layer.register_forward_pre_hook(lambda m, args: seen.append(m.merged))
+    merged = group.generate(rows, settings, seed=0)
+    hook.remove()
+    assert seen and all(seen)  # sampled with the adapter merged into the base layer
+    assert [t.token_ids for t in merged] == [t.token_ids for t in unmerged]
+    assert (
+        max_diff(
+            [torch.tensor(t.logprobs) for t in merged], [torch.tensor(t.logprobs) for t in unmerged]
+        )
+        < 1e-4
+    )
+    after = dict(worker.model.named_parameters())
+    assert max((after[n].detach() - w).abs().max().item() for n, w in weights.items()) < 1e-6
+    assert not any(getattr(m, "merged", False) for m in worker.model.modules())
+    # the delta reached the samples: without the adapter the same tokens score otherwise
+    on = worker.compute_logprobs(merged)
+    off = worker.compute_logprobs(merged, adapter_enabled=False)
+    assert max_diff(on, off) > 1e-2
+
+
+def test_lora_over_bfloat16_weights_is_not_merged_for_rollouts(model_dir):
+    worker = PolicyWorker.from_pretrained(model_dir, WorkerSettings(lora_rank=4), dtype="bfloat16")
+    assert not mergeable(worker.model)
+    with merged_for_rollouts(worker.model):
+        assert not any(getattr(m, "merged", False) for m in worker.model.modules())
+    assert not mergeable(make_worker(model_dir).model)  # no adapter
 
 
 def test_full_finetuning_reference_is_a_frozen_copy_of_the_initial_weights(model_dir, trajectories):

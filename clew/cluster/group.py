@@ -20,6 +20,7 @@ from clew.data.rows import MazeRow
 from clew.inference.engine import InferenceEngine
 from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
+from clew.train.lora import merged_for_rollouts
 from clew.train.worker import PPOSettings
 
 
@@ -73,7 +74,9 @@ class LocalWorkerGroup:
         self, rows: Sequence[MazeRow], settings: RolloutSettings, seed: int, progress=None
     ) -> list[Trajectory]:
         self.worker.model.eval()
-        return play(self.engine, rows, settings, seed=seed, progress=progress)
+        # A LoRA policy samples with its adapter merged: one matmul a layer, not three
+        with merged_for_rollouts(self.worker.model):
+            return play(self.engine, rows, settings, seed=seed, progress=progress)
 
     def update(
         self,
