@@ -16,7 +16,7 @@ from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
 from clew.train import worker as worker_module
 from clew.train.batch import Sample, collate, micro_batches, target_values
-from clew.train.lora import mergeable, merged_for_rollouts
+from clew.train.lora import merged_for_rollouts
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
@@ -127,6 +127,14 @@ def test_lora_trains_only_adapters_on_language_model_projections(model_dir):
     assert 0 < worker.trainable_parameters() < full.trainable_parameters() // 10
 
 
+def test_lora_on_vision_and_language_also_adapts_the_vision_tower(model_dir):
+    worker = make_worker(model_dir, lora_rank=4, lora_target_modules="vision_and_language")
+    wrapped = [n for n, m in worker.model.named_modules() if hasattr(m, "lora_A")]
+    assert any(".visual.blocks." in n for n in wrapped)
+    assert any(".language_model.layers." in n for n in wrapped)
+    assert not any(n.endswith("lm_head") for n in wrapped)
+
+
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_ppo_update_moves_logprob_in_the_direction_of_the_advantage(model_dir, trajectories, sign):
     worker = make_worker(model_dir, lr=1e-3)
@@ -222,7 +230,6 @@ def test_lora_rollouts_sample_the_merged_adapter_and_leave_the_weights_as_they_w
             if ".lora_B." in name:
                 p.normal_(0.0, 0.05)
     weights = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
-    assert mergeable(worker.model)
     unmerged = rollout(worker, rows)
     group = LocalWorkerGroup(worker, InferenceEngine(worker.model, worker.chat))
     settings = RolloutSettings(
@@ -250,12 +257,21 @@ def test_lora_rollouts_sample_the_merged_adapter_and_leave_the_weights_as_they_w
     assert max_diff(on, off) > 1e-2
 
 
-def test_lora_over_bfloat16_weights_is_not_merged_for_rollouts(model_dir):
+def test_a_bfloat16_base_comes_back_bit_for_bit_after_a_merged_rollout(model_dir):
     worker = PolicyWorker.from_pretrained(model_dir, WorkerSettings(lora_rank=4), dtype="bfloat16")
-    assert not mergeable(worker.model)
-    with merged_for_rollouts(worker.model):
-        assert not any(getattr(m, "merged", False) for m in worker.model.modules())
-    assert not mergeable(make_worker(model_dir).model)  # no adapter
+    with torch.no_grad():
+        for name, p in worker.model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.05)
+    layer = next(m for m in worker.model.modules() if hasattr(m, "lora_A"))
+    before = layer.get_base_layer().weight.detach().clone()
+    for _ in range(3):  # a round trip by subtraction would drift a little each time
+        with merged_for_rollouts(worker.model):
+            assert layer.merged and not torch.equal(layer.get_base_layer().weight, before)
+    assert not layer.merged and torch.equal(layer.get_base_layer().weight, before)
+    plain = make_worker(model_dir).model
+    with merged_for_rollouts(plain) as same:  # no adapter: nothing to merge
+        assert same is plain
 
 
 def test_full_finetuning_reference_is_a_frozen_copy_of_the_initial_weights(model_dir, trajectories):

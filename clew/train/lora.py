@@ -5,19 +5,26 @@ tower already sees into moves, and adapting the vision tower too multiplies the 
 without helping that; peft's own ``all-linear`` would also wrap the vision blocks and the
 patch merger. So clew's ``all-linear`` (the config default) means every attention and MLP
 projection of the decoder layers under ``model.language_model``, written as a peft regex
-(peft full-matches a string ``target_modules`` against module names). A list of names is
-passed to peft unchanged, for anyone who wants different modules.
+(peft full-matches a string ``target_modules`` against module names). ``vision_and_language``
+is peft's ``all-linear``: the vision blocks and mergers too, for a policy whose frame
+reading itself must change (BENCHMARKS.md, "Twelfth attempt": language-model adapters left
+the junction choices where SFT had put them). Any other string is a peft regex, and a list
+of names is passed to peft unchanged, for anyone who wants different modules.
 
 Rollouts sample from the adapter merged into its base (``merged_for_rollouts``): an
 unmerged LoRA layer runs three matmuls where a merged one runs one, and a small policy's
-decode step is bound by kernel launches, so the unmerged adapter made the GRPO generate
-phase 1.5x slower on the H200 (3.8 s against 5.7 s a step, BENCHMARKS.md "Twelfth
-attempt"; ``benchmarks/lora_rollout.py`` measures it). peft's ``merge_adapter`` /
-``unmerge_adapter`` do the arithmetic; the merge is used only over float32 base weights,
-where adding and then subtracting the adapter's delta gives the weights back to float
-rounding (about 1e-7 of each weight). Over bfloat16 weights a delta below a weight's
-rounding step would vanish from the merged copy (an early adapter would not be sampled
-at all), so there the rollout runs the adapter unmerged.
+decode step is bound by kernel launches, so with the adapter unmerged the GRPO generate
+phase took 5.7 s a step on the H200 against 3.8 s for full weights (BENCHMARKS.md "Twelfth
+attempt"; ``benchmarks/lora_rollout.py`` compares the two in one run). peft's
+``merge_adapter`` / ``unmerge_adapter`` do the arithmetic. Over float32 base weights adding
+and then subtracting the delta gives the weights back to float rounding (about 1e-7 of
+each). Over bfloat16 ones (the frozen base of a LoRA run on a GPU) it would not: each
+round trip would move the base by up to half a rounding step, and the base is also the KL
+reference, so those weights are copied before the merge and put back bit for bit after
+(memory for one copy of the adapted projections while the rollout runs). The merged
+bfloat16 weights round the delta (by at most half a step of each weight), so the rollout's
+logprobs differ from the update's by that rounding; the PPO ratio takes the rollout's as
+the behaviour policy's, as with any separate inference engine.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ def lora_targets(target_modules: str | list[str] | None) -> str | list[str]:
     """peft's ``target_modules`` for clew's setting ("all-linear"/None: the language model)."""
     if target_modules is None or target_modules in ("all-linear", "language_model"):
         return LANGUAGE_MODEL_TARGETS
+    if target_modules == "vision_and_language":
+        return "all-linear"  # peft's: every linear layer but the output projection
     return target_modules
 
 
@@ -72,28 +81,29 @@ def is_lora(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def mergeable(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is a LoRA model whose adapted base weights are all float32."""
-    if not is_lora(model):
-        return False
-    bases = [m.get_base_layer().weight for m in model.modules() if hasattr(m, "lora_A")]
-    return bool(bases) and all(w.dtype == torch.float32 for w in bases)
+def _adapted_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [m.get_base_layer().weight for m in model.modules() if hasattr(m, "lora_A")]
 
 
 @contextlib.contextmanager
 def merged_for_rollouts(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """``model`` with its adapter merged into the base weights, unmerged on the way out.
 
-    A no-op for a model without LoRA or with low-precision base weights (module docstring).
-    Sampling only: the merged layers carry no gradient to the adapter.
+    A no-op for a model without LoRA. Sampling only: the merged layers carry no gradient to
+    the adapter. Low-precision base weights come back exactly (module docstring).
     """
-    if not mergeable(model):
+    if not is_lora(model):
         yield model
         return
     with torch.no_grad():
+        weights = _adapted_weights(model)
+        saved = [w.clone() if w.dtype != torch.float32 else None for w in weights]
         model.merge_adapter()
     try:
         yield model
     finally:
         with torch.no_grad():
             model.unmerge_adapter()
+            for w, copy in zip(weights, saved, strict=True):
+                if copy is not None:
+                    w.copy_(copy)
