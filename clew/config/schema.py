@@ -239,7 +239,8 @@ class LoraConfig(Section):
     target_modules: str | list[str] = Field(
         "all-linear",
         description="Modules that get adapters: 'all-linear' (every linear layer of the "
-        "language model) or a list of module names.",
+        "language model), 'vision_and_language' (the vision tower's and mergers' too), a peft "
+        "regex over module names, or a list of module names.",
     )
     lora_sync_path: str | None = Field(
         None, description="SkyRL: directory where adapters are handed to the inference engine."
