@@ -1,45 +1,60 @@
-"""How a maze policy's failed eval episodes went, replayed from ``clew eval``'s trajectories.
+"""How a maze policy played its eval episodes, replayed from ``clew eval``'s trajectories.
 
     python experiments/failure_modes.py EVAL_DIR/trajectories.jsonl
 
-Replays each unsolved episode in its env and prints the optimal turns (moves + stop), the
-moves that did not bring the agent closer to the goal (a wall bump or a step away), how
-often it stepped back onto a cell it had already visited, its final distance to the goal,
-and whether it ever stood on the goal (and did not stop there). Then the counts by outcome.
-A reactive policy (current frame only) that takes a wrong branch and comes back takes the
-same branch again: many revisits and a far final distance point at that loop.
+Replays every episode in its env. For each unsolved one it prints the optimal turns
+(moves + stop), the moves that did not bring the agent closer to the goal (a wall bump or
+a step away), how often it stepped back onto a cell it had already visited, its final
+distance to the goal, and whether it ever stood on the goal (and did not stop there).
+Then, over all episodes, the share of turns whose move was optimal, by the agent's cell
+(corridor, junction, dead end: 2, 3+ or 1 open neighbours) and by whether the agent had
+stood there before in that episode (a wall bump leaves it where it was, so a second bump
+counts as a revisit): the policy's own-play counterpart of
+``experiments/state_accuracy.py`` (which feeds it the solver's path). A reactive policy
+(current frame only) that takes a wrong branch and comes back takes the same branch again:
+low accuracy on revisited junctions points at that loop.
 """
 
 import json
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from clew.envs import make
+from clew.envs.maze.generate import DIRECTIONS
 from clew.envs.maze.solver import distances_to
 
 rows = [json.loads(line) for line in Path(sys.argv[1]).read_text().splitlines()]
 outcomes: Counter = Counter()
+good: dict[str, list[bool]] = defaultdict(list)
 for r in rows:
+    env = make(r["env_id"], **r["env_options"])
+    env.reset(r["seed"])
+    maze = env.maze
+    dist = distances_to(maze, maze.goal)
+    optimal = int(dist[maze.start]) + 1
+    seen: Counter = Counter()
+    reached, revisits, astray = False, 0, 0
+    for action in r["actions"]:
+        here = env.agent
+        seen[here] += 1
+        before = int(dist[here])
+        _, _, done, info = env.step(action)
+        closer = info["event"] == "moved" and int(dist[env.agent]) < before
+        if here != maze.goal:
+            opened = sum(maze.is_open((here[0] + dr, here[1] + dc)) for dr, dc in DIRECTIONS)
+            kind = {1: "dead end", 2: "corridor"}.get(opened, "junction")
+            good[f"{kind}, {'first visit' if seen[here] == 1 else 'revisit'}"].append(closer)
+        if info["event"] == "wall" or (info["event"] == "moved" and not closer):
+            astray += 1
+        if info["event"] == "moved" and seen[env.agent] > 0:
+            revisits += 1
+        reached |= env.agent == maze.goal
+        if done:
+            break
     if r["success"]:
         outcomes["solved"] += 1
         continue
-    env = make(r["env_id"], **r["env_options"])
-    env.reset(r["seed"])
-    dist = distances_to(env.maze, env.maze.goal)
-    optimal = int(dist[env.maze.start]) + 1
-    visited, reached, revisits, astray = {env.agent}, False, 0, 0
-    for action in r["actions"]:
-        before = int(dist[env.agent])
-        _, _, done, info = env.step(action)
-        if info["event"] == "wall" or (info["event"] == "moved" and int(dist[env.agent]) > before):
-            astray += 1
-        if info["event"] == "moved" and env.agent in visited:
-            revisits += 1
-        visited.add(env.agent)
-        reached |= env.agent == env.maze.goal
-        if done:
-            break
     outcome = "on the goal, no stop" if reached else "never reached the goal"
     outcomes[outcome] += 1
     print(
@@ -47,3 +62,7 @@ for r in rows:
         f"revisits {revisits:2d}, final distance {int(dist[env.agent]):2d}, {outcome}"
     )
 print(", ".join(f"{k}: {v}" for k, v in outcomes.most_common()))
+print("optimal moves in the policy's own play:")
+for key in sorted(good):
+    v = good[key]
+    print(f"  {key:24s} {sum(v) / len(v):6.1%} of {len(v)} turns")
