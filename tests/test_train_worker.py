@@ -220,15 +220,21 @@ def test_lora_reference_is_the_base_model_with_the_adapter_off(model_dir, trajec
     assert max_diff(off, base) < 1e-5
 
 
+def train_adapter(worker: PolicyWorker) -> None:
+    """Give the adapter weights a trained one might have: B starts at zero, which would hide
+    a delta lost on the way to the samples."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in worker.model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0.0, 0.05)
+
+
 def test_lora_rollouts_sample_the_merged_adapter_and_leave_the_weights_as_they_were(
     model_dir, rows
 ):
     worker = make_worker(model_dir, lora_rank=4)
-    torch.manual_seed(0)
-    with torch.no_grad():  # a trained adapter: B starts at zero, which would hide a lost delta
-        for name, p in worker.model.named_parameters():
-            if ".lora_B." in name:
-                p.normal_(0.0, 0.05)
+    train_adapter(worker)
     weights = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
     unmerged = rollout(worker, rows)
     group = LocalWorkerGroup(worker, InferenceEngine(worker.model, worker.chat))
@@ -259,10 +265,7 @@ def test_lora_rollouts_sample_the_merged_adapter_and_leave_the_weights_as_they_w
 
 def test_a_bfloat16_base_comes_back_bit_for_bit_after_a_merged_rollout(model_dir):
     worker = PolicyWorker.from_pretrained(model_dir, WorkerSettings(lora_rank=4), dtype="bfloat16")
-    with torch.no_grad():
-        for name, p in worker.model.named_parameters():
-            if ".lora_B." in name:
-                p.normal_(0.0, 0.05)
+    train_adapter(worker)
     layer = next(m for m in worker.model.modules() if hasattr(m, "lora_A"))
     before = layer.get_base_layer().weight.detach().clone()
     for _ in range(3):  # a round trip by subtraction would drift a little each time
