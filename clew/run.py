@@ -29,6 +29,8 @@ def run_dir_of(cfg: ClewConfig) -> Path:
 def optimizer_steps(cfg: ClewConfig, num_rows: int) -> int:
     t = cfg.trainer
     steps = (num_rows // t.train_batch_size) * t.epochs
+    if t.max_steps >= 0:  # the run ends there, so a decaying schedule must reach its end there
+        steps = min(steps, t.max_steps)
     return max(
         1, steps * (t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
     )

@@ -348,3 +348,13 @@ def test_a_forced_reply_format_reaches_the_rollout_settings() -> None:
         assert (s.reply_prefix, s.reply_suffix) == ("<action>", "</action>")
     plain = rollout_settings(load_config(None, []), False)
     assert (plain.reply_prefix, plain.reply_suffix) == ("", "")
+
+
+def test_schedule_length_ends_at_max_steps_when_the_run_does() -> None:
+    from clew.run import optimizer_steps
+
+    base = ["trainer.train_batch_size=8", "trainer.policy_mini_batch_size=4", "trainer.epochs=2"]
+    # 2048 rows / 8 prompts = 256 steps an epoch; two optimizer steps a batch.
+    assert optimizer_steps(load_config(None, base), 2048) == 2 * 256 * 2
+    capped = load_config(None, [*base, "trainer.max_steps=60"])
+    assert optimizer_steps(capped, 2048) == 60 * 2
