@@ -48,6 +48,10 @@ DETOUR=${DETOUR:-0.0}  # share of detour turns in SFT demonstrations (wrong move
 START_ANYWHERE=${START_ANYWHERE:-0.0}  # share of SFT demonstrations starting on a random open cell
 SFT_EVAL_INTERVAL=${SFT_EVAL_INTERVAL:-100}
 SFT_STOP_AT=${SFT_STOP_AT:-}  # clew sft --stop-at-pass: end SFT at the first eval reaching it
+# SFT_PICK="LOW HIGH": save the policy at every evaluation (clew sft --save-interval) and make
+# the GRPO start the latest one whose eval pass@1 lies in [LOW, HIGH] (the final one kept as
+# WORK/sft_final); SFT_PICK.txt in OUT says which step was taken.
+SFT_PICK=${SFT_PICK:-}
 PACK_BF16=${PACK_BF16:-0}  # 1: checkpoints come back with bfloat16 weights (half the parts)
 # Tokens a reply may take: a keyword action is 4 (<action>, the word, </action>, <|im_end|>).
 # Every decode step runs the whole batch, so one row rambling to 8 tokens doubled a turn's
@@ -81,6 +85,24 @@ pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
 unpack() { # unpack NAME DEST_PARENT: restore from RESTORE/NAME.tgz.part-*
   cat "$RESTORE/$1".tgz.part-* | tar xzf - -C "$2"
 }
+pick() { # pick METRICS_NAME: with SFT_PICK, WORK/sft becomes the latest saved step in the band
+  [ -n "$SFT_PICK" ] || return 0
+  local step
+  rm -rf "$work/sft_steps" && mkdir -p "$work/sft_steps"
+  mv "$work"/sft/step_* "$work/sft_steps/" 2>/dev/null || true
+  step=$($PYTHON - "$out/$1_metrics.jsonl" $SFT_PICK <<'PY'
+import json, sys
+low, high = float(sys.argv[2]), float(sys.argv[3])
+evals = [json.loads(line) for line in open(sys.argv[1])]
+band = [e["step"] for e in evals if low <= e.get("eval/all/pass_at_1", -1) <= high]
+print(band[-1] if band else "")
+PY
+)
+  if [ -z "$step" ]; then echo "no evaluation in [$SFT_PICK]; the start is the final SFT policy" | tee "$out/SFT_PICK.txt"; return 0; fi
+  echo "GRPO start: SFT step $step (band $SFT_PICK)" | tee "$out/SFT_PICK.txt"
+  [ -d "$work/sft_steps/step_$step" ] || { echo "step $step is the final policy" >> "$out/SFT_PICK.txt"; return 0; }
+  rm -rf "$work/sft_final" && mv "$work/sft" "$work/sft_final" && mv "$work/sft_steps/step_$step" "$work/sft"
+}
 data() {
   [ -f "$work/data/train.parquet" ] && return
   $CLEW dataset "${opts[@]}" --split train --num-rows "$TRAIN_ROWS" --output-dir "$work/data"
@@ -96,8 +118,8 @@ if [ "$phase" = sft ]; then
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
     --warmup-steps 50 --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" \
     --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
-    --metrics "$out/sft_metrics.jsonl"
-  pack "$work/sft" sft
+    ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} --metrics "$out/sft_metrics.jsonl"
+  pick sft && pack "$work/sft" sft
 elif [ "$phase" = sft_more ]; then
   # More SFT from WORK/sft (restored if the machine is fresh), for SFT_MINUTES more.
   data
@@ -106,8 +128,8 @@ elif [ "$phase" = sft_more ]; then
     --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
     --warmup-steps "${SFT_MORE_WARMUP:-20}" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
-    --metrics "$out/sft_more_metrics.jsonl"
-  rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pack "$work/sft" sft
+    ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} --metrics "$out/sft_more_metrics.jsonl"
+  rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pick sft_more && pack "$work/sft" sft
 elif [ "$phase" = grpo ]; then
   data
   start=$work/sft

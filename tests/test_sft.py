@@ -307,6 +307,21 @@ def test_sft_stops_at_the_first_evaluation_that_reaches_the_target_pass_rate(
         run_sft(model_dir, rows, tmp_path / "y", steps=1, batch_size=1, lr=1e-3, stop_at_pass=0.5)
 
 
+def test_sft_saves_a_policy_every_save_interval_steps_besides_the_final_one(
+    model_dir, rows, tmp_path
+):
+    out = tmp_path / "curve"
+    run_sft(model_dir, rows, out, steps=5, batch_size=1, lr=3e-3, save_interval=2)
+    assert sorted(p.name for p in out.glob("step_*")) == ["step_2", "step_4"]
+    early, final = load_policy(out / "step_2")[0], load_policy(out)[0]
+    differ = [
+        not torch.equal(a, b) for a, b in zip(early.parameters(), final.parameters(), strict=True)
+    ]
+    assert any(differ)  # a snapshot of step 2, not a copy of the final weights
+    with pytest.raises(ConfigError, match="save_interval"):
+        run_sft(model_dir, rows, tmp_path / "z", steps=1, batch_size=1, lr=1e-3, save_interval=-1)
+
+
 def test_sigterm_ends_sft_at_that_step_evaluated_and_saved(model_dir, rows, tmp_path):
     seen: list[int] = []
 

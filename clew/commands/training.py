@@ -62,6 +62,12 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         default=None,
         help="stop (and save) at the first evaluation whose pass@1 reaches this, in (0, 1]",
     )
+    p.add_argument(
+        "--save-interval",
+        type=int,
+        default=0,
+        help="also save the policy every N steps to OUTPUT/step_N (0: only the final one)",
+    )
     p.add_argument("--metrics", help="append one JSON line of metrics per step to this file")
     p.add_argument(
         "--keep-last-k-images",
@@ -133,6 +139,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
             autocast_bf16=autocast,
             eval_fn=eval_fn,
             eval_interval=args.eval_interval,
+            save_interval=args.save_interval,
             log=log,
         )
         print(

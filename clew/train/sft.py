@@ -279,6 +279,7 @@ def run_sft(
     device: str = "cpu",
     eval_fn: EvalFn | None = None,
     eval_interval: int = 0,
+    save_interval: int = 0,
     log: LogFn | None = None,
 ) -> SFTResult:
     """Train on solver demonstrations of ``train_rows`` and save a loadable policy directory.
@@ -295,7 +296,9 @@ def run_sft(
     (``clew.stopping``) at the step it arrives in. ``stop_at_pass`` ends it (saved) at the
     first evaluation whose ``eval/all/pass_at_1`` reaches it: an SFT start meant to lie in a
     band of solve rates stops in it rather than past it. ``dtype`` and ``autocast_bf16`` are the
-    weights' dtype and bfloat16 compute (``clew.models.precision``).
+    weights' dtype and bfloat16 compute (``clew.models.precision``). ``save_interval`` also
+    saves the policy every that many steps to ``output_dir/step_N`` (as HF's ``save_steps``),
+    so a start of a chosen strength can be taken from along the curve.
     """
     if steps < 1 or batch_size < 1:
         raise ConfigError(f"steps and batch_size must be positive, got {steps} and {batch_size}")
@@ -307,6 +310,10 @@ def run_sft(
     _check_shares(detour_prob, start_anywhere)
     if stop_at_pass is not None and not 0.0 < stop_at_pass <= 1.0:
         raise ConfigError(f"stop_at_pass is a solve rate in (0, 1], got {stop_at_pass}")
+    if save_interval < 0:
+        raise ConfigError(
+            f"save_interval is a number of steps >= 0 (0: never), got {save_interval}"
+        )
     if stop_at_pass is not None and eval_fn is None:
         raise ConfigError("stop_at_pass needs an evaluation: give eval data (--eval-data)")
     torch.manual_seed(seed)
@@ -363,6 +370,9 @@ def run_sft(
                     last = last or metrics.get("eval/all/pass_at_1", 0.0) >= stop_at_pass
             if log is not None:
                 log(step, stats)
+            if save_interval and step % save_interval == 0 and not last:
+                worker.save_pretrained(output_dir / f"step_{step}", merged=True)
+                chat.processor.save_pretrained(output_dir / f"step_{step}")
             if last or dropped >= MAX_DROPPED_STEPS:
                 break
     worker.save_pretrained(output_dir, merged=True)
