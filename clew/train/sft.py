@@ -252,6 +252,12 @@ class SFTResult:
     num_demonstrations: int
 
 
+def _save(worker: PolicyWorker, directory: Path) -> None:
+    """A loadable policy directory: full weights (LoRA merged in) and the processor."""
+    worker.save_pretrained(directory, merged=True)
+    worker.chat.processor.save_pretrained(directory)
+
+
 def run_sft(
     model_dir: str | Path,
     train_rows: Sequence[MazeRow],
@@ -371,12 +377,10 @@ def run_sft(
             if log is not None:
                 log(step, stats)
             if save_interval and step % save_interval == 0 and not last:
-                worker.save_pretrained(output_dir / f"step_{step}", merged=True)
-                chat.processor.save_pretrained(output_dir / f"step_{step}")
+                _save(worker, output_dir / f"step_{step}")
             if last or dropped >= MAX_DROPPED_STEPS:
                 break
-    worker.save_pretrained(output_dir, merged=True)
-    chat.processor.save_pretrained(output_dir)
+    _save(worker, output_dir)
     if dropped >= MAX_DROPPED_STEPS:
         raise ClewError(
             f"the gradient was NaN or infinite at SFT steps {step - dropped + 1}-{step}, so "
