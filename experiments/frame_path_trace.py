@@ -1,8 +1,8 @@
 """Where the frame's information goes in an untrained Qwen3-VL policy (CPU, a minute).
 
-    python experiments/frame_path_trace.py [BORDER] [--image-mean M] [--image-std S] [--position-table T]
+    python experiments/frame_path_trace.py [BORDER] [--image-mean M] [--image-std S] [--position-table T] [--preset P]
 
-Builds the `small` policy (``clew init-model`` with the given flags), feeds it 64 frames of
+Builds the `small` policy (or ``--preset``) (``clew init-model`` with the given flags), feeds it 64 frames of
 the fixed eval mazes (one agent cell each, the planning probes' states) and, at each stage
 of the vision tower up to the image embeddings the language model receives, splits the
 activations' energy into three shares: one vector shared by every patch of every frame
@@ -31,12 +31,13 @@ def main() -> None:
     ap.add_argument("--image-mean", type=float)
     ap.add_argument("--image-std", type=float)
     ap.add_argument("--position-table", default="sincos")
+    ap.add_argument("--preset", default="small")
     args = ap.parse_args()
     eval_mazes, _ = probe_mazes()
     picked = states(eval_mazes)[::30][:64]
     folder = tempfile.mkdtemp(prefix="trace")
     build_model(
-        "small",
+        args.preset,
         folder,
         arch="qwen3_vl",
         image_size=SIZE * CELL + 2 * args.border,
