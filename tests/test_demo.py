@@ -29,8 +29,10 @@ def test_demo_runs_sft_then_grpo_and_reports_both_eval_figures(tmp_path: Path) -
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     run_dir = tmp_path / "runs" / "grpo"
     config = (run_dir / "config.yaml").read_text()
-    # The plan reaches the run: the image window, the mini-batch and the sampling temperature.
+    # The plan reaches the run: the image window, the mini-batch, the sampling temperature
+    # and the learning-rate schedule.
     assert "keep_last_k_images: 1" in config
+    assert "scheduler: cosine" in config
     assert "policy_mini_batch_size: 2" in config
     assert "temperature: 0.7" in config
     assert (run_dir / "report.png").stat().st_size > 0
