@@ -1,6 +1,6 @@
 """Eval pass@1 of the GPU `easy` run against step and device wall time: SFT, then GRPO.
 
-    python experiments/plot_easy.py [RESULTS_DIR ...] [OUT_PNG]
+    python experiments/plot_easy.py [RESULTS_DIR | METRICS_JSONL ...] [OUT_PNG]
 
 Each RESULTS_DIR (default docs/results/easy-h200) holds the metrics that
 `experiments/gpu_easy.sh` wrote, named by phase order: ``1_sft_metrics.jsonl``,
@@ -11,7 +11,9 @@ sessions); setup, data and packing between calls are left out. A GRPO call went 
 the last policy the previous call exported (the step before a row with ``timing/export``:
 an export's time is logged with the next step; the last step if the call's log beside
 the metrics, ``N_grpo.log``, does not say it was interrupted), so the steps that call ran
-past its export are left out too.
+past its export are left out too. A metrics file named instead of a folder is taken as it
+is, in the order given (SFT unless "grpo" is in its name), so one chain can be drawn from
+the files of several sessions.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ KEY = "eval/all/pass_at_1"
 def curves(*folders: Path) -> list[tuple[str, list[int], list[float], list[float]]]:
     out = []
     step0 = time0 = 0.0
-    paths = [p for folder in folders for p in sorted(folder.glob("*_metrics.jsonl"))]
+    paths = [p for f in folders for p in ([f] if f.is_file() else sorted(f.glob("*_metrics.jsonl")))]
     for path in paths:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         grpo = "grpo" in path.name
@@ -61,7 +63,7 @@ def main() -> None:
     args = [Path(a) for a in sys.argv[1:]]
     target = args.pop() if args and args[-1].suffix == ".png" else None
     folders = args or [Path("docs/results/easy-h200")]
-    target = target or folders[-1] / "curve.png"
+    target = target or (folders[-1].parent if folders[-1].is_file() else folders[-1]) / "curve.png"
     fig = Figure(figsize=(10, 4))
     FigureCanvasAgg(fig)
     by_step, by_time = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
