@@ -31,7 +31,9 @@ KEY = "eval/all/pass_at_1"
 def curves(*folders: Path) -> list[tuple[str, list[int], list[float], list[float]]]:
     out = []
     step0 = time0 = 0.0
-    paths = [p for f in folders for p in ([f] if f.is_file() else sorted(f.glob("*_metrics.jsonl")))]
+    paths = [
+        p for f in folders for p in ([f] if f.is_file() else sorted(f.glob("*_metrics.jsonl")))
+    ]
     for path in paths:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         grpo = "grpo" in path.name
