@@ -47,6 +47,8 @@ SFT_MICRO=${SFT_MICRO:-}  # demonstrations per forward (the deep preset's 64 at 
 DETOUR=${DETOUR:-0.0}  # share of detour turns in SFT demonstrations (wrong moves, wall bumps)
 START_ANYWHERE=${START_ANYWHERE:-0.0}  # share of SFT demonstrations starting on a random open cell
 SFT_EVAL_INTERVAL=${SFT_EVAL_INTERVAL:-100}
+# SFT_LR (1e-3) and SFT_WARMUP (50 steps): the `deep` preset's SFT at the small preset's values
+# hardly left 0% in 224 steps (BENCHMARKS.md, "Fourteenth attempt")
 SFT_STOP_AT=${SFT_STOP_AT:-}  # clew sft --stop-at-pass: end SFT at the first eval reaching it
 # SFT_PICK="LOW HIGH": save the policy at every evaluation (clew sft --save-interval) and make
 # the GRPO start the latest one whose eval pass@1 lies in [LOW, HIGH] (the final one kept as
@@ -116,7 +118,7 @@ if [ "$phase" = sft ]; then
   $CLEW sft --model "$work/base" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
-    --warmup-steps 50 --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" \
+    --warmup-steps "${SFT_WARMUP:-50}" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" \
     --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} --metrics "$out/sft_metrics.jsonl"
   pick sft && pack "$work/sft" sft
