@@ -24,6 +24,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from clew.data.rows import dataset_stats, format_stats, generate_rows, write_rows
 
@@ -57,7 +58,7 @@ class DemoPlan:
     # The learning rate decays along a cosine to zero at the last step, so the last steps
     # move the policy least: 2 of 4 seeds kept a 15-point gain to the end, against 1 of 4
     # at a constant rate (BENCHMARKS.md, "The CPU main job").
-    grpo_scheduler: str = "cosine"
+    grpo_scheduler: Literal["constant_with_warmup", "cosine", "linear"] = "cosine"
     # Sampling temperature of GRPO's rollouts (the seed's 0.7); evaluation is greedy.
     grpo_temperature: float = 0.7
     loss_reduction: str = "sequence_mean"
