@@ -27,7 +27,13 @@ from clew.errors import ClewError
 from clew.evaluation import dump_eval, eval_metrics
 from clew.inference.sampling import SamplingParams
 from clew.metrics import MetricsCollector
-from clew.rollout.filtering import batches_needed, spread_groups, spread_per_batch, take_groups
+from clew.rollout.filtering import (
+    batches_needed,
+    learning_rewards,
+    spread_groups,
+    spread_per_batch,
+    take_groups,
+)
 from clew.rollout.loop import RolloutSettings, rollout_metrics
 from clew.stopping import GracefulStop
 from clew.train.optim import MAX_DROPPED_STEPS
@@ -168,6 +174,7 @@ class Trainer:
         """
         ds = self.cfg.trainer.algorithm.dynamic_sampling
         want, limit = self.cfg.trainer.train_batch_size, ds.max_sample_batches
+        discount = self.cfg.trainer.algorithm.turn_discount
         more = more if more is not None else iter(())
         with self.metrics.timer("generate"):
             if ds.type != "filter":
@@ -181,12 +188,12 @@ class Trainer:
             while drawn < self.state.sample_batches and (extra := draw()) is not None:
                 first, drawn = first + list(extra), drawn + 1
             played = self.group.generate(first, self.train_settings, seed=self._seed(step))
-            groups = spread_groups(played)
+            groups = spread_groups(played, discount)
             counts = spread_per_batch(groups, drawn, len(rows))
             while len(groups) < want and (extra := draw()) is not None:
                 seed = self._seed(step) + 1_000_000_007 * drawn
                 batch = self.group.generate(extra, self.train_settings, seed=seed)
-                found = spread_groups(batch)
+                found = spread_groups(batch, discount)
                 played, groups, drawn = played + batch, groups + found, drawn + 1
                 counts.append(len(found))
             self.state.sample_batches = batches_needed(counts, want)
@@ -199,10 +206,11 @@ class Trainer:
         return take_groups(groups, want), played
 
     def score(self, trajs: Sequence, played: Sequence) -> torch.Tensor:
-        """Rewards of ``trajs`` (what the update learns from); rollout metrics of ``played``."""
+        """Rewards of ``trajs`` (what the update learns from, after ``turn_discount``);
+        rollout metrics of ``played`` (the env's rewards)."""
         with self.metrics.timer("score"):
             self.metrics.add_many(rollout_metrics(played, "train"))
-            return torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+            return learning_rewards(trajs, self.cfg.trainer.algorithm.turn_discount)
 
     def advantages(
         self, trajs: Sequence, rewards: torch.Tensor

@@ -23,6 +23,7 @@ from clew.algorithms import (
     register_advantage_estimator,
     rloo_advantages,
     token_advantages,
+    turn_discounted_rewards,
 )
 
 EPS = 1e-6
@@ -95,6 +96,32 @@ def test_singleton_group_is_zero_spread():
     a = 0.5 / (math.sqrt(0.5) + EPS)
     close(res.advantages, [0.0, -a, a])
     assert res.zero_spread_groups == 1 and res.keep.tolist() == [False, True, True]
+
+
+def test_turn_discount_by_hand_ranks_shorter_solves_in_a_group_that_all_solved():
+    rewards, turns = t(1.0, 1.0, 0.0, 1.0), torch.tensor([1, 3, 5, 11])
+    close(turn_discounted_rewards(rewards, turns, 0.9), [1.0, 0.81, 0.0, 0.9**10], atol=1e-6)
+    assert turn_discounted_rewards(rewards, turns, 1.0) is rewards
+    # Every sample solved: plain GRPO sees no spread, the discounted rewards do.
+    group = [0, 0, 0]
+    solved, taken = t(1.0, 1.0, 1.0), torch.tensor([13, 13, 17])
+    assert grpo_advantages(solved, group).zero_spread_groups == 1
+    adv = grpo_advantages(turn_discounted_rewards(solved, taken, 0.97), group)
+    assert adv.zero_spread_groups == 0
+    assert adv.advantages[0] == adv.advantages[1] > 0 > adv.advantages[2]
+
+
+@pytest.mark.parametrize("discount", [0.0, -0.5, 1.5])
+def test_turn_discount_outside_zero_one_is_rejected(discount):
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        turn_discounted_rewards(t(1.0, 0.0), torch.tensor([2, 3]), discount)
+
+
+def test_turn_discount_needs_one_turn_count_per_reward_of_at_least_one():
+    with pytest.raises(ValueError, match="must match"):
+        turn_discounted_rewards(t(1.0, 0.0), torch.tensor([2]), 0.9)
+    with pytest.raises(ValueError, match="at least one turn"):
+        turn_discounted_rewards(t(1.0, 0.0), torch.tensor([0, 3]), 0.9)
 
 
 def test_rloo_leave_one_out_by_hand():

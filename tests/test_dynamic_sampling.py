@@ -14,9 +14,9 @@ from clew.rollout.trajectory import Trajectory
 from clew.trainer import Trainer
 
 
-def _traj(group: int, sample: int, reward: float) -> Trajectory:
+def _traj(group: int, sample: int, reward: float, turns: int = 1) -> Trajectory:
     t = Trajectory("maze_2d/small", {}, 0, group, sample)
-    t.reward = reward
+    t.reward, t.turns = reward, turns
     return t
 
 
@@ -33,6 +33,12 @@ def test_groups_whose_rewards_all_agree_are_dropped_and_the_rest_renumbered():
     batch = take_groups(spread_groups(trajs), 5)
     assert [(t.group_id, t.sample_index) for t in batch] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert spread_groups([]) == []
+
+
+def test_with_a_turn_discount_a_group_that_all_solved_in_different_turns_has_spread():
+    trajs = [_traj(0, 0, 1.0, 9), _traj(0, 1, 1.0, 13), _traj(1, 0, 1.0, 9), _traj(1, 1, 1.0, 9)]
+    assert spread_groups(trajs) == []
+    assert [[t.sample_index for t in g] for g in spread_groups(trajs, 0.95)] == [[0, 1]]
 
 
 class _Group:
@@ -154,3 +160,48 @@ def test_without_the_filter_every_group_is_updated_on(tmp_path):
 def test_an_unknown_dynamic_sampling_type_names_the_accepted_one():
     with pytest.raises(ConfigError, match="filter"):
         load_config(None, ["trainer.algorithm.dynamic_sampling.type=replace"])
+
+
+class _SolvingGroup(_Group):
+    """Every sample solves; sample s takes 5 + 4 s turns. Records the update's advantages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.advantages: list = []
+
+    def generate(self, rows, settings, seed):
+        out = super().generate(rows, settings, seed)
+        for t in out:
+            t.reward, t.turns = 1.0, 5 + 4 * t.sample_index
+        return out
+
+    def update(self, trajs, advantages, cfg):
+        self.advantages.append(advantages)
+        return super().update(trajs, advantages, cfg)
+
+
+def test_the_update_learns_from_turn_discounted_rewards_while_metrics_keep_the_envs(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "trainer.train_batch_size=2",
+            "trainer.policy_mini_batch_size=2",
+            "trainer.micro_train_batch_size_per_gpu=2",
+            "trainer.micro_forward_batch_size_per_gpu=2",
+            "generator.n_samples_per_prompt=2",
+            "trainer.eval_before_train=false",
+            "trainer.max_steps=1",
+            "trainer.algorithm.turn_discount=0.9",
+        ],
+    )
+    group, loggers = _SolvingGroup(), _Loggers()
+    Trainer(cfg, group, generate_rows("maze_2d/small", 8, "train"), [], loggers, tmp_path).fit()
+    (adv,) = group.advantages
+    assert adv.tolist() == pytest.approx([0.7071, -0.7071, 0.7071, -0.7071], abs=1e-3)
+    step = next(m for m in loggers.logged if "train/solve_rate" in m)
+    assert step["train/solve_rate"] == 1.0 and step["train/zero_spread_groups"] == 0.0
+
+
+def test_a_turn_discount_outside_zero_one_names_the_range():
+    with pytest.raises(ConfigError, match="turn_discount"):
+        load_config(None, ["trainer.algorithm.turn_discount=1.5"])

@@ -15,6 +15,7 @@ from clew.algorithms.advantages import (
     register_advantage_estimator,
     rloo_advantages,
     token_advantages,
+    turn_discounted_rewards,
 )
 from clew.algorithms.kl import (
     KL_ESTIMATORS,
@@ -75,5 +76,6 @@ __all__ = [
     "rloo_advantages",
     "step_advantages",
     "token_advantages",
+    "turn_discounted_rewards",
     "turn_token_advantages",
 ]

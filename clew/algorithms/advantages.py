@@ -13,6 +13,11 @@ token-mean losses. Estimators count such groups (a key training metric: it rises
 saturates) and, with ``drop_zero_spread=True``, mark them in ``keep`` so the caller can drop
 them (DAPO's dynamic sampling). Single-sample groups are zero-spread by this definition.
 
+An episode's reward says whether it solved the maze, not how directly: with
+:func:`turn_discounted_rewards` a solve counts for less the more turns it took, so a group
+in which every sample solved still ranks its samples (the shorter ones took fewer wrong
+turns) instead of having zero spread.
+
 Names follow SkyRL's ``trainer.algorithm.advantage_estimator``. Add one with
 ``@register_advantage_estimator("name")``; it takes ``(rewards, group_ids, *,
 drop_zero_spread=False, **config)`` and returns an :class:`AdvantageResult`.
@@ -112,6 +117,29 @@ def group_rewards(rewards: Tensor, group_ids: GroupIds) -> Groups:
     hi = hi.scatter_reduce(0, index, r, reduce="amax", include_self=True)
     lo = lo.scatter_reduce(0, index, r, reduce="amin", include_self=True)
     return Groups(index=index, size=size, zero_spread=hi == lo)
+
+
+def turn_discounted_rewards(rewards: Tensor, turns: Tensor, discount: float) -> Tensor:
+    """Each episode's reward times ``discount ** (turns - 1)`` (a one-turn episode keeps it).
+
+    ``rewards: Float[N]``, ``turns``: ``Long[N]`` (or float) turns each episode took, each at
+    least 1; ``discount`` in (0, 1], where 1 returns ``rewards`` unchanged. A sparse 0/1
+    reward becomes the discounted return of the episode's first turn, as in the discounted
+    returns of ``step_advantages``; failures stay 0, so failing sooner earns nothing.
+    """
+    if not 0.0 < discount <= 1.0:
+        raise ValueError(f"discount must be in (0, 1], got {discount}")
+    if rewards.dim() != 1 or turns.shape != rewards.shape:
+        raise ValueError(
+            f"rewards [N] and turns [N] must match, got {tuple(rewards.shape)} and "
+            f"{tuple(turns.shape)}"
+        )
+    if discount == 1.0:
+        return rewards
+    if len(turns) and int(turns.min()) < 1:
+        raise ValueError(f"every episode takes at least one turn, got {int(turns.min())}")
+    r = upcast_float(rewards)
+    return r * torch.pow(torch.tensor(discount, dtype=r.dtype), turns.to(r.dtype) - 1.0)
 
 
 def _result(advantages: Tensor, groups: Groups, drop_zero_spread: bool) -> AdvantageResult:

@@ -198,6 +198,15 @@ class AlgorithmConfig(Section):
     norm_adv_by_std_in_grpo: bool = Field(
         True, description="Divide GRPO advantages by the group's reward standard deviation."
     )
+    turn_discount: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="clew: each episode's reward is multiplied by turn_discount ** (turns - "
+        "1) before advantages (and dynamic sampling's spread test), so a solve in fewer turns "
+        "ranks above a longer one and groups where every sample solved keep a signal; 1 "
+        "leaves rewards as the env gave them. Rollout and eval metrics use the env's reward.",
+    )
     drop_zero_spread_groups: bool = Field(
         False,
         description="Leave groups whose rewards are all equal out of the loss (they carry no "

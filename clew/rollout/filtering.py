@@ -15,15 +15,18 @@ from collections.abc import Sequence
 
 import torch
 
-from clew.algorithms.advantages import group_rewards
+from clew.algorithms.advantages import group_rewards, turn_discounted_rewards
 from clew.rollout.trajectory import Trajectory
 
 
-def spread_groups(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
-    """The groups of ``trajs`` (in first-seen order) whose rewards are not all equal."""
+def spread_groups(
+    trajs: Sequence[Trajectory], turn_discount: float = 1.0
+) -> list[list[Trajectory]]:
+    """The groups of ``trajs`` (in first-seen order) whose rewards are not all equal, after
+    ``turn_discount`` (``trainer.algorithm.turn_discount``) as the update will see them."""
     if not trajs:
         return []
-    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    rewards = learning_rewards(trajs, turn_discount)
     ids = torch.tensor([t.group_id for t in trajs])
     groups = group_rewards(rewards, ids)
     has_spread = (~groups.zero_spread)[groups.index].tolist()
@@ -32,6 +35,13 @@ def spread_groups(trajs: Sequence[Trajectory]) -> list[list[Trajectory]]:
         if keep:
             out.setdefault(t.group_id, []).append(t)
     return list(out.values())
+
+
+def learning_rewards(trajs: Sequence[Trajectory], turn_discount: float = 1.0) -> torch.Tensor:
+    """``Float[N]``: the rewards an update learns from, the env's discounted by turns."""
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    turns = torch.tensor([max(t.turns, 1) for t in trajs])
+    return turn_discounted_rewards(rewards, turns, turn_discount)
 
 
 def take_groups(groups: Sequence[Sequence[Trajectory]], count: int) -> list[Trajectory]:
