@@ -4,7 +4,9 @@ A GRPO group whose samples all got the same reward has zero advantage: it costs 
 share of the update and teaches nothing. With the filter on, the trainer plays more
 batches of prompts until ``train_batch_size`` groups with reward spread are in hand (or
 ``max_sample_batches`` batches were played) and updates on those only. These are the
-pure pieces: which groups carry signal, the batch made of the first ones, and how many
+pure pieces: the rewards a group is judged by (the env's, after
+``trainer.algorithm.turn_discount``: the update's own, so both agree on what has spread),
+which groups carry signal, the batch made of the first ones, and how many
 batches of prompts that took (the trainer plays that many at once the next step: on a
 host-bound engine one play of k batches costs far less than k plays).
 """
