@@ -106,9 +106,16 @@ PY
   [ -d "$work/sft_steps/step_$step" ] || { echo "step $step is the final policy" >> "$out/SFT_PICK.txt"; return 0; }
   rm -rf "$work/sft_final" && mv "$work/sft" "$work/sft_final" && mv "$work/sft_steps/step_$step" "$work/sft"
 }
+# TRAIN_MAX_TURNS: the training mazes' own turn budget (the eval mazes keep 32). Optimal paths
+# of easy mazes are 12, 16, 20 or (1 in 100) 24 moves, one turn more with the stop: at 26 every
+# training maze stays solvable and a wrong branch on a long maze costs the episode, as under
+# the seed's 15 turns, where at 32 it is walked back for the full reward (BENCHMARKS.md,
+# "Fifteenth attempt").
+TRAIN_MAX_TURNS=${TRAIN_MAX_TURNS:-}
 data() {
   [ -f "$work/data/train.parquet" ] && return
-  $CLEW dataset "${opts[@]}" --split train --num-rows "$TRAIN_ROWS" --output-dir "$work/data"
+  $CLEW dataset "${opts[@]}" ${TRAIN_MAX_TURNS:+--option max_turns="$TRAIN_MAX_TURNS"} --split train \
+    --num-rows "$TRAIN_ROWS" --output-dir "$work/data" --stats
   $CLEW dataset "${opts[@]}" --split eval --num-rows 64 --output-dir "$work/data" --stats
 }
 
