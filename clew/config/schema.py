@@ -202,8 +202,8 @@ class AlgorithmConfig(Section):
         1.0,
         gt=0.0,
         le=1.0,
-        description="clew: each episode's reward is multiplied by turn_discount ** (turns - "
-        "1) before advantages (and dynamic sampling's spread test), so a solve in fewer turns "
+        description="Each episode's reward is multiplied by turn_discount ** (turns - 1) "
+        "before advantages (and dynamic sampling's spread test), so a solve in fewer turns "
         "ranks above a longer one and groups where every sample solved keep a signal; 1 "
         "leaves rewards as the env gave them. Rollout and eval metrics use the env's reward.",
     )

@@ -42,6 +42,8 @@ def spread_groups(
 def learning_rewards(trajs: Sequence[Trajectory], turn_discount: float = 1.0) -> torch.Tensor:
     """``Float[N]``: the rewards an update learns from, the env's discounted by turns."""
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    # An episode that failed before its first turn (an env error at reset) has reward 0
+    # whatever its discount: counted as one turn rather than refused.
     turns = torch.tensor([max(t.turns, 1) for t in trajs])
     return turn_discounted_rewards(rewards, turns, turn_discount)
 
