@@ -1,11 +1,13 @@
 """How much signal a GRPO batch holds, with and without ``trainer.algorithm.turn_discount``.
 
-    python experiments/group_spread.py MODEL [PROMPTS] [SAMPLES] [DEVICE] [BORDER_PX] [DISCOUNT]
+    python experiments/group_spread.py MODEL [PROMPTS] [SAMPLES] [DEVICE] [BORDER_PX] [DISCOUNT] [BUDGET]
 
 Plays PROMPTS training mazes of maze_2d/easy (14 px cells, 32 turns, current frame only, the
 forced reply format) SAMPLES times each at temperature 1.0, as a GRPO step of
 ``gpu_easy.sh`` does, and prints: the solve rate; the share of groups with zero spread under
-the env's reward and under the discounted one (default 0.95); and, among solves, how many
+the env's reward, under the discounted one (default 0.95) and under a tighter training
+budget (default 26 turns: a solve that took more counts as a failure, as with
+``gpu_easy.sh TRAIN_MAX_TURNS``); and, among solves, how many
 turns beyond the optimal ones they took (the detours a discount penalises and the plain
 reward does not).
 """
@@ -28,6 +30,7 @@ samples = int(sys.argv[3]) if len(sys.argv) > 3 else 8
 device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
 border_px = int(sys.argv[5]) if len(sys.argv) > 5 else 7
 discount = float(sys.argv[6]) if len(sys.argv) > 6 else 0.95
+budget = int(sys.argv[7]) if len(sys.argv) > 7 else 26
 opts = {"cell_px": 14, "border_px": border_px, "max_turns": 32, "action_format": "keyword"}
 rows = generate_rows("maze_2d/easy", prompts, "train", env_options=opts)
 policy = open_policy(model_dir, None, device=device)
@@ -43,6 +46,8 @@ trajs = play(policy.engine, rows, settings, seed=1)
 ids = torch.tensor([t.group_id for t in trajs])
 plain = group_rewards(learning_rewards(trajs), ids)
 discounted = group_rewards(learning_rewards(trajs, discount), ids)
+within = torch.tensor([float(t.reward > 0 and t.turns <= budget) for t in trajs])
+capped = group_rewards(within, ids)
 solved = [t for t in trajs if t.reward > 0]
 extra = Counter(t.turns - int(rows[t.group_id].turns_needed) for t in solved)
 all_solved = sum(all(t.reward > 0 for t in trajs if t.group_id == g) for g in range(len(rows)))
@@ -53,4 +58,5 @@ print(
 )
 print(f"zero-spread groups, env reward: {int(plain.zero_spread.sum())} of {len(rows)}")
 print(f"zero-spread groups, turn_discount={discount}: {int(discounted.zero_spread.sum())}")
+print(f"zero-spread groups, a {budget}-turn budget: {int(capped.zero_spread.sum())}")
 print("solves by turns beyond the optimal:", dict(sorted(extra.items())))
