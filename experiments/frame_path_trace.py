@@ -5,12 +5,11 @@
 Builds the ``--preset`` policy (`small` unless given; ``clew init-model`` with the given
 flags), feeds it 64 frames of the fixed eval mazes (one agent cell each, the planning
 probes' states) and, at each stage of the vision tower up to the image embeddings the
-language model receives, splits the
-activations' energy into three shares: one vector shared by every patch of every frame
-(``const``), what depends on the patch's place but not the frame (``pos``: the tower's
-position table, and the maze cells that are wall or floor in every maze), and what varies
-with the frame (``content``: the maze itself and the agent). A language model can only
-learn from the last.
+language model receives, splits the activations' energy into three shares: one vector
+shared by every patch of every frame (``const``), what depends on the patch's place but
+not the frame (``pos``: the tower's position table, and the maze cells that are wall or
+floor in every maze), and what varies with the frame (``content``: the maze itself and the
+agent). A language model can only learn from the last.
 """
 
 from __future__ import annotations
