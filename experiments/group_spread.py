@@ -4,8 +4,9 @@
 
 Plays PROMPTS training mazes of maze_2d/easy (14 px cells, 32 turns, current frame only, the
 forced reply format) SAMPLES times each at TEMPERATURE (default 1.0, as a GRPO step of
-``gpu_easy.sh`` does; a higher one asks how much exploration it would buy), and prints: the solve rate; how many groups have zero spread under
-the env's reward, under the discounted one (default 0.95) and under a tighter training
+``gpu_easy.sh`` does; a higher one asks how much exploration it would buy), and prints:
+the solve rate; how many groups have zero spread under the env's reward, under the
+discounted one (default 0.95) and under a tighter training
 budget (default 26 turns: a solve that took more counts as a failure, as with
 ``gpu_easy.sh TRAIN_MAX_TURNS``); and, among solves, how many turns beyond the optimal
 ones they took (the detours a discount penalises and the plain reward does not).
