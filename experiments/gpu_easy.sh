@@ -68,6 +68,7 @@ if [ "$FORCED" = 1 ]; then
   forced=("generator.reply_prefix=<action>" "generator.reply_suffix=</action>") && MAX_GEN=1
 fi
 PRECISION=${PRECISION:-bf16-mixed}  # clew sft --precision (bf16-true: the runs before session 5)
+# BIG_EVAL: see the grpo phase's end (a larger eval of the packed policy)
 # GRPO_EXTRA: more `clew train` overrides, space-separated (e.g. trainer.eval_interval=10)
 # BORDER: the env's border_px (7: half a cell, so the policy's 14 px patches fall across the
 # cells' centres and each holds parts of the agent's neighbours; the image grows to 140 px)
@@ -208,6 +209,18 @@ elif [ "$phase" = grpo ]; then
       --max-turns "$MAX_TURNS" --max-generate-length "$MAX_GEN" --keep-last-k-images 1 \
       ${forced[@]+--reply-prefix "<action>" --reply-suffix "</action>"} --device "$DEVICE" --num-gifs 0 \
       && cp "$work/final_eval/metrics.json" "$out/final_eval.json" || echo "final eval failed (rc $?)"
+    if [ -n "${BIG_EVAL:-}" ]; then
+      # BIG_EVAL=N: the packed policy on N more mazes (seeds from 2,000,000,000, apart from the
+      # train rows and the 64 fixed ones), where 64 mazes leave +-4.5 points of noise; merged
+      # into OUT/final_eval.json as big/* (a call brings back at most 8 files).
+      [ -f "$work/big/eval.parquet" ] || $CLEW dataset "${opts[@]}" --split eval --num-rows "$BIG_EVAL" \
+        --seed-start 2000000000 --output-dir "$work/big"
+      $CLEW eval --model "$work/policy" --data "$work/big/eval.parquet" --output-dir "$work/big_eval" \
+        --max-turns "$MAX_TURNS" --max-generate-length "$MAX_GEN" --keep-last-k-images 1 \
+        ${forced[@]+--reply-prefix "<action>" --reply-suffix "</action>"} --device "$DEVICE" --num-gifs 0 \
+        && $PYTHON -c "import json, sys; a = json.load(open(sys.argv[1])); a.update({'big/' + k: v for k, v in json.load(open(sys.argv[2])).items()}); json.dump(a, open(sys.argv[1], 'w'), indent=2)" "$out/final_eval.json" "$work/big_eval/metrics.json" \
+        || echo "big eval failed (rc $?)"
+    fi
   fi
 else
   echo "usage: $0 sft|grpo WORK OUT" >&2
