@@ -165,6 +165,25 @@ def test_lora_sft_saves_merged_full_weights(model_dir, rows, tmp_path):
     load_policy(result.output_dir)
 
 
+def test_lora_sft_on_vision_and_language_changes_the_vision_tower_too(model_dir, rows, tmp_path):
+    result = run_sft(
+        model_dir,
+        rows[:4],
+        tmp_path / "lora_vl",
+        steps=3,
+        batch_size=2,
+        lr=1e-2,
+        lora_rank=4,
+        lora_target_modules="vision_and_language",
+    )
+    before, after = (
+        load_file(model_dir / "model.safetensors"),
+        load_file(result.output_dir / "model.safetensors"),
+    )
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any("visual" in k for k in changed) and any("visual" not in k for k in changed)
+
+
 def test_demonstrations_record_where_each_observation_starts(chat, rows):
     demo = play_demonstration(rows[0], chat, random.Random(0))
     assert len(demo.chunk_starts) == len(demo.actions) == len(demo.images)

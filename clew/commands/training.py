@@ -40,6 +40,12 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--lora-rank", type=int, default=0, help="0 trains all weights")
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale numerator")
+    p.add_argument(
+        "--lora-target-modules",
+        default="all-linear",
+        help="'all-linear' (the language model), 'vision_and_language', or a peft regex",
+    )
     p.add_argument(
         "--detour-prob", type=float, default=0.0, help="share of detour turns (VisGym-style)"
     )
@@ -128,6 +134,8 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
             lr=args.lr,
             warmup_steps=args.warmup_steps,
             lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            lora_target_modules=args.lora_target_modules,
             detour_prob=args.detour_prob,
             start_anywhere=args.start_anywhere,
             keep_last_k_images=args.keep_last_k_images,

@@ -269,6 +269,7 @@ def run_sft(
     lora_rank: int = 0,
     lora_alpha: float = 16.0,
     lora_dropout: float = 0.0,
+    lora_target_modules: str | list[str] = "all-linear",
     weight_decay: float = 0.0,
     max_grad_norm: float = 1.0,
     warmup_steps: int = 0,
@@ -333,6 +334,7 @@ def run_sft(
         lora_rank=lora_rank,
         lora_alpha=lora_alpha,
         lora_dropout=lora_dropout,
+        lora_target_modules=lora_target_modules,
         autocast_bf16=autocast_bf16,
     )
     worker = PolicyWorker.from_pretrained(model_dir, settings, dtype=dtype, device=device)
