@@ -11,6 +11,8 @@ the frame, low accuracy only at junctions far from the goal at planning. Also pr
 share of mazes whose whole optimal path the policy predicts: the solve rate a policy with
 these per-state errors and no recovery would reach, and how the wrong picks split between a
 move into a wall (the frame misread) and an open but wrong way (the route misplanned).
+Last, junction accuracy by the length of the junction's longest side branch (the dead-end
+walk a planner must follow to rule it out): a drop with length points at the planning horizon.
 """
 
 import sys
@@ -83,3 +85,46 @@ print(
     + ", ".join(f"{k} {v / total:.1%}" for k, v in sorted(kinds.items()))
     + " of turns"
 )
+
+
+def side_branch_length(maze, cell, came_from, towards) -> int:
+    """Cells of the longest walk into a side branch at ``cell`` (not back, not the way on)."""
+    longest = 0
+    for dr, dc in DIRECTIONS:
+        start = (cell[0] + dr, cell[1] + dc)
+        if start in (came_from, towards) or not maze.is_open(start):
+            continue
+        seen, frontier, depth = {cell, start}, [start], 1
+        while frontier:
+            nxt = []
+            for r, c in frontier:
+                for er, ec in DIRECTIONS:
+                    x = (r + er, c + ec)
+                    if x not in seen and maze.is_open(x):
+                        seen.add(x)
+                        nxt.append(x)
+            if nxt:
+                depth += 1
+            frontier = nxt
+        longest = max(longest, depth)
+    return longest
+
+
+buckets: dict[str, list[int]] = defaultdict(list)
+for p in predictions:
+    if "junction" not in p.groups:
+        continue
+    if p.row not in paths:
+        paths[p.row] = path_cells(rows[p.row])
+    maze, cells = paths[p.row]
+    if p.turn + 1 >= len(cells):
+        continue
+    back = cells[p.turn - 1] if p.turn > 0 else None
+    length = side_branch_length(maze, cells[p.turn], back, cells[p.turn + 1])
+    key = "1-2" if length <= 2 else "3-5" if length <= 5 else "6-10" if length <= 10 else "11+"
+    buckets[key].append(p.predicted in p.optimal)
+print("junctions by their longest side branch (cells):")
+for key in ("1-2", "3-5", "6-10", "11+"):
+    v = buckets.get(key, [])
+    if v:
+        print(f"  {key:5s} {sum(v) / len(v):6.1%} of {len(v)} turns")
