@@ -437,3 +437,19 @@ def test_sft_whose_gradient_stays_non_finite_stops_and_keeps_the_last_good_polic
     assert [s["sft/skipped"] for s in logged] == [0, 0, 1, 1, 1]
     model, _ = load_policy(tmp_path / "sft")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lora_rank": -1}, "lora_rank must be >= 0"),
+        ({"lora_rank": 4, "lora_alpha": 0.0}, "lora_alpha must be > 0"),
+        ({"lr": 0.0}, "lr must be > 0"),
+        ({"warmup_steps": -2}, "warmup_steps must be >= 0"),
+    ],
+)
+def test_sft_rejects_bad_settings_before_any_work(model_dir, rows, tmp_path, kwargs, message):
+    settings = {"steps": 1, "batch_size": 1, "lr": 1e-3, **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        run_sft(model_dir, rows[:1], tmp_path / "out", **settings)
+    assert not (tmp_path / "out").exists()

@@ -309,6 +309,14 @@ def run_sft(
     """
     if steps < 1 or batch_size < 1:
         raise ConfigError(f"steps and batch_size must be positive, got {steps} and {batch_size}")
+    if not lr > 0:
+        raise ConfigError(f"lr must be > 0, got {lr}")
+    if lora_rank < 0:
+        raise ConfigError(f"lora_rank must be >= 0 (0 trains all weights), got {lora_rank}")
+    if lora_rank > 0 and not lora_alpha > 0:
+        raise ConfigError(f"lora_alpha must be > 0, got {lora_alpha}")
+    if warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be >= 0, got {warmup_steps}")
     output_dir = Path(output_dir)
     if output_dir.resolve() == Path(model_dir).resolve():
         raise ConfigError(f"output_dir {output_dir} is the starting model; choose another folder")
