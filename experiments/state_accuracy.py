@@ -67,12 +67,19 @@ def path_cells(row) -> tuple:
 moves = {format_action(Action("move", d), "keyword"): d for d in range(len(DIRECTIONS))}
 kinds: dict[str, int] = defaultdict(int)
 paths = {}
+
+
+def path_of(row: int) -> tuple:
+    """``path_cells`` of eval row ``row``, computed once."""
+    if row not in paths:
+        paths[row] = path_cells(rows[row])
+    return paths[row]
+
+
 for p in predictions:
     if p.predicted in p.optimal:
         continue
-    if p.row not in paths:
-        paths[p.row] = path_cells(rows[p.row])
-    maze, cells = paths[p.row]
+    maze, cells = path_of(p.row)
     if p.predicted in moves and p.turn < len(cells):
         dr, dc = DIRECTIONS[moves[p.predicted]]
         cell = (cells[p.turn][0] + dr, cells[p.turn][1] + dc)
@@ -88,25 +95,19 @@ print(
 
 
 def side_branch_length(maze, cell, came_from, towards) -> int:
-    """Cells of the longest walk into a side branch at ``cell`` (not back, not the way on)."""
+    """Cells of the longest walk into a side branch at ``cell`` (not back, not the way on).
+
+    In a perfect maze a cell lies in the branch through neighbour ``n`` when it is one move
+    closer to ``n`` than to ``cell``; its distance to ``cell`` is then the walk's length.
+    """
+    to_cell = distances_to(maze, cell)
     longest = 0
     for dr, dc in DIRECTIONS:
-        start = (cell[0] + dr, cell[1] + dc)
-        if start in (came_from, towards) or not maze.is_open(start):
+        n = (cell[0] + dr, cell[1] + dc)
+        if n in (came_from, towards) or not maze.is_open(n):
             continue
-        seen, frontier, depth = {cell, start}, [start], 1
-        while frontier:
-            nxt = []
-            for r, c in frontier:
-                for er, ec in DIRECTIONS:
-                    x = (r + er, c + ec)
-                    if x not in seen and maze.is_open(x):
-                        seen.add(x)
-                        nxt.append(x)
-            if nxt:
-                depth += 1
-            frontier = nxt
-        longest = max(longest, depth)
+        branch = (distances_to(maze, n) == to_cell - 1) & (to_cell > 0)
+        longest = max(longest, int(to_cell[branch].max()))
     return longest
 
 
@@ -114,9 +115,7 @@ buckets: dict[str, list[int]] = defaultdict(list)
 for p in predictions:
     if "junction" not in p.groups:
         continue
-    if p.row not in paths:
-        paths[p.row] = path_cells(rows[p.row])
-    maze, cells = paths[p.row]
+    maze, cells = path_of(p.row)
     if p.turn + 1 >= len(cells):
         continue
     back = cells[p.turn - 1] if p.turn > 0 else None
