@@ -86,6 +86,11 @@ pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
   fi
   tar czf - -C "$(dirname "$src")" "$(basename "$src")" | split -b 15m - "$out/$2.tgz.part-"
 }
+play_eval() { # play_eval DATA DIR: WORK/policy on DATA as it was trained, metrics in DIR
+  $CLEW eval --model "$work/policy" --data "$1" --output-dir "$2" \
+    --max-turns "$MAX_TURNS" --max-generate-length "$MAX_GEN" --keep-last-k-images 1 \
+    ${forced[@]+--reply-prefix "<action>" --reply-suffix "</action>"} --device "$DEVICE" --num-gifs 0
+}
 unpack() { # unpack NAME DEST_PARENT: restore from RESTORE/NAME.tgz.part-*
   cat "$RESTORE/$1".tgz.part-* | tar xzf - -C "$2"
 }
@@ -205,9 +210,7 @@ elif [ "$phase" = grpo ]; then
     rm -rf "$work/policy" && mv "$work/policy_new" "$work/policy" && pack "$work/policy" policy
     # The policy that comes back is the last step trained, which the run's own evaluations
     # (every eval_interval steps) may not have seen: evaluate it as it was trained.
-    $CLEW eval --model "$work/policy" --data "$work/data/eval.parquet" --output-dir "$work/final_eval" \
-      --max-turns "$MAX_TURNS" --max-generate-length "$MAX_GEN" --keep-last-k-images 1 \
-      ${forced[@]+--reply-prefix "<action>" --reply-suffix "</action>"} --device "$DEVICE" --num-gifs 0 \
+    play_eval "$work/data/eval.parquet" "$work/final_eval" \
       && cp "$work/final_eval/metrics.json" "$out/final_eval.json" || echo "final eval failed (rc $?)"
     if [ -n "${BIG_EVAL:-}" ]; then
       # BIG_EVAL=N: the packed policy on N more mazes (seeds from 2,000,000,000, apart from the
@@ -215,10 +218,7 @@ elif [ "$phase" = grpo ]; then
       # into OUT/final_eval.json as big/* (a call brings back at most 8 files).
       [ -f "$work/big/eval.parquet" ] || $CLEW dataset "${opts[@]}" --split eval --num-rows "$BIG_EVAL" \
         --seed-start 2000000000 --output-dir "$work/big"
-      $CLEW eval --model "$work/policy" --data "$work/big/eval.parquet" --output-dir "$work/big_eval" \
-        --max-turns "$MAX_TURNS" --max-generate-length "$MAX_GEN" --keep-last-k-images 1 \
-        ${forced[@]+--reply-prefix "<action>" --reply-suffix "</action>"} --device "$DEVICE" --num-gifs 0 \
-        && $PYTHON -c "import json, sys; a = json.load(open(sys.argv[1])); a.update({'big/' + k: v for k, v in json.load(open(sys.argv[2])).items()}); json.dump(a, open(sys.argv[1], 'w'), indent=2)" "$out/final_eval.json" "$work/big_eval/metrics.json" \
+      play_eval "$work/big/eval.parquet" "$work/big_eval" && $PYTHON -c "import json, sys; a = json.load(open(sys.argv[1])); a.update({'big/' + k: v for k, v in json.load(open(sys.argv[2])).items()}); json.dump(a, open(sys.argv[1], 'w'), indent=2)" "$out/final_eval.json" "$work/big_eval/metrics.json" \
         || echo "big eval failed (rc $?)"
     fi
   fi
