@@ -67,6 +67,9 @@ forced=()
 if [ "$FORCED" = 1 ]; then
   forced=("generator.reply_prefix=<action>" "generator.reply_suffix=</action>") && MAX_GEN=1
 fi
+# KEEP: frames the policy sees (the current one and KEEP-1 before it; SFT, GRPO and every
+# evaluation alike); a policy trained with one KEEP is evaluated with it
+KEEP=${KEEP:-1}
 PRECISION=${PRECISION:-bf16-mixed}  # clew sft --precision (bf16-true: the runs before session 5)
 # BIG_EVAL: see the grpo phase's end (a larger eval of the packed policy)
 # GRPO_EXTRA: more `clew train` overrides, space-separated (e.g. trainer.eval_interval=10)
@@ -88,7 +91,7 @@ pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
 }
 play_eval() { # play_eval DATA DIR: WORK/policy on DATA as it was trained, metrics in DIR
   $CLEW eval --model "$work/policy" --data "$1" --output-dir "$2" \
-    --max-turns "$MAX_TURNS" --max-generate-length "$MAX_GEN" --keep-last-k-images 1 \
+    --max-turns "$MAX_TURNS" --max-generate-length "$MAX_GEN" --keep-last-k-images "$KEEP" \
     ${forced[@]+--reply-prefix "<action>" --reply-suffix "</action>"} --device "$DEVICE" --num-gifs 0
 }
 unpack() { # unpack NAME DEST_PARENT: restore from RESTORE/NAME.tgz.part-*
@@ -133,7 +136,7 @@ if [ "$phase" = sft ]; then
     --eval-data "$work/data/eval.parquet" --output "$work/sft" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
     --warmup-steps "${SFT_WARMUP:-50}" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" \
-    --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
+    --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} --metrics "$out/sft_metrics.jsonl"
   pick sft && pack "$work/sft" sft
 elif [ "$phase" = sft_more ]; then
@@ -143,7 +146,7 @@ elif [ "$phase" = sft_more ]; then
   $CLEW sft --model "$work/sft" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
-    --warmup-steps "${SFT_MORE_WARMUP:-20}" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images 1 --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
+    --warmup-steps "${SFT_MORE_WARMUP:-20}" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} --metrics "$out/sft_more_metrics.jsonl"
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pick sft_more && pack "$work/sft" sft
 elif [ "$phase" = grpo ]; then
@@ -187,7 +190,7 @@ elif [ "$phase" = grpo ]; then
     trainer.policy.optimizer_config.weight_decay=0.0 \
     "generator.n_samples_per_prompt=$SAMPLES" \
     "generator.max_turns=$MAX_TURNS" \
-    generator.keep_last_k_images=1 \
+    "generator.keep_last_k_images=$KEEP" \
     generator.sampling_params.temperature=${GRPO_TEMPERATURE:-1.0} \
     "generator.sampling_params.max_generate_length=$MAX_GEN" \
     generator.max_input_length=8192 \
