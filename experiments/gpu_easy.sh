@@ -121,9 +121,13 @@ PY
 # the seed's 15 turns, where at 32 it is walked back for the full reward (BENCHMARKS.md,
 # "Fifteenth attempt").
 TRAIN_MAX_TURNS=${TRAIN_MAX_TURNS:-}
+# TRAIN_START_ANYWHERE=P: that share of the training mazes start on a random open cell (the
+# env's start_anywhere option; the eval mazes keep their own starts)
+TRAIN_START_ANYWHERE=${TRAIN_START_ANYWHERE:-}
 data() {
   [ -f "$work/data/train.parquet" ] && return
-  $CLEW dataset "${opts[@]}" ${TRAIN_MAX_TURNS:+--option max_turns="$TRAIN_MAX_TURNS"} --split train \
+  $CLEW dataset "${opts[@]}" ${TRAIN_MAX_TURNS:+--option max_turns="$TRAIN_MAX_TURNS"} \
+    ${TRAIN_START_ANYWHERE:+--option start_anywhere="$TRAIN_START_ANYWHERE"} --split train \
     --num-rows "$TRAIN_ROWS" --output-dir "$work/data" --stats
   $CLEW dataset "${opts[@]}" --split eval --num-rows 64 --output-dir "$work/data" --stats
 }

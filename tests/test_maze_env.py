@@ -297,3 +297,36 @@ def test_eval_sets_hold_distinct_mazes():
 
     rows = generate_rows("maze_2d/room", 64, "eval")
     assert len({r.layout_key for r in rows}) == 64
+
+
+def test_start_anywhere_moves_a_seeded_share_of_starts_to_solvable_open_cells():
+    env = make("maze_2d/easy", start_anywhere=0.5, max_turns=32)
+    plain = make("maze_2d/easy", max_turns=32)
+    moved = []
+    for seed in range(200):
+        env.reset(seed)
+        plain.reset(seed)
+        assert env.maze.layout_key() == plain.maze.layout_key()  # same maze, same split
+        assert plain.agent == plain.maze.start  # the default never moves a start
+        if env.agent != plain.agent:
+            moved.append(seed)
+            assert not env.maze.walls[env.agent] and env.agent != env.maze.goal
+            assert env.turns_needed() <= env.max_turns
+            # the episode's optimal length is counted from where it starts
+            assert env.optimal_path_length() == len(shortest_actions(env.maze, start=env.agent))
+        first = env.agent
+        env.reset(seed)
+        assert env.agent == first  # every sample of a group starts on the same cell
+    assert 70 <= len(moved) <= 130
+    env.reset(moved[0])
+    words = [
+        ("right", "up", "left", "down")[a] for a in shortest_actions(env.maze, start=env.agent)
+    ]
+    obs, reward, done, info = _play(env, moved[0], [*words, "stop"])[-1]
+    assert reward == 1.0 and info["done_reason"] == "stop"
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "half", True])
+def test_start_anywhere_out_of_range_says_what_is_accepted(bad):
+    with pytest.raises(EnvError, match=r"start_anywhere must be a number in \[0, 1\]"):
+        make("maze_2d/easy", start_anywhere=bad)

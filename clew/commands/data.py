@@ -90,7 +90,9 @@ def _render(p: argparse.ArgumentParser) -> Handler:
             env = make(env_id, **options)
             env.reset(seed)
             if args.solve:
-                moves = [Action("move", d) for d in shortest_actions(env.maze)] + [Action("stop")]
+                moves = [Action("move", d) for d in shortest_actions(env.maze, start=env.agent)] + [
+                    Action("stop")
+                ]
             else:
                 words = [w.strip().lower() for w in args.actions.split(",") if w.strip()]
                 bad = [w for w in words if w not in (*DIRECTION_NAMES, "stop")]

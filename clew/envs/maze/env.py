@@ -37,6 +37,7 @@ MAZE_OPTIONS = frozenset(
         "action_format",
         "success_on_reach",
         "layout",
+        "start_anywhere",
     }
 )
 
@@ -68,6 +69,7 @@ class MazeEnv:
         success_on_reach: bool = False,
         layout: str = "maze",
         border_px: int = 0,
+        start_anywhere: float = 0.0,
     ) -> None:
         try:
             check_size(grid_size)
@@ -89,6 +91,15 @@ class MazeEnv:
             raise EnvError(
                 f"option success_on_reach must be true or false, got {success_on_reach!r}"
             )
+        if (
+            not isinstance(start_anywhere, int | float)
+            or isinstance(start_anywhere, bool)
+            or not 0.0 <= start_anywhere <= 1.0
+        ):
+            raise EnvError(
+                "option start_anywhere must be a number in [0, 1] (the share of episodes that "
+                f"start on a random open cell), got {start_anywhere!r}"
+            )
         if layout not in LAYOUTS:
             raise EnvError(f"option layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
         self.layout = layout
@@ -98,9 +109,11 @@ class MazeEnv:
         self.max_turns = max_turns
         self.action_format = action_format
         self.success_on_reach = success_on_reach
+        self.start_anywhere = float(start_anywhere)
         self.prompt = task_prompt(grid_size, max_turns, action_format, success_on_reach)
         self.maze: Maze | None = None
         self.agent: Cell = (0, 0)
+        self.start: Cell = (0, 0)  # where this episode began
         self.turn = 0
         self.done = True
         self._background: np.ndarray | None = None
@@ -108,16 +121,38 @@ class MazeEnv:
 
     def reset(self, seed: int, start: Cell | None = None) -> Observation:
         """The maze of ``seed`` with the agent on its start, or on ``start`` (an open cell;
-        SFT demonstrations from anywhere use it, the env's own episodes never do)."""
+        SFT demonstrations from anywhere use it).
+
+        With ``start_anywhere`` > 0 (a training option: off-path cells, such as the inside of
+        a side branch, then begin episodes, where a policy learns to turn back) that share of
+        seeds start on a random open cell other than the goal from which the goal is
+        reachable within the budget; the draw depends on the seed alone, so every sample of
+        a GRPO group starts on the same cell."""
         self.maze = generate_layout(self.layout, self.grid_size, int(seed))
         if start is not None and not self.maze.is_open(tuple(start)):
             raise EnvError(f"start {tuple(start)} is not an open cell of maze {seed}")
+        self._dist = distances_to(self.maze, self.maze.goal)
+        if start is None and self.start_anywhere > 0:
+            start = self._anywhere(int(seed))
         self.agent = self.maze.start if start is None else tuple(start)
+        self.start = self.agent
         self.turn = 0
         self.done = False
         self._background = render_background(self.maze, self.cell_px, self.border_px)
-        self._dist = distances_to(self.maze, self.maze.goal)
         return Observation([self.render()], self.prompt)
+
+    def _anywhere(self, seed: int) -> Cell | None:
+        """The random start of ``seed`` under ``start_anywhere``, or None (the maze's own)."""
+        assert self._dist is not None
+        rng = np.random.default_rng([seed, 0x57A27])  # apart from the layout's own draw
+        if rng.random() >= self.start_anywhere:
+            return None
+        stop_cost = 0 if self.success_on_reach else 1
+        rows, cols = np.nonzero((self._dist > 0) & (self._dist + stop_cost <= self.max_turns))
+        if len(rows) == 0:
+            return None
+        i = int(rng.integers(len(rows)))
+        return (int(rows[i]), int(cols[i]))
 
     def render(self):
         """The current state as a PIL image."""
@@ -196,9 +231,9 @@ class MazeEnv:
         }
 
     def optimal_path_length(self) -> int:
-        """Moves on the shortest path from the start (after ``reset``)."""
+        """Moves on the shortest path from this episode's start (after ``reset``)."""
         assert self.maze is not None and self._dist is not None
-        return int(self._dist[self.maze.start])
+        return int(self._dist[self.start])
 
     def turns_needed(self) -> int:
         """Turns the optimal play uses from the start: the moves, plus the stop when required."""
