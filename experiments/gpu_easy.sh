@@ -228,6 +228,16 @@ elif [ "$phase" = grpo ]; then
       play_eval "$work/big/eval.parquet" "$work/big_eval" && $PYTHON -c "import json, sys; a = json.load(open(sys.argv[1])); a.update({'big/' + k: v for k, v in json.load(open(sys.argv[2])).items()}); json.dump(a, open(sys.argv[1], 'w'), indent=2)" "$out/final_eval.json" "$work/big_eval/metrics.json" \
         || echo "big eval failed (rc $?)"
     fi
+    if [ -n "${ANYWHERE_EVAL:-}" ]; then
+      # ANYWHERE_EVAL=N: the packed policy on N eval mazes that start on a random open cell
+      # (start_anywhere=1.0), merged as anywhere/*: a policy that reads where it is from the
+      # frame, not from its moves since the maze's own start, solves these too (BENCHMARKS.md,
+      # "Nineteenth attempt": 87.5% from the starts, 42.6% from anywhere)
+      [ -f "$work/anywhere/eval.parquet" ] || $CLEW dataset "${opts[@]}" --option start_anywhere=1.0 \
+        --split eval --num-rows "$ANYWHERE_EVAL" --output-dir "$work/anywhere"
+      play_eval "$work/anywhere/eval.parquet" "$work/anywhere_eval" && $PYTHON -c "import json, sys; a = json.load(open(sys.argv[1])); a.update({'anywhere/' + k: v for k, v in json.load(open(sys.argv[2])).items()}); json.dump(a, open(sys.argv[1], 'w'), indent=2)" "$out/final_eval.json" "$work/anywhere_eval/metrics.json" \
+        || echo "anywhere eval failed (rc $?)"
+    fi
   fi
 else
   echo "usage: $0 sft|grpo WORK OUT" >&2
