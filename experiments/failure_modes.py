@@ -7,7 +7,8 @@ Replays every episode in its env. For each unsolved one it prints the optimal tu
 a step away), how often it stepped back onto a cell it had already visited, its final
 distance to the goal, and whether it ever stood on the goal (and did not stop there).
 Then, over all episodes, the share of turns whose move was optimal, by the agent's cell
-(corridor, junction, dead end: 2, 3+ or 1 open neighbours) and by whether the agent had
+(corridor, junction, dead end: 2, 3+ or 1 open neighbours; also all turns and the first
+move, off the goal) and by whether the agent had
 stood there before in that episode (a wall bump leaves it where it was, so a second bump
 counts as a revisit): the policy's own-play counterpart of
 ``experiments/state_accuracy.py`` (which feeds it the solver's path). A reactive policy
@@ -32,10 +33,10 @@ for r in rows:
     env.reset(r["seed"])
     maze = env.maze
     dist = distances_to(maze, maze.goal)
-    optimal = int(dist[maze.start]) + 1
+    optimal = env.turns_needed()  # from this episode's start (start_anywhere moves it)
     seen: Counter = Counter()
     reached, revisits, astray = False, 0, 0
-    for action in r["actions"]:
+    for turn, action in enumerate(r["actions"]):
         here = env.agent
         seen[here] += 1
         before = int(dist[here])
@@ -45,6 +46,9 @@ for r in rows:
             opened = sum(maze.is_open((here[0] + dr, here[1] + dc)) for dr, dc in DIRECTIONS)
             kind = {1: "dead end", 2: "corridor"}.get(opened, "junction")
             good[f"{kind}, {'first visit' if seen[here] == 1 else 'revisit'}"].append(closer)
+            good["all turns"].append(closer)
+            if turn == 0:
+                good["the first move"].append(closer)
         if info["event"] == "wall" or (info["event"] == "moved" and not closer):
             astray += 1
         if info["event"] == "moved" and seen[env.agent] > 0:
