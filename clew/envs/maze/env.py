@@ -123,8 +123,9 @@ class MazeEnv:
         """The maze of ``seed`` with the agent on its start, or on ``start`` (an open cell;
         SFT demonstrations from anywhere use it).
 
-        With ``start_anywhere`` > 0 (a training option: off-path cells, such as the inside of
-        a side branch, then begin episodes, where a policy learns to turn back) that share of
+        With ``start_anywhere`` > 0 (a training option: episodes then also begin off the usual
+        walk, e.g. inside a side branch, where a policy must read where it is and which way
+        to go from the frame rather than from its moves since the maze's start) that share of
         seeds start on a random open cell other than the goal from which the goal is
         reachable within the budget; the draw depends on the seed alone, so every sample of
         a GRPO group starts on the same cell."""
