@@ -60,7 +60,7 @@ for row in rows:
             "env": env,
             "obs": obs,
             "dist": dist,
-            "optimal": int(dist[env.maze.start]),
+            "optimal": env.optimal_path_length(),
             "demo": Demonstration([], [], [], image_window=keep),
             "tried": set(),
             "walk": "",

@@ -118,13 +118,7 @@ def play_demonstration(
         return None
     dist = distances_to(env.maze, env.maze.goal)
     if start_anywhere > 0 and rng.random() < start_anywhere:
-        stop_cost = 0 if env.success_on_reach else 1
-        cells = [
-            (int(r), int(c))
-            for r, c in zip(*np.nonzero(dist > 0), strict=True)
-            if dist[r, c] + stop_cost <= env.max_turns
-        ]
-        obs = env.reset(int(row.seed), start=rng.choice(cells))
+        obs = env.reset(int(row.seed), start=rng.choice(env.start_cells()))
     demo = Demonstration([], [], [], row_seed=int(row.seed))
     turn = 0
     while True:

@@ -142,18 +142,22 @@ class MazeEnv:
         self._background = render_background(self.maze, self.cell_px, self.border_px)
         return Observation([self.render()], self.prompt)
 
+    def start_cells(self) -> list[Cell]:
+        """Open cells other than the goal from which the goal fits the turn budget, row-major
+        (after ``reset``): where an episode may start under ``start_anywhere`` and where SFT
+        demonstrations from anywhere start."""
+        assert self._dist is not None
+        stop_cost = 0 if self.success_on_reach else 1
+        rows, cols = np.nonzero((self._dist > 0) & (self._dist + stop_cost <= self.max_turns))
+        return [(int(r), int(c)) for r, c in zip(rows, cols, strict=True)]
+
     def _anywhere(self, seed: int) -> Cell | None:
         """The random start of ``seed`` under ``start_anywhere``, or None (the maze's own)."""
-        assert self._dist is not None
         rng = np.random.default_rng([seed, 0x57A27])  # apart from the layout's own draw
         if rng.random() >= self.start_anywhere:
             return None
-        stop_cost = 0 if self.success_on_reach else 1
-        rows, cols = np.nonzero((self._dist > 0) & (self._dist + stop_cost <= self.max_turns))
-        if len(rows) == 0:
-            return None
-        i = int(rng.integers(len(rows)))
-        return (int(rows[i]), int(cols[i]))
+        cells = self.start_cells()
+        return cells[int(rng.integers(len(cells)))] if cells else None
 
     def render(self):
         """The current state as a PIL image."""
