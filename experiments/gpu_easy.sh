@@ -94,6 +94,9 @@ play_eval() { # play_eval DATA DIR: WORK/policy on DATA as it was trained, metri
     --max-turns "$MAX_TURNS" --max-generate-length "$MAX_GEN" --keep-last-k-images "$KEEP" \
     ${forced[@]+--reply-prefix "<action>" --reply-suffix "</action>"} --device "$DEVICE" --num-gifs 0
 }
+merge_eval() { # merge_eval PREFIX DIR: DIR/metrics.json into OUT/final_eval.json as PREFIX/*
+  $PYTHON -c "import json, sys; a = json.load(open(sys.argv[1])); a.update({sys.argv[3] + '/' + k: v for k, v in json.load(open(sys.argv[2])).items()}); json.dump(a, open(sys.argv[1], 'w'), indent=2)" "$out/final_eval.json" "$2/metrics.json" "$1"
+}
 unpack() { # unpack NAME DEST_PARENT: restore from RESTORE/NAME.tgz.part-*
   cat "$RESTORE/$1".tgz.part-* | tar xzf - -C "$2"
 }
@@ -225,7 +228,7 @@ elif [ "$phase" = grpo ]; then
       # into OUT/final_eval.json as big/* (a call brings back at most 8 files).
       [ -f "$work/big/eval.parquet" ] || $CLEW dataset "${opts[@]}" --split eval --num-rows "$BIG_EVAL" \
         --seed-start 2000000000 --output-dir "$work/big"
-      play_eval "$work/big/eval.parquet" "$work/big_eval" && $PYTHON -c "import json, sys; a = json.load(open(sys.argv[1])); a.update({'big/' + k: v for k, v in json.load(open(sys.argv[2])).items()}); json.dump(a, open(sys.argv[1], 'w'), indent=2)" "$out/final_eval.json" "$work/big_eval/metrics.json" \
+      play_eval "$work/big/eval.parquet" "$work/big_eval" && merge_eval big "$work/big_eval" \
         || echo "big eval failed (rc $?)"
     fi
     if [ -n "${ANYWHERE_EVAL:-}" ]; then
@@ -235,7 +238,7 @@ elif [ "$phase" = grpo ]; then
       # "Nineteenth attempt": 87.5% from the starts, 42.6% from anywhere)
       [ -f "$work/anywhere/eval.parquet" ] || $CLEW dataset "${opts[@]}" --option start_anywhere=1.0 \
         --split eval --num-rows "$ANYWHERE_EVAL" --output-dir "$work/anywhere"
-      play_eval "$work/anywhere/eval.parquet" "$work/anywhere_eval" && $PYTHON -c "import json, sys; a = json.load(open(sys.argv[1])); a.update({'anywhere/' + k: v for k, v in json.load(open(sys.argv[2])).items()}); json.dump(a, open(sys.argv[1], 'w'), indent=2)" "$out/final_eval.json" "$work/anywhere_eval/metrics.json" \
+      play_eval "$work/anywhere/eval.parquet" "$work/anywhere_eval" && merge_eval anywhere "$work/anywhere_eval" \
         || echo "anywhere eval failed (rc $?)"
     fi
   fi
