@@ -71,7 +71,7 @@ fi
 # evaluation alike); a policy trained with one KEEP is evaluated with it
 KEEP=${KEEP:-1}
 PRECISION=${PRECISION:-bf16-mixed}  # clew sft --precision (bf16-true: the runs before session 5)
-# BIG_EVAL: see the grpo phase's end (a larger eval of the packed policy)
+# BIG_EVAL, ANYWHERE_EVAL: larger evaluations of what a call brings back (final_evals below)
 # GRPO_EXTRA: more `clew train` overrides, space-separated (e.g. trainer.eval_interval=10)
 # BORDER: the env's border_px (7: half a cell, so the policy's 14 px patches fall across the
 # cells' centres and each holds parts of the agent's neighbours; the image grows to 140 px)
@@ -89,13 +89,35 @@ pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
   fi
   tar czf - -C "$(dirname "$src")" "$(basename "$src")" | split -b 15m - "$out/$2.tgz.part-"
 }
-play_eval() { # play_eval DATA DIR: WORK/policy on DATA as it was trained, metrics in DIR
-  $CLEW eval --model "$work/policy" --data "$1" --output-dir "$2" \
+play_eval() { # play_eval MODEL DATA DIR: MODEL on DATA as it was trained, metrics in DIR
+  $CLEW eval --model "$1" --data "$2" --output-dir "$3" \
     --max-turns "$MAX_TURNS" --max-generate-length "$MAX_GEN" --keep-last-k-images "$KEEP" \
     ${forced[@]+--reply-prefix "<action>" --reply-suffix "</action>"} --device "$DEVICE" --num-gifs 0
 }
 merge_eval() { # merge_eval PREFIX DIR: DIR/metrics.json into OUT/final_eval.json as PREFIX/*
   $PYTHON -c "import json, sys; a = json.load(open(sys.argv[1])); a.update({sys.argv[3] + '/' + k: v for k, v in json.load(open(sys.argv[2])).items()}); json.dump(a, open(sys.argv[1], 'w'), indent=2)" "$out/final_eval.json" "$2/metrics.json" "$1"
+}
+final_evals() { # final_evals MODEL: MODEL on the 64 eval mazes into OUT/final_eval.json, then
+  # BIG_EVAL=N: on N more mazes (seeds from 2,000,000,000, apart from the train rows and the
+  # 64 fixed ones), where 64 mazes leave +-4.5 points of noise; merged as big/*.
+  # ANYWHERE_EVAL=N: on N eval mazes that start on a random open cell (start_anywhere=1.0),
+  # merged as anywhere/*: a policy that reads where it is from the frame, not from its moves
+  # since the maze's own start, solves these too (BENCHMARKS.md, "Nineteenth attempt": 87.5%
+  # from the starts, 42.6% from anywhere). A call brings back at most 8 files: one JSON.
+  play_eval "$1" "$work/data/eval.parquet" "$work/final_eval" \
+    && cp "$work/final_eval/metrics.json" "$out/final_eval.json" || { echo "final eval failed (rc $?)"; return 0; }
+  if [ -n "${BIG_EVAL:-}" ]; then
+    [ -f "$work/big/eval.parquet" ] || $CLEW dataset "${opts[@]}" --split eval --num-rows "$BIG_EVAL" \
+      --seed-start 2000000000 --output-dir "$work/big"
+    play_eval "$1" "$work/big/eval.parquet" "$work/big_eval" && merge_eval big "$work/big_eval" \
+      || echo "big eval failed (rc $?)"
+  fi
+  if [ -n "${ANYWHERE_EVAL:-}" ]; then
+    [ -f "$work/anywhere/eval.parquet" ] || $CLEW dataset "${opts[@]}" --option start_anywhere=1.0 \
+      --split eval --num-rows "$ANYWHERE_EVAL" --output-dir "$work/anywhere"
+    play_eval "$1" "$work/anywhere/eval.parquet" "$work/anywhere_eval" && merge_eval anywhere "$work/anywhere_eval" \
+      || echo "anywhere eval failed (rc $?)"
+  fi
 }
 unpack() { # unpack NAME DEST_PARENT: restore from RESTORE/NAME.tgz.part-*
   cat "$RESTORE/$1".tgz.part-* | tar xzf - -C "$2"
@@ -146,6 +168,8 @@ if [ "$phase" = sft ]; then
     --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} --metrics "$out/sft_metrics.jsonl"
   pick sft && pack "$work/sft" sft
+  # With BIG_EVAL or ANYWHERE_EVAL, the start that comes back is evaluated as a grpo call's policy
+  if [ -n "${BIG_EVAL:-}${ANYWHERE_EVAL:-}" ]; then final_evals "$work/sft"; fi
 elif [ "$phase" = sft_more ]; then
   # More SFT from WORK/sft (restored if the machine is fresh), for SFT_MINUTES more.
   data
@@ -156,6 +180,8 @@ elif [ "$phase" = sft_more ]; then
     --warmup-steps "${SFT_MORE_WARMUP:-20}" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} --metrics "$out/sft_more_metrics.jsonl"
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pick sft_more && pack "$work/sft" sft
+  # (as after sft)
+  if [ -n "${BIG_EVAL:-}${ANYWHERE_EVAL:-}" ]; then final_evals "$work/sft"; fi
 elif [ "$phase" = grpo ]; then
   data
   start=$work/sft
@@ -220,27 +246,7 @@ elif [ "$phase" = grpo ]; then
     rm -rf "$work/policy" && mv "$work/policy_new" "$work/policy" && pack "$work/policy" policy
     # The policy that comes back is the last step trained, which the run's own evaluations
     # (every eval_interval steps) may not have seen: evaluate it as it was trained.
-    play_eval "$work/data/eval.parquet" "$work/final_eval" \
-      && cp "$work/final_eval/metrics.json" "$out/final_eval.json" || echo "final eval failed (rc $?)"
-    if [ -n "${BIG_EVAL:-}" ]; then
-      # BIG_EVAL=N: the packed policy on N more mazes (seeds from 2,000,000,000, apart from the
-      # train rows and the 64 fixed ones), where 64 mazes leave +-4.5 points of noise; merged
-      # into OUT/final_eval.json as big/* (a call brings back at most 8 files).
-      [ -f "$work/big/eval.parquet" ] || $CLEW dataset "${opts[@]}" --split eval --num-rows "$BIG_EVAL" \
-        --seed-start 2000000000 --output-dir "$work/big"
-      play_eval "$work/big/eval.parquet" "$work/big_eval" && merge_eval big "$work/big_eval" \
-        || echo "big eval failed (rc $?)"
-    fi
-    if [ -n "${ANYWHERE_EVAL:-}" ]; then
-      # ANYWHERE_EVAL=N: the packed policy on N eval mazes that start on a random open cell
-      # (start_anywhere=1.0), merged as anywhere/*: a policy that reads where it is from the
-      # frame, not from its moves since the maze's own start, solves these too (BENCHMARKS.md,
-      # "Nineteenth attempt": 87.5% from the starts, 42.6% from anywhere)
-      [ -f "$work/anywhere/eval.parquet" ] || $CLEW dataset "${opts[@]}" --option start_anywhere=1.0 \
-        --split eval --num-rows "$ANYWHERE_EVAL" --output-dir "$work/anywhere"
-      play_eval "$work/anywhere/eval.parquet" "$work/anywhere_eval" && merge_eval anywhere "$work/anywhere_eval" \
-        || echo "anywhere eval failed (rc $?)"
-    fi
+    final_evals "$work/policy"
   fi
 else
   echo "usage: $0 sft|grpo WORK OUT" >&2
