@@ -9,7 +9,8 @@
 # the logs and metrics that come back, and the SFT checkpoint and the latest GRPO policy as
 # 15 MiB parts (what comes back is at most 16 MiB a file): a later call on a fresh machine
 # restores them from the folder named by RESTORE (a carried copy of an earlier OUT). A grpo
-# call also evaluates the policy it packs (OUT/final_eval.json, `clew eval`).
+# call also evaluates the policy it packs (OUT/final_eval.json, `clew eval`); an sft or
+# sft_more call its start, when BIG_EVAL or ANYWHERE_EVAL asks for more mazes.
 # Two phases may share a GPU (two calls of this script at once, each its own WORK and OUT):
 # clew caps torch's host threads at 4 on an accelerator, without which two processes each
 # rolled out 25 times slower (BENCHMARKS.md, "Fifth attempt" and "Sixth attempt").
@@ -119,6 +120,9 @@ final_evals() { # final_evals MODEL: MODEL on the 64 eval mazes into OUT/final_e
       || echo "anywhere eval failed (rc $?)"
   fi
 }
+start_evals() { # start_evals: with BIG_EVAL or ANYWHERE_EVAL, final_evals of the SFT start packed
+  if [ -n "${BIG_EVAL:-}${ANYWHERE_EVAL:-}" ]; then final_evals "$work/sft"; fi
+}
 unpack() { # unpack NAME DEST_PARENT: restore from RESTORE/NAME.tgz.part-*
   cat "$RESTORE/$1".tgz.part-* | tar xzf - -C "$2"
 }
@@ -168,8 +172,7 @@ if [ "$phase" = sft ]; then
     --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} --metrics "$out/sft_metrics.jsonl"
   pick sft && pack "$work/sft" sft
-  # With BIG_EVAL or ANYWHERE_EVAL, the start that comes back is evaluated as a grpo call's policy
-  if [ -n "${BIG_EVAL:-}${ANYWHERE_EVAL:-}" ]; then final_evals "$work/sft"; fi
+  start_evals
 elif [ "$phase" = sft_more ]; then
   # More SFT from WORK/sft (restored if the machine is fresh), for SFT_MINUTES more.
   data
@@ -180,8 +183,7 @@ elif [ "$phase" = sft_more ]; then
     --warmup-steps "${SFT_MORE_WARMUP:-20}" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} --metrics "$out/sft_more_metrics.jsonl"
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pick sft_more && pack "$work/sft" sft
-  # (as after sft)
-  if [ -n "${BIG_EVAL:-}${ANYWHERE_EVAL:-}" ]; then final_evals "$work/sft"; fi
+  start_evals
 elif [ "$phase" = grpo ]; then
   data
   start=$work/sft
@@ -249,6 +251,6 @@ elif [ "$phase" = grpo ]; then
     final_evals "$work/policy"
   fi
 else
-  echo "usage: $0 sft|grpo WORK OUT" >&2
+  echo "usage: $0 sft|sft_more|grpo WORK OUT" >&2
   exit 2
 fi
