@@ -1,7 +1,9 @@
-"""Evaluation: play every eval maze once, greedily, and report the task success rate.
+"""Evaluation: play every eval maze, greedily or sampled, and report the task success rate.
 
 ``eval/all/pass_at_1`` is the share of episodes that earned the env's success reward; no
-format reward enters it. The solvable ceiling (the share of mazes whose optimal play fits
+format reward enters it. With n > 1 samples a maze (``eval_n_samples_per_prompt``) it is
+the mean over all samples, the unbiased estimate of one attempt's success, and
+``eval/all/pass_at_<n>`` is the share of mazes that at least one of their n samples solved. The solvable ceiling (the share of mazes whose optimal play fits
 in the turn budget) is reported beside it so a solve rate can be read against its limit.
 Every trajectory is dumped as JSONL and a few as GIFs.
 """
@@ -29,12 +31,26 @@ def eval_metrics(
     ceiling = sum(r.turns_needed <= min(r.max_turns, max_turns) for r in rows) / max(len(rows), 1)
     return {
         "eval/all/pass_at_1": sum(t.success for t in trajs) / n,
+        **pass_at_n(trajs),
         "eval/all/mean_reward": sum(t.reward for t in trajs) / n,
         "eval/all/mean_turns": sum(t.turns for t in trajs) / n,
         "eval/all/parse_error_rate": sum(t.parse_errors for t in trajs) / turns,
         "eval/all/solvable_ceiling": ceiling,
         "eval/all/episodes": float(len(trajs)),
     } | event_shares(trajs, "eval/all")
+
+
+def pass_at_n(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """``eval/all/pass_at_<n>`` when each maze was played n > 1 times (groups by prompt)."""
+    groups: dict[int, list[bool]] = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t.success)
+    sizes = {len(g) for g in groups.values()}
+    if not groups or max(sizes) < 2:
+        return {}
+    # Groups are equal-sized unless an episode errored out; name the metric by the largest.
+    n = max(sizes)
+    return {f"eval/all/pass_at_{n}": sum(any(g) for g in groups.values()) / len(groups)}
 
 
 def evaluate(

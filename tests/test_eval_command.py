@@ -39,3 +39,26 @@ def test_eval_writes_the_reply_prefix_and_suffix_around_each_sampled_reply(tmp_p
         assert t["generated_tokens"] == t["turns"]  # one sampled token a turn, the rest written
         for action in t["actions"]:
             assert action.startswith("<action>") and action.endswith("</action>")
+
+
+def test_eval_samples_each_maze_n_times_and_reports_pass_at_n(tmp_path, capsys):
+    model, data = _tiny_policy_and_mazes(tmp_path)
+    out = tmp_path / "eval"
+    code = main(["eval", "--model", str(model), "--data", str(data), "--output-dir", str(out),
+                 "--max-generate-length", "4", "--num-gifs", "0", "--device", "cpu",
+                 "--temperature", "1.0", "--n-samples-per-prompt", "3", "--seed", "7"])  # fmt: skip
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert metrics["eval/all/episodes"] == 6.0 and len(trajs) == 6
+    assert sorted(t["sample_index"] for t in trajs) == [0, 0, 1, 1, 2, 2]
+    assert metrics["eval/all/pass_at_1"] >= 0.0 and "eval/all/pass_at_3" in metrics
+    assert metrics["eval/all/pass_at_3"] >= metrics["eval/all/pass_at_1"]
+
+
+def test_eval_refuses_several_greedy_samples_with_the_rule(tmp_path, capsys):
+    model, data = _tiny_policy_and_mazes(tmp_path)
+    code = main(["eval", "--model", str(model), "--data", str(data),
+                 "--n-samples-per-prompt", "4"])  # fmt: skip
+    assert code != 0
+    assert "needs --temperature > 0" in capsys.readouterr().err

@@ -9,13 +9,14 @@ from clew.algorithms import turn_token_advantages
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.errors import ConfigError
-from clew.evaluation import evaluate
+from clew.evaluation import eval_metrics, evaluate
 from clew.inference.engine import InferenceEngine
 from clew.inference.positions import sequence_positions
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, play, rollout_metrics
+from clew.rollout.trajectory import Trajectory
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
@@ -391,3 +392,22 @@ def test_the_forced_format_tokenizes_as_the_whole_reply_does(policy):
         )
         assert pieces == chat.encode_text(f"<action>{word}</action>")
     assert chat.encode_text("") == []
+
+
+def test_pass_at_n_counts_mazes_solved_by_any_sample_and_pass_at_1_every_sample():
+    def traj(group: int, sample: int, reward: float) -> Trajectory:
+        t = Trajectory("maze_2d/small", {}, 0, group, sample)
+        t.reward, t.turns = reward, 1
+        return t
+
+    # Three mazes, four samples each: solved by 1, 0 and 4 of them.
+    trajs = [traj(0, s, float(s == 2)) for s in range(4)] + [traj(1, s, 0.0) for s in range(4)]
+    trajs += [traj(2, s, 1.0) for s in range(4)]
+    metrics = eval_metrics(trajs, [], max_turns=8)
+    assert metrics["eval/all/pass_at_1"] == pytest.approx(5 / 12)
+    assert metrics["eval/all/pass_at_4"] == pytest.approx(2 / 3)
+    assert not [
+        k
+        for k in eval_metrics(trajs[::4], [], 8)
+        if k.startswith("eval/all/pass_at_") and k != "eval/all/pass_at_1"
+    ]

@@ -132,7 +132,9 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
     return run
 
 
-@command("eval", "play every maze of a dataset once, greedily, and report the solve rate")
+@command(
+    "eval", "play every maze of a dataset (greedily, or n sampled times) and report the solve rate"
+)
 def _eval(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--model", required=True, help="checkpoint directory")
     p.add_argument("--adapter", help="LoRA adapter directory (adapter_config.json)")
@@ -163,8 +165,29 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
     )
     p.add_argument("--device", default="auto")
     p.add_argument("--num-gifs", type=int, default=4)
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (as generator.eval_sampling_params.temperature); 0: greedy",
+    )
+    p.add_argument(
+        "--n-samples-per-prompt",
+        type=positive_int,
+        default=1,
+        help="episodes per maze (as generator.eval_n_samples_per_prompt); above 1 reports "
+        "eval/all/pass_at_<n> and needs --temperature > 0",
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
 
     def run(args: argparse.Namespace) -> int:
+        if args.temperature < 0:
+            raise ClewError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+        if args.n_samples_per_prompt > 1 and args.temperature == 0:
+            raise ClewError(
+                f"--n-samples-per-prompt {args.n_samples_per_prompt} needs --temperature > 0: "
+                "greedy episodes of one maze are all the same"
+            )
         from clew.data.rows import read_rows
         from clew.evaluation import evaluate
         from clew.inference.runtime import open_policy
@@ -174,16 +197,23 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
         rows = read_rows(args.data)
         policy = open_policy(args.model, args.adapter, device=args.device)
         settings = RolloutSettings(
-            n_samples_per_prompt=1,
+            n_samples_per_prompt=args.n_samples_per_prompt,
             max_turns=args.max_turns or max(r.max_turns for r in rows),
             max_input_length=args.max_input_length,
-            sampling=SamplingParams(temperature=0.0, max_tokens=args.max_generate_length),
+            sampling=SamplingParams(
+                temperature=args.temperature, max_tokens=args.max_generate_length
+            ),
             keep_last_k_images=args.keep_last_k_images,
             reply_prefix=args.reply_prefix,
             reply_suffix=args.reply_suffix,
         )
         metrics, _ = evaluate(
-            policy.engine, rows, settings, output_dir=args.output_dir, num_gifs=args.num_gifs
+            policy.engine,
+            rows,
+            settings,
+            output_dir=args.output_dir,
+            num_gifs=args.num_gifs,
+            seed=args.seed,
         )
         for k, v in metrics.items():
             print(f"{k}: {v:.4f}")

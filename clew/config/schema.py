@@ -100,7 +100,9 @@ class GeneratorConfig(Section):
         8, description="Trajectories sampled per prompt; one GRPO group. At least 2."
     )
     eval_n_samples_per_prompt: int = Field(
-        1, description="Trajectories sampled per evaluation prompt."
+        1,
+        description="Trajectories sampled per evaluation prompt; above 1 (with "
+        "eval_sampling_params.temperature > 0) eval/all/pass_at_<n> is reported beside pass_at_1.",
     )
     max_turns: int = Field(20, description="Most agent turns in one episode.")
     max_input_length: int = Field(

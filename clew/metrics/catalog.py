@@ -136,6 +136,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Eval solve rate: fraction of eval tasks solved in one attempt.",
         "eval",
     ),
+    MetricSpec(
+        "eval/all/pass_at_<n>",
+        "With n > 1 samples per eval task (generator.eval_n_samples_per_prompt): fraction of "
+        "eval tasks solved by at least one of their n samples; pass_at_1 is then the mean "
+        "over all samples.",
+    ),
     MetricSpec("eval/all/mean_turns", "Mean agent turns per eval episode."),
     MetricSpec("eval/all/parse_error_rate", "Fraction of eval turns whose action failed to parse."),
     MetricSpec(
