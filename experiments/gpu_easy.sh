@@ -154,11 +154,18 @@ TRAIN_MAX_TURNS=${TRAIN_MAX_TURNS:-}
 # env's start_anywhere option; the eval mazes keep their own starts)
 TRAIN_START_ANYWHERE=${TRAIN_START_ANYWHERE:-}
 data() {
-  [ -f "$work/data/train.parquet" ] && return
+  # The training rows are rebuilt when the options they were made with change (an sft call's
+  # 32,000 rows from the starts are not a grpo call's 6,000 with TRAIN_START_ANYWHERE).
+  local key="rows=$TRAIN_ROWS border=$BORDER max_turns=${TRAIN_MAX_TURNS:-32} anywhere=${TRAIN_START_ANYWHERE:-0}"
+  if [ -f "$work/data/train.parquet" ] && [ "$(cat "$work/data/train.key" 2>/dev/null)" = "$key" ]; then
+    return
+  fi
+  rm -f "$work/data/train.parquet" "$work/data/train.key"
   $CLEW dataset "${opts[@]}" ${TRAIN_MAX_TURNS:+--option max_turns="$TRAIN_MAX_TURNS"} \
     ${TRAIN_START_ANYWHERE:+--option start_anywhere="$TRAIN_START_ANYWHERE"} --split train \
     --num-rows "$TRAIN_ROWS" --output-dir "$work/data" --stats
   $CLEW dataset "${opts[@]}" --split eval --num-rows 64 --output-dir "$work/data" --stats
+  echo "$key" > "$work/data/train.key"
 }
 
 if [ "$phase" = sft ]; then
