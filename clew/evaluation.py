@@ -3,8 +3,9 @@
 ``eval/all/pass_at_1`` is the share of episodes that earned the env's success reward; no
 format reward enters it. With n > 1 samples a maze (``eval_n_samples_per_prompt``) it is
 the mean over all samples, the unbiased estimate of one attempt's success, and
-``eval/all/pass_at_<n>`` is the share of mazes that at least one of their n samples solved. The solvable ceiling (the share of mazes whose optimal play fits
-in the turn budget) is reported beside it so a solve rate can be read against its limit.
+``eval/all/pass_at_<n>`` is the share of mazes that at least one of their n samples solved.
+The solvable ceiling (the share of mazes whose optimal play fits in the turn budget) is
+reported beside it so a solve rate can be read against its limit.
 Every trajectory is dumped as JSONL and a few as GIFs.
 """
 

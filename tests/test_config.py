@@ -209,6 +209,7 @@ def test_section_given_a_scalar_is_a_config_error_not_a_pydantic_one(tmp_path: P
         (["trainer.max_prompt_length=8192"], "context-fits-turn"),
         (["generator.inference_engine.engine_init_kwargs.max_model_len=4096"], "max-model-len"),
         (["trainer.logger=[console,nope]"], "logger"),
+        (["generator.eval_n_samples_per_prompt=4"], "eval-samples-greedy"),
     ],
 )
 def test_each_validation_rule_rejects_a_bad_value(overrides: list[str], rule: str) -> None:
@@ -217,6 +218,12 @@ def test_each_validation_rule_rejects_a_bad_value(overrides: list[str], rule: st
         load_config(None, overrides)
     assert f"[{rule}]" in str(err.value)
     assert value in str(err.value)
+
+
+def test_several_eval_samples_are_accepted_with_a_sampling_temperature() -> None:
+    overrides = ["generator.eval_n_samples_per_prompt=4"]
+    cfg = load_config(None, [*overrides, "generator.eval_sampling_params.temperature=1.0"])
+    assert cfg.generator.eval_n_samples_per_prompt == 4
 
 
 def test_group_size_error_explains_a_group_of_one() -> None:

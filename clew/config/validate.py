@@ -157,6 +157,13 @@ def _rules(cfg: ClewConfig) -> list[str]:
             fail("top-p", f"generator.{name}.top_p must be in (0, 1], got {sp.top_p}")
         if sp.top_k < 1 and sp.top_k != -1:
             fail("top-k", f"generator.{name}.top_k must be >= 1, or -1 for off; got {sp.top_k}")
+    if gen.eval_n_samples_per_prompt > 1 and gen.eval_sampling_params.temperature == 0:
+        fail(
+            "eval-samples-greedy",
+            f"generator.eval_n_samples_per_prompt is {gen.eval_n_samples_per_prompt} but "
+            "generator.eval_sampling_params.temperature is 0 (greedy): every sample of a "
+            "prompt would be the same; set a temperature > 0 or eval_n_samples_per_prompt=1",
+        )
     if not 0 < (gmu := gen.inference_engine.gpu_memory_utilization) <= 1:
         fail(
             "gpu-memory-utilization",
