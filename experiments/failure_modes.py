@@ -13,7 +13,9 @@ stood there before in that episode (a wall bump leaves it where it was, so a sec
 counts as a revisit): the policy's own-play counterpart of
 ``experiments/state_accuracy.py`` (which feeds it the solver's path). A reactive policy
 (current frame only) that takes a wrong branch and comes back takes the same branch again:
-low accuracy on revisited junctions points at that loop.
+low accuracy on revisited junctions points at that loop. Last, how often a wall bump was
+followed by the same move: the env's reply says "hit a wall moving X; you did not move"
+and the frame is unchanged, so a policy that reads only the frame repeats the bump.
 """
 
 import json
@@ -27,6 +29,7 @@ from clew.envs.maze.solver import distances_to
 
 rows = [json.loads(line) for line in Path(sys.argv[1]).read_text().splitlines()]
 outcomes: Counter = Counter()
+repeats: list[bool] = []  # per wall bump with a next turn: was the next move the same?
 good: dict[str, list[bool]] = defaultdict(list)
 for r in rows:
     env = make(r["env_id"], **r["env_options"])
@@ -35,8 +38,10 @@ for r in rows:
     dist = distances_to(maze, maze.goal)
     optimal = env.turns_needed()  # from this episode's start (start_anywhere moves it)
     seen: Counter = Counter()
-    reached, revisits, astray = False, 0, 0
+    reached, revisits, astray, bumped = False, 0, 0, False
     for turn, action in enumerate(r["actions"]):
+        if turn > 0 and bumped:
+            repeats.append(action == r["actions"][turn - 1])
         here = env.agent
         seen[here] += 1
         before = int(dist[here])
@@ -49,7 +54,8 @@ for r in rows:
             good["all turns"].append(closer)
             if turn == 0:
                 good["the first move"].append(closer)
-        if info["event"] == "wall" or (info["event"] == "moved" and not closer):
+        bumped = info["event"] == "wall"
+        if bumped or (info["event"] == "moved" and not closer):
             astray += 1
         if info["event"] == "moved" and seen[env.agent] > 0:
             revisits += 1
@@ -70,3 +76,7 @@ print("optimal moves in the policy's own play:")
 for key in sorted(good):
     v = good[key]
     print(f"  {key:24s} {sum(v) / len(v):6.1%} of {len(v)} turns")
+if repeats:
+    print(
+        f"wall bumps followed by the same move: {sum(repeats) / len(repeats):.1%} of {len(repeats)}"
+    )
