@@ -56,6 +56,13 @@ SFT_STOP_AT=${SFT_STOP_AT:-}  # clew sft --stop-at-pass: end SFT at the first ev
 # the GRPO start the latest one whose eval pass@1 lies in [LOW, HIGH] (the final one kept as
 # WORK/sft_final); SFT_PICK.txt in OUT says which step was taken.
 SFT_PICK=${SFT_PICK:-}
+# DAGGER_INTERVAL=N: DAgger rounds in SFT every N steps (clew sft --dagger-interval; the
+# policy plays DAGGER_ROWS training rows, default 64, and the solver's branches from its
+# mistakes fill DAGGER_SHARE of each batch, default 0.5)
+dagger=()
+if [ -n "${DAGGER_INTERVAL:-}" ]; then
+  dagger=(--dagger-interval "$DAGGER_INTERVAL" --dagger-rows "${DAGGER_ROWS:-64}" --dagger-share "${DAGGER_SHARE:-0.5}")
+fi
 PACK_BF16=${PACK_BF16:-0}  # 1: checkpoints come back with bfloat16 weights (half the parts)
 # Tokens a reply may take: a keyword action is 4 (<action>, the word, </action>, <|im_end|>).
 # Every decode step runs the whole batch, so one row rambling to 8 tokens doubled a turn's
@@ -177,7 +184,7 @@ if [ "$phase" = sft ]; then
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
     --warmup-steps "${SFT_WARMUP:-50}" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" \
     --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
-    ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} --metrics "$out/sft_metrics.jsonl"
+    ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} ${dagger[@]+"${dagger[@]}"} --metrics "$out/sft_metrics.jsonl"
   pick sft && pack "$work/sft" sft
   start_evals
 elif [ "$phase" = sft_more ]; then
@@ -188,7 +195,7 @@ elif [ "$phase" = sft_more ]; then
     --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
     --warmup-steps "${SFT_MORE_WARMUP:-20}" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
-    ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} --metrics "$out/sft_more_metrics.jsonl"
+    ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} ${dagger[@]+"${dagger[@]}"} --metrics "$out/sft_more_metrics.jsonl"
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pick sft_more && pack "$work/sft" sft
   start_evals
 elif [ "$phase" = grpo ]; then

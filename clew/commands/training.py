@@ -74,6 +74,23 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         default=0,
         help="also save the policy every N steps to OUTPUT/step_N (0: only the final one)",
     )
+    p.add_argument(
+        "--dagger-interval",
+        type=int,
+        default=0,
+        help="DAgger: every N steps the policy plays training rows and the solver labels "
+        "where it went wrong (clew.train.dagger); 0: off",
+    )
+    p.add_argument("--dagger-rows", type=positive_int, default=64, help="rows played a round")
+    p.add_argument(
+        "--dagger-share",
+        type=float,
+        default=0.5,
+        help="share of each batch from the latest round's branch demonstrations, in (0, 1]",
+    )
+    p.add_argument(
+        "--dagger-temperature", type=float, default=1.0, help="the policy's sampling temperature"
+    )
     p.add_argument("--metrics", help="append one JSON line of metrics per step to this file")
     p.add_argument(
         "--keep-last-k-images",
@@ -95,6 +112,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         from clew.data.rows import read_rows
         from clew.inference.runtime import limit_host_threads, pick_device
         from clew.models.precision import policy_precision
+        from clew.train.dagger import DaggerSettings
         from clew.train.sft import run_sft
 
         rows = read_rows(args.data)
@@ -104,6 +122,13 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         eval_fn = None
         if args.eval_data:
             eval_fn = _sft_eval_fn(read_rows(args.eval_data), args.keep_last_k_images, autocast)
+        if args.dagger_interval < 0:
+            raise ClewError(f"--dagger-interval must be >= 0 (0: off), got {args.dagger_interval}")
+        dagger = None
+        if args.dagger_interval:
+            dagger = DaggerSettings(
+                args.dagger_interval, args.dagger_rows, args.dagger_share, args.dagger_temperature
+            )
         if args.max_minutes is not None and args.max_minutes <= 0:
             raise ClewError(f"--max-minutes must be positive, got {args.max_minutes}")
         metrics_file = Path(args.metrics) if args.metrics else None
@@ -148,6 +173,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
             eval_fn=eval_fn,
             eval_interval=args.eval_interval,
             save_interval=args.save_interval,
+            dagger=dagger,
             log=log,
         )
         print(

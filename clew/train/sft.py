@@ -39,6 +39,7 @@ from clew.errors import ClewError, ConfigError, DataError
 from clew.models.chat import ChatFormat
 from clew.stopping import GracefulStop
 from clew.train.batch import Sample
+from clew.train.dagger import DaggerSettings, dagger_round, mix_in
 from clew.train.optim import MAX_DROPPED_STEPS
 from clew.train.worker import PolicyWorker, WorkerSettings
 
@@ -51,7 +52,8 @@ class Demonstration(Sample):
     """One solver episode as a training sequence, with what was played."""
 
     actions: list[str] = field(default_factory=list)
-    detour_turns: list[int] = field(default_factory=list)  # 0-based turns that were detours
+    # 0-based turns out of the solver's path: detours, and a DAgger branch's policy turns
+    detour_turns: list[int] = field(default_factory=list)
     reward: float = 0.0
     row_seed: int = 0
     # Where each observation chunk begins, and the image window the policy will run with
@@ -110,14 +112,19 @@ def play_demonstration(
     detour_prob: float = 0.0,
     train_on_detours: bool = False,
     start_anywhere: float = 0.0,
+    prefix: Sequence[str] = (),
 ) -> Demonstration | None:
-    """Play ``row`` with the solver; None if the optimal play does not fit its turn budget."""
+    """Play ``row`` with the solver; None if the optimal play does not fit its turn budget.
+
+    ``prefix``: replies played first, as given and out of the loss (the policy's own turns
+    of a DAgger branch, ``clew.train.dagger``); the solver plays on from where they lead.
+    """
     env = make(row.env_id, **row.options())
     obs = env.reset(int(row.seed))
     if env.turns_needed() > env.max_turns:
         return None
     dist = distances_to(env.maze, env.maze.goal)
-    if start_anywhere > 0 and rng.random() < start_anywhere:
+    if start_anywhere > 0 and not prefix and rng.random() < start_anywhere:
         obs = env.reset(int(row.seed), start=rng.choice(env.start_cells()))
     demo = Demonstration([], [], [], row_seed=int(row.seed))
     turn = 0
@@ -129,11 +136,15 @@ def play_demonstration(
         demo.token_ids += chunk.token_ids
         demo.loss_mask += [0] * len(chunk.token_ids)
         demo.images += obs.images
-        action, detour = _next_action(env, dist, rng, detour_prob)
-        text = format_action(action, env.action_format)
+        if turn < len(prefix):
+            text, detour = prefix[turn], True
+        else:
+            action, detour = _next_action(env, dist, rng, detour_prob)
+            text = format_action(action, env.action_format)
         reply = chat.reply_tokens(text)
         demo.token_ids += reply
-        demo.loss_mask += [0 if detour and not train_on_detours else 1] * len(reply)
+        in_loss = not detour or (train_on_detours and turn >= len(prefix))
+        demo.loss_mask += [int(in_loss)] * len(reply)
         demo.actions.append(text)
         if detour:
             demo.detour_turns.append(turn)
@@ -281,6 +292,7 @@ def run_sft(
     eval_fn: EvalFn | None = None,
     eval_interval: int = 0,
     save_interval: int = 0,
+    dagger: DaggerSettings | None = None,
     log: LogFn | None = None,
 ) -> SFTResult:
     """Train on solver demonstrations of ``train_rows`` and save a loadable policy directory.
@@ -299,7 +311,10 @@ def run_sft(
     band of solve rates stops in it rather than past it. ``dtype`` and ``autocast_bf16`` are the
     weights' dtype and bfloat16 compute (``clew.models.precision``). ``save_interval`` also
     saves the policy every that many steps to ``output_dir/step_N`` (as HF's ``save_steps``),
-    so a start of a chosen strength can be taken from along the curve.
+    so a start of a chosen strength can be taken from along the curve. ``dagger`` adds DAgger
+    rounds: every ``dagger.interval`` steps the policy plays training rows and its branch
+    demonstrations fill ``dagger.share`` of each batch until the next round
+    (``clew.train.dagger``).
     """
     if steps < 1 or batch_size < 1:
         raise ConfigError(f"steps and batch_size must be positive, got {steps} and {batch_size}")
@@ -350,6 +365,8 @@ def run_sft(
     )
     losses: list[float] = []
     evals: list[dict[str, float]] = []
+    branches: list[Demonstration] = []  # the latest DAgger round's demonstrations
+    dagger_rng = random.Random(seed + 1)
     dropped = 0  # steps in a row whose gradient was NaN or infinite (no update)
     started = time.monotonic()
     # One batch is played ahead on a thread while the current one trains.
@@ -362,7 +379,15 @@ def run_sft(
             batch = ahead.result()
             if step < steps:
                 ahead = pool.submit(next, batches)
-            stats = worker.sft_step(batch, micro_batch_size or batch_size)
+            round_stats: dict[str, float] = {}
+            if dagger is not None and step > 1 and (step - 1) % dagger.interval == 0:
+                branches, round_stats = dagger_round(
+                    worker.model, chat, solvable, dagger, dagger_rng,
+                    image_window=keep_last_k_images, autocast=autocast_bf16,
+                )  # fmt: skip
+            if dagger is not None and branches:
+                batch = mix_in(batch, branches, dagger.share, dagger_rng)
+            stats = worker.sft_step(batch, micro_batch_size or batch_size) | round_stats
             dropped = dropped + 1 if stats["sft/skipped"] else 0
             losses.append(stats["sft/loss"])
             elapsed = time.monotonic() - started

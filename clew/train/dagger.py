@@ -1,0 +1,171 @@
+"""DAgger for SFT: the policy plays, the solver labels the states where it went wrong.
+
+Solver demonstrations only show states on (or one detour off) the solver's path, and the
+solver's next move there is readable from the frame alone. A state the policy reaches by
+its own misreading is never in them: after it bumps a wall the frame is unchanged and only
+the env's reply ("hit a wall moving right; you did not move") says what happened, and the
+SFT starts repeat 94-97% of their bumps (BENCHMARKS.md, "Twenty-first attempt"). DAgger
+(Ross et al., 2011) trains on the states the policy itself visits, labelled by the expert.
+
+Each round plays the current policy on training rows (``clew.rollout.play``, the engine
+the evaluations use) and turns every episode that went wrong into one *branch
+demonstration*: the policy's own turns up to one of its mistakes (a move that did not bring
+it closer to the goal, a wall bump, an unreadable reply) are the context, out of the loss,
+and from that very state the solver plays to the goal, in the loss. The first solver turn
+is the label on the state the policy got wrong, with the history it got there by.
+The branch demonstrations of the latest round fill a share of every SFT batch until the
+next round. The policy plays the rows as they are: from their own starts, or from anywhere
+where the rows carry the env's ``start_anywhere`` option (``clew dataset --option``); SFT's
+own ``start_anywhere`` moves only the solver's demonstrations. No library does this for multi-turn VLM SFT (TRL's SFTTrainer trains on a
+fixed dataset; imitation libraries such as ``imitation`` drive gym policies, not chat
+models), so it is written here on clew's own rollout loop and demonstration player.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from clew.data.rows import MazeRow
+from clew.envs import make
+from clew.envs.maze.solver import distances_to
+from clew.errors import ConfigError
+from clew.models.chat import ChatFormat
+
+if TYPE_CHECKING:
+    from clew.train.sft import Demonstration
+
+
+@dataclass(frozen=True)
+class DaggerSettings:
+    """When and how much the policy plays for DAgger during SFT."""
+
+    interval: int  # SFT steps between rounds (the first round after `interval` steps)
+    rows: int = 64  # training rows the policy plays each round
+    share: float = 0.5  # share of each SFT batch taken from the latest round's demonstrations
+    temperature: float = 1.0  # the policy's sampling temperature in those episodes
+    max_generate_length: int = 16  # tokens a reply may take (as the SFT evaluation's)
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ConfigError(f"dagger interval is a number of SFT steps >= 1, got {self.interval}")
+        if self.rows < 1:
+            raise ConfigError(f"dagger rows must be >= 1, got {self.rows}")
+        if not 0.0 < self.share <= 1.0:
+            raise ConfigError(f"dagger share is a share of each batch in (0, 1], got {self.share}")
+        if self.temperature < 0:
+            raise ConfigError(
+                f"dagger temperature must be >= 0 (0: greedy), got {self.temperature}"
+            )
+
+
+def branch_points(row: MazeRow, actions: Sequence[str]) -> list[int]:
+    """The turns of an episode of ``row`` where the played action was not optimal.
+
+    Only turns from which the solver can still finish within the turn budget count: a
+    branch there must end on the goal.
+    """
+    env = make(row.env_id, **row.options())
+    env.reset(int(row.seed))
+    dist = distances_to(env.maze, env.maze.goal)
+    stop_cost = 0 if env.success_on_reach else 1
+    out = []
+    for turn, action in enumerate(actions):
+        here = env.agent
+        before = int(dist[here])
+        _, reward, done, info = env.step(action)
+        optimal = (info["event"] == "moved" and int(dist[env.agent]) < before) or (
+            done and reward > 0
+        )
+        if not optimal and env.max_turns - turn >= before + stop_cost:
+            out.append(turn)
+        if done:
+            break
+    return out
+
+
+def branch_demonstrations(
+    rows: Sequence[MazeRow],
+    played: Sequence[Sequence[str]],
+    chat: ChatFormat,
+    rng: random.Random,
+) -> list[Demonstration]:
+    """One branch demonstration per episode that went wrong, at one of its mistakes.
+
+    ``played[i]`` holds the replies of an episode of ``rows[i]``. The mistake is drawn
+    uniformly, so a policy that bumps the same wall five times is also labelled after its
+    second, third, ... bump, where the env's replies are in the context.
+    """
+    from clew.train.sft import play_demonstration
+
+    out = []
+    for row, actions in zip(rows, played, strict=True):
+        points = branch_points(row, actions)
+        if not points:
+            continue
+        k = rng.choice(points)
+        demo = play_demonstration(row, chat, rng, prefix=list(actions[:k]))
+        if demo is not None and demo.reward > 0:
+            out.append(demo)
+    return out
+
+
+def dagger_round(
+    model: torch.nn.Module,
+    chat: ChatFormat,
+    rows: Sequence[MazeRow],
+    settings: DaggerSettings,
+    rng: random.Random,
+    *,
+    image_window: int | None = None,
+    autocast: bool = False,
+) -> tuple[list[Demonstration], dict[str, float]]:
+    """The current policy plays ``settings.rows`` of ``rows``; its branch demonstrations."""
+    from clew.inference.engine import InferenceEngine
+    from clew.inference.sampling import SamplingParams
+    from clew.rollout.loop import RolloutSettings, play
+
+    begun = time.monotonic()
+    picked = rng.sample(list(rows), min(settings.rows, len(rows)))
+    rollout = RolloutSettings(
+        1,
+        max(r.max_turns for r in picked),
+        8192,
+        SamplingParams(temperature=settings.temperature, max_tokens=settings.max_generate_length),
+        keep_last_k_images=image_window,
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        trajs = play(
+            InferenceEngine(model, chat, autocast=autocast),
+            picked,
+            rollout,
+            seed=rng.randrange(2**31),
+        )
+    finally:
+        model.train(was_training)
+    demos = branch_demonstrations(picked, [t.actions for t in trajs], chat, rng)
+    for demo in demos:
+        demo.image_window = image_window
+    stats = {
+        "sft/dagger_solve_rate": sum(t.success for t in trajs) / len(trajs),
+        "sft/dagger_demonstrations": float(len(demos)),
+        "sft/dagger_s": time.monotonic() - begun,
+    }
+    return demos, stats
+
+
+def mix_in(
+    batch: list[Demonstration], pool: Sequence[Demonstration], share: float, rng: random.Random
+) -> list[Demonstration]:
+    """``batch`` with its last ``share`` of places taken by demonstrations drawn from ``pool``."""
+    if not pool:
+        return batch
+    n = min(len(batch), max(1, round(share * len(batch))))
+    return batch[: len(batch) - n] + [rng.choice(pool) for _ in range(n)]

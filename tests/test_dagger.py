@@ -1,0 +1,141 @@
+"""DAgger for SFT (clew.train.dagger): the solver labels the states the policy went wrong in."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from clew.cli import main
+from clew.data.rows import generate_rows, write_rows
+from clew.envs import make
+from clew.envs.maze.actions import Action, format_action
+from clew.envs.maze.generate import DIRECTIONS
+from clew.envs.maze.solver import shortest_actions
+from clew.errors import ConfigError
+from clew.models import build_model, load_policy
+from clew.models.chat import ChatFormat
+from clew.train.dagger import (
+    DaggerSettings,
+    branch_demonstrations,
+    branch_points,
+    mix_in,
+)
+from clew.train.sft import Demonstration, play_demonstration, run_sft
+
+OPTIONS = {"cell_px": 28, "action_format": "keyword"}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model("tiny", tmp_path_factory.mktemp("tiny"), image_size=140, overwrite=True).path
+
+
+@pytest.fixture(scope="module")
+def chat(model_dir) -> ChatFormat:
+    return ChatFormat(load_policy(model_dir)[1])
+
+
+@pytest.fixture(scope="module")
+def row():
+    return generate_rows("maze_2d/tiny", 1, env_options=OPTIONS)[0]
+
+
+def _solver_and_a_bump(row) -> tuple[list[str], str]:
+    """The solver's replies, and a reply that bumps a wall after its first move."""
+    env = make(row.env_id, **row.options())
+    env.reset(row.seed)
+    solver = [format_action(Action("move", d), "keyword") for d in shortest_actions(env.maze)]
+    env.step(solver[0])
+    r, c = env.agent
+    wall = next(
+        d for d, (dr, dc) in enumerate(DIRECTIONS) if not env.maze.is_open((r + dr, c + dc))
+    )
+    return solver + [format_action(Action("stop"), "keyword")], format_action(
+        Action("move", wall), "keyword"
+    )
+
+
+def test_branch_points_are_the_turns_that_did_not_bring_the_agent_closer(row):
+    solver, bump = _solver_and_a_bump(row)
+    assert branch_points(row, solver) == []
+    played = [solver[0], bump, bump, *solver[1:]]
+    assert branch_points(row, played) == [1, 2]
+
+
+def test_a_branch_keeps_the_policys_turns_as_context_and_trains_on_the_solver_after(row, chat):
+    solver, bump = _solver_and_a_bump(row)
+    prefix = [solver[0], bump, bump]
+    demo = play_demonstration(row, chat, random.Random(0), prefix=prefix)
+    assert demo is not None and demo.reward == 1.0
+    assert demo.actions[:3] == prefix and demo.detour_turns == [0, 1, 2]
+    assert demo.actions[3:] == solver[1:]  # from the bumped state the solver goes on
+    replies = [chat.reply_tokens(a) for a in demo.actions]
+    assert sum(demo.loss_mask) == sum(len(r) for r in replies[3:])
+    # The env's reply to the second bump is in the context of the first trained turn.
+    text = chat.decode(demo.token_ids[: demo.chunk_starts[3] + 200])
+    assert text.count("hit a wall") == 2
+
+
+def test_only_episodes_that_went_wrong_become_branch_demonstrations(row, chat):
+    solver, bump = _solver_and_a_bump(row)
+    rng = random.Random(3)
+    demos = branch_demonstrations([row, row], [solver, [solver[0], bump, bump]], chat, rng)
+    assert len(demos) == 1
+    k = len(demos[0].detour_turns)
+    assert k in (1, 2) and demos[0].actions[:k] == [solver[0], bump, bump][:k]
+
+
+def test_mix_in_replaces_the_batchs_share_with_round_demonstrations():
+    batch = [Demonstration([i], [1], []) for i in range(4)]
+    branch = [Demonstration([9], [1], [])]
+    mixed = mix_in(batch, branch, 0.5, random.Random(0))
+    assert [d.token_ids[0] for d in mixed] == [0, 1, 9, 9]
+    assert mix_in(batch, [], 0.5, random.Random(0)) == batch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interval": 0}, "interval is a number of SFT steps >= 1"),
+        ({"interval": 5, "share": 0.0}, "share is a share of each batch in (0, 1]"),
+        ({"interval": 5, "temperature": -1.0}, "temperature must be >= 0"),
+        ({"interval": 5, "rows": 0}, "rows must be >= 1"),
+    ],
+)
+def test_bad_dagger_settings_are_refused_with_the_rule(kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        DaggerSettings(**kwargs)
+
+
+def test_sft_with_dagger_rounds_plays_the_policy_and_trains_on_its_branches(model_dir, tmp_path):
+    rows = generate_rows("maze_2d/tiny", 8, env_options=OPTIONS)
+    logged: dict[int, dict[str, float]] = {}
+    run_sft(
+        model_dir,
+        rows,
+        tmp_path / "sft",
+        steps=5,
+        batch_size=4,
+        lr=3e-3,
+        dagger=DaggerSettings(interval=2, rows=4, share=0.5, max_generate_length=8),
+        log=lambda step, stats: logged.__setitem__(step, stats),
+    )
+    rounds = [s for s, m in logged.items() if "sft/dagger_solve_rate" in m]
+    assert rounds == [3, 5]  # after 2 and 4 steps
+    for s in rounds:
+        assert 0.0 <= logged[s]["sft/dagger_solve_rate"] <= 1.0
+        assert 0 <= logged[s]["sft/dagger_demonstrations"] <= 4
+
+
+def test_sft_command_refuses_a_bad_dagger_share_before_any_work(model_dir, tmp_path, capsys):
+    data = tmp_path / "train.parquet"
+    write_rows(generate_rows("maze_2d/tiny", 2, env_options=OPTIONS), data)
+    out = tmp_path / "sft"
+    code = main(["sft", "--model", str(model_dir), "--data", str(data), "--output", str(out),
+                 "--dagger-interval", "5", "--dagger-share", "1.5"])  # fmt: skip
+    assert code != 0
+    assert "dagger share is a share of each batch in (0, 1], got 1.5" in capsys.readouterr().err
+    assert not out.exists()
