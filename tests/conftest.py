@@ -17,3 +17,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny policy for 140 px frames, built once per module (a module may define its own)."""
+    from clew.models import build_model
+
+    return build_model("tiny", tmp_path_factory.mktemp("tiny"), image_size=140, overwrite=True).path
+
+
+@pytest.fixture(scope="module")
+def chat(model_dir):
+    """The chat format of ``model_dir``'s processor."""
+    from clew.models import load_policy
+    from clew.models.chat import ChatFormat
+
+    return ChatFormat(load_policy(model_dir)[1])

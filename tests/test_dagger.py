@@ -13,8 +13,6 @@ from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.generate import DIRECTIONS
 from clew.envs.maze.solver import shortest_actions
 from clew.errors import ConfigError
-from clew.models import build_model, load_policy
-from clew.models.chat import ChatFormat
 from clew.train.dagger import (
     DaggerSettings,
     branch_demonstrations,
@@ -26,16 +24,6 @@ from clew.train.sft import Demonstration, play_demonstration, run_sft
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), image_size=140, overwrite=True).path
-
-
-@pytest.fixture(scope="module")
-def chat(model_dir) -> ChatFormat:
-    return ChatFormat(load_policy(model_dir)[1])
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from clew.data.rows import generate_rows
 from clew.errors import ClewError, ConfigError
-from clew.models import build_model, load_policy
+from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.train.batch import collate
 from clew.train.sft import demonstrations, play_demonstration, run_sft
@@ -22,16 +22,6 @@ OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), image_size=140, overwrite=True).path
-
-
-@pytest.fixture(scope="module")
-def chat(model_dir) -> ChatFormat:
-    return ChatFormat(load_policy(model_dir)[1])
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from clew.data.rows import generate_rows
 from clew.errors import ClewError
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
-from clew.models import build_model, load_policy
+from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
@@ -23,11 +23,6 @@ OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), image_size=140, overwrite=True).path
 
 
 @pytest.fixture(scope="module")

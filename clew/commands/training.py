@@ -186,9 +186,8 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
 
 def _sft_eval_fn(rows, keep_last_k_images=None, autocast=False):
     from clew.evaluation import eval_metrics
-    from clew.inference.engine import InferenceEngine
     from clew.inference.sampling import SamplingParams
-    from clew.rollout.loop import RolloutSettings, play
+    from clew.rollout.loop import RolloutSettings, play_model
     from clew.train.agreement import solver_agreement
 
     turns = max(r.max_turns for r in rows)
@@ -201,13 +200,10 @@ def _sft_eval_fn(rows, keep_last_k_images=None, autocast=False):
     )
 
     def eval_fn(model, chat, step):
-        was_training = model.training
-        model.eval()
-        trajs = play(InferenceEngine(model, chat, autocast=autocast), rows, settings, seed=0)
+        trajs = play_model(model, chat, rows, settings, autocast=autocast)
         agreement = solver_agreement(
             model, chat, rows, image_window=keep_last_k_images, autocast=autocast
         )
-        model.train(was_training)
         return eval_metrics(trajs, rows, turns) | agreement
 
     return eval_fn

@@ -184,6 +184,25 @@ def play(
     return done
 
 
+def play_model(
+    model: Any,
+    chat: Any,
+    rows: Sequence[MazeRow],
+    settings: RolloutSettings,
+    *,
+    seed: int = 0,
+    autocast: bool = False,
+) -> list[Trajectory]:
+    """``play`` with a model being trained (SFT's evaluations, DAgger rounds): the episodes
+    run in eval mode and the model's mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        return play(InferenceEngine(model, chat, autocast=autocast), rows, settings, seed=seed)
+    finally:
+        model.train(was_training)
+
+
 def _framed(chunk: Chunk, before: list[int], after: list[int]) -> Chunk:
     """``chunk`` with the previous reply's forced ending before it and the next one's opening after."""
     if not before and not after:

@@ -126,9 +126,8 @@ def dagger_round(
     autocast: bool = False,
 ) -> tuple[list[Demonstration], dict[str, float]]:
     """The current policy plays ``settings.rows`` of ``rows``; its branch demonstrations."""
-    from clew.inference.engine import InferenceEngine
     from clew.inference.sampling import SamplingParams
-    from clew.rollout.loop import RolloutSettings, play
+    from clew.rollout.loop import RolloutSettings, play_model
 
     begun = time.monotonic()
     picked = rng.sample(list(rows), min(settings.rows, len(rows)))
@@ -139,17 +138,7 @@ def dagger_round(
         SamplingParams(temperature=settings.temperature, max_tokens=settings.max_generate_length),
         keep_last_k_images=image_window,
     )
-    was_training = model.training
-    model.eval()
-    try:
-        trajs = play(
-            InferenceEngine(model, chat, autocast=autocast),
-            picked,
-            rollout,
-            seed=rng.randrange(2**31),
-        )
-    finally:
-        model.train(was_training)
+    trajs = play_model(model, chat, picked, rollout, seed=rng.randrange(2**31), autocast=autocast)
     demos = branch_demonstrations(picked, [t.actions for t in trajs], chat, rng)
     for demo in demos:
         demo.image_window = image_window
