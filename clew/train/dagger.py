@@ -7,7 +7,7 @@ the env's reply ("hit a wall moving right; you did not move") says what happened
 SFT starts repeat 94-97% of their bumps (BENCHMARKS.md, "Twenty-first attempt"). DAgger
 (Ross et al., 2011) trains on the states the policy itself visits, labelled by the expert.
 
-Each round plays the current policy on training rows (``clew.rollout.play``, the engine
+Each round plays the current policy on training rows (``clew.rollout.loop.play_model``, the engine
 the evaluations use) and turns every episode that went wrong into one *branch
 demonstration*: the policy's own turns up to one of its mistakes (a move that did not bring
 it closer to the goal, a wall bump, an unreadable reply) are the context, out of the loss,
