@@ -54,7 +54,7 @@ SFT_EVAL_INTERVAL=${SFT_EVAL_INTERVAL:-100}
 SFT_STOP_AT=${SFT_STOP_AT:-}  # clew sft --stop-at-pass: end SFT at the first eval reaching it
 # SFT_PICK="LOW HIGH": save the policy at every evaluation (clew sft --save-interval) and make
 # the GRPO start the latest one whose eval pass@1 lies in [LOW, HIGH] (the final one kept as
-# WORK/sft_final); SFT_PICK.txt in OUT says which step was taken.
+# WORK/sft_final and packed as OUT/sft_final.tgz.part-*); SFT_PICK.txt in OUT says which step was taken.
 SFT_PICK=${SFT_PICK:-}
 # DAGGER_INTERVAL=N: DAgger rounds in SFT every N steps (clew sft --dagger-interval; the
 # policy plays DAGGER_ROWS training rows, default 64, and the solver's branches from its
@@ -150,6 +150,9 @@ PY
   echo "GRPO start: SFT step $step (band $SFT_PICK)" | tee "$out/SFT_PICK.txt"
   [ -d "$work/sft_steps/step_$step" ] || { echo "step $step is the final policy" >> "$out/SFT_PICK.txt"; return 0; }
   rm -rf "$work/sft_final" && mv "$work/sft" "$work/sft_final" && mv "$work/sft_steps/step_$step" "$work/sft"
+  # The final policy comes back too (OUT/sft_final.tgz.part-*): session 24's DAgger SFT went
+  # on to 78.1% after the step it picked, and that policy was lost with the machine.
+  pack "$work/sft_final" sft_final
 }
 # TRAIN_MAX_TURNS: the training mazes' own turn budget (the eval mazes keep 32). Optimal paths
 # of easy mazes are 12, 16, 20 or (1 in 100) 24 moves, one turn more with the stop: at 26 every
