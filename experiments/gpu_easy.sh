@@ -58,10 +58,11 @@ SFT_STOP_AT=${SFT_STOP_AT:-}  # clew sft --stop-at-pass: end SFT at the first ev
 SFT_PICK=${SFT_PICK:-}
 # DAGGER_INTERVAL=N: DAgger rounds in SFT every N steps (clew sft --dagger-interval; the
 # policy plays DAGGER_ROWS training rows, default 64, and the solver's branches from its
-# mistakes fill DAGGER_SHARE of each batch, default 0.5)
+# mistakes fill DAGGER_SHARE of each batch, default 0.5, drawn from the latest
+# DAGGER_KEEP_ROUNDS rounds, default 1, 0 for all)
 dagger=()
 if [ -n "${DAGGER_INTERVAL:-}" ]; then
-  dagger=(--dagger-interval "$DAGGER_INTERVAL" --dagger-rows "${DAGGER_ROWS:-64}" --dagger-share "${DAGGER_SHARE:-0.5}")
+  dagger=(--dagger-interval "$DAGGER_INTERVAL" --dagger-rows "${DAGGER_ROWS:-64}" --dagger-share "${DAGGER_SHARE:-0.5}" --dagger-keep-rounds "${DAGGER_KEEP_ROUNDS:-1}")
 fi
 PACK_BF16=${PACK_BF16:-0}  # 1: checkpoints come back with bfloat16 weights (half the parts)
 # Tokens a reply may take: a keyword action is 4 (<action>, the word, </action>, <|im_end|>).

@@ -14,6 +14,7 @@ from clew.envs.maze.generate import DIRECTIONS
 from clew.envs.maze.solver import shortest_actions
 from clew.errors import ConfigError
 from clew.train.dagger import (
+    BranchPool,
     DaggerSettings,
     branch_demonstrations,
     branch_points,
@@ -91,6 +92,7 @@ def test_mix_in_replaces_the_batchs_share_with_round_demonstrations():
         ({"interval": 5, "share": 0.0}, "share is a share of each batch in (0, 1]"),
         ({"interval": 5, "temperature": -1.0}, "temperature must be >= 0"),
         ({"interval": 5, "rows": 0}, "rows must be >= 1"),
+        ({"interval": 5, "keep_rounds": -1}, "keep_rounds is a number of rounds >= 0"),
     ],
 )
 def test_bad_dagger_settings_are_refused_with_the_rule(kwargs, message):
@@ -108,7 +110,7 @@ def test_sft_with_dagger_rounds_plays_the_policy_and_trains_on_its_branches(mode
         steps=5,
         batch_size=4,
         lr=3e-3,
-        dagger=DaggerSettings(interval=2, rows=4, share=0.5, max_generate_length=8),
+        dagger=DaggerSettings(interval=2, rows=4, share=0.5, keep_rounds=0, max_generate_length=8),
         log=lambda step, stats: logged.__setitem__(step, stats),
     )
     rounds = [s for s, m in logged.items() if "sft/dagger_solve_rate" in m]
@@ -116,6 +118,23 @@ def test_sft_with_dagger_rounds_plays_the_policy_and_trains_on_its_branches(mode
     for s in rounds:
         assert 0.0 <= logged[s]["sft/dagger_solve_rate"] <= 1.0
         assert 0 <= logged[s]["sft/dagger_demonstrations"] <= 4
+    # keep_rounds=0 aggregates: the pool after the second round holds both rounds' branches
+    made = [logged[s]["sft/dagger_demonstrations"] for s in rounds]
+    assert [logged[s]["sft/dagger_pool"] for s in rounds] == [made[0], made[0] + made[1]]
+
+
+def _demos(*seeds: int) -> list[Demonstration]:
+    return [Demonstration([], [], [], row_seed=s) for s in seeds]
+
+
+def test_branch_pool_keeps_the_latest_rounds_or_every_round():
+    latest, two, every = BranchPool(1), BranchPool(2), BranchPool(0)
+    for pool in (latest, two, every):
+        for r in (_demos(1, 2), _demos(3), _demos(4, 5)):
+            pool.add(r)
+    assert [d.row_seed for d in latest.demos] == [4, 5]
+    assert [d.row_seed for d in two.demos] == [3, 4, 5]
+    assert [d.row_seed for d in every.demos] == [1, 2, 3, 4, 5]
 
 
 def test_sft_command_refuses_a_bad_dagger_share_before_any_work(model_dir, tmp_path, capsys):

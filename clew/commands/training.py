@@ -86,7 +86,14 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         "--dagger-share",
         type=float,
         default=0.5,
-        help="share of each batch from the latest round's branch demonstrations, in (0, 1]",
+        help="share of each batch from the branch demonstrations, in (0, 1]",
+    )
+    p.add_argument(
+        "--dagger-keep-rounds",
+        type=int,
+        default=1,
+        help="rounds whose branch demonstrations the batches draw from, the latest first; "
+        "0: every round (DAgger's dataset aggregation, about 1 MB of frames a demonstration)",
     )
     p.add_argument(
         "--dagger-temperature", type=float, default=1.0, help="the policy's sampling temperature"
@@ -127,7 +134,11 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         dagger = None
         if args.dagger_interval:
             dagger = DaggerSettings(
-                args.dagger_interval, args.dagger_rows, args.dagger_share, args.dagger_temperature
+                interval=args.dagger_interval,
+                rows=args.dagger_rows,
+                share=args.dagger_share,
+                temperature=args.dagger_temperature,
+                keep_rounds=args.dagger_keep_rounds,
             )
         if args.max_minutes is not None and args.max_minutes <= 0:
             raise ClewError(f"--max-minutes must be positive, got {args.max_minutes}")

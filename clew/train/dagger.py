@@ -13,8 +13,11 @@ demonstration*: the policy's own turns up to one of its mistakes (a move that di
 it closer to the goal, a wall bump, an unreadable reply) are the context, out of the loss,
 and from that very state the solver plays to the goal, in the loss. The first solver turn
 is the label on the state the policy got wrong, with the history it got there by.
-The branch demonstrations of the latest round fill a share of every SFT batch until the
-next round. The policy plays the rows as they are: from their own starts, or from anywhere
+The branch demonstrations of the latest ``keep_rounds`` rounds (all of them with 0: the
+dataset aggregation of DAgger proper) fill a share of every SFT batch until the next round.
+The default keeps the latest round only: a demonstration holds its frames as images, about
+1 MB each, and a round gives one per episode that went wrong, so a pool of every round
+grows by a few hundred MB a round at the GPU recipe's 384 rows. The policy plays the rows as they are: from their own starts, or from anywhere
 where the rows carry the env's ``start_anywhere`` option (``clew dataset --option``); SFT's
 own ``start_anywhere`` moves only the solver's demonstrations. No library does this for multi-turn VLM SFT (TRL's SFTTrainer trains on a
 fixed dataset; imitation libraries such as ``imitation`` drive gym policies, not chat
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -47,7 +51,8 @@ class DaggerSettings:
 
     interval: int  # SFT steps between rounds (the first round after `interval` steps)
     rows: int = 64  # training rows the policy plays each round
-    share: float = 0.5  # share of each SFT batch taken from the latest round's demonstrations
+    share: float = 0.5  # share of each SFT batch taken from the pool of branch demonstrations
+    keep_rounds: int = 1  # rounds whose demonstrations the pool keeps, newest first (0: all)
     temperature: float = 1.0  # the policy's sampling temperature in those episodes
     max_generate_length: int = 16  # tokens a reply may take (as the SFT evaluation's)
 
@@ -58,6 +63,10 @@ class DaggerSettings:
             raise ConfigError(f"dagger rows must be >= 1, got {self.rows}")
         if not 0.0 < self.share <= 1.0:
             raise ConfigError(f"dagger share is a share of each batch in (0, 1], got {self.share}")
+        if self.keep_rounds < 0:
+            raise ConfigError(
+                f"dagger keep_rounds is a number of rounds >= 0 (0: every round), got {self.keep_rounds}"
+            )
         if self.temperature < 0:
             raise ConfigError(
                 f"dagger temperature must be >= 0 (0: greedy), got {self.temperature}"
@@ -148,6 +157,21 @@ def dagger_round(
         "sft/dagger_s": time.monotonic() - begun,
     }
     return demos, stats
+
+
+class BranchPool:
+    """The branch demonstrations SFT batches draw from: those of the latest ``keep_rounds``
+    rounds (0: of every round)."""
+
+    def __init__(self, keep_rounds: int = 1) -> None:
+        self._rounds: deque[list[Demonstration]] = deque(maxlen=keep_rounds or None)
+
+    def add(self, demos: Sequence[Demonstration]) -> None:
+        self._rounds.append(list(demos))
+
+    @property
+    def demos(self) -> list[Demonstration]:
+        return [d for r in self._rounds for d in r]
 
 
 def mix_in(

@@ -39,7 +39,7 @@ from clew.errors import ClewError, ConfigError, DataError
 from clew.models.chat import ChatFormat
 from clew.stopping import GracefulStop
 from clew.train.batch import Sample
-from clew.train.dagger import DaggerSettings, dagger_round, mix_in
+from clew.train.dagger import BranchPool, DaggerSettings, dagger_round, mix_in
 from clew.train.optim import MAX_DROPPED_STEPS
 from clew.train.worker import PolicyWorker, WorkerSettings
 
@@ -313,7 +313,8 @@ def run_sft(
     saves the policy every that many steps to ``output_dir/step_N`` (as HF's ``save_steps``),
     so a start of a chosen strength can be taken from along the curve. ``dagger`` adds DAgger
     rounds: every ``dagger.interval`` steps the policy plays training rows and its branch
-    demonstrations fill ``dagger.share`` of each batch until the next round
+    demonstrations (those of the latest ``dagger.keep_rounds`` rounds) fill ``dagger.share``
+    of each batch until the next round
     (``clew.train.dagger``).
     """
     if steps < 1 or batch_size < 1:
@@ -365,7 +366,7 @@ def run_sft(
     )
     losses: list[float] = []
     evals: list[dict[str, float]] = []
-    branches: list[Demonstration] = []  # the latest DAgger round's demonstrations
+    branches = BranchPool(dagger.keep_rounds if dagger is not None else 1)
     dagger_rng = random.Random(seed + 1)
     dropped = 0  # steps in a row whose gradient was NaN or infinite (no update)
     started = time.monotonic()
@@ -381,12 +382,14 @@ def run_sft(
                 ahead = pool.submit(next, batches)
             round_stats: dict[str, float] = {}
             if dagger is not None and step > 1 and (step - 1) % dagger.interval == 0:
-                branches, round_stats = dagger_round(
+                round_demos, round_stats = dagger_round(
                     worker.model, chat, solvable, dagger, dagger_rng,
                     image_window=keep_last_k_images, autocast=autocast_bf16,
                 )  # fmt: skip
-            if dagger is not None and branches:
-                batch = mix_in(batch, branches, dagger.share, dagger_rng)
+                branches.add(round_demos)
+                round_stats["sft/dagger_pool"] = float(len(branches.demos))
+            if dagger is not None:
+                batch = mix_in(batch, branches.demos, dagger.share, dagger_rng)
             stats = worker.sft_step(batch, micro_batch_size or batch_size) | round_stats
             dropped = dropped + 1 if stats["sft/skipped"] else 0
             losses.append(stats["sft/loss"])
