@@ -93,7 +93,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         type=int,
         default=1,
         help="rounds whose branch demonstrations the batches draw from, the latest first; "
-        "0: every round (DAgger's dataset aggregation, about 1 MB of frames a demonstration)",
+        "0: every round (DAgger's dataset aggregation, 1-2 MB of frames a demonstration)",
     )
     p.add_argument(
         "--dagger-temperature", type=float, default=1.0, help="the policy's sampling temperature"
