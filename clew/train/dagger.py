@@ -16,12 +16,14 @@ is the label on the state the policy got wrong, with the history it got there by
 The branch demonstrations of the latest ``keep_rounds`` rounds (all of them with 0: the
 dataset aggregation of DAgger proper) fill a share of every SFT batch until the next round.
 The default keeps the latest round only: a demonstration holds its frames as images, 1-2 MB
-(a solver demonstration of an easy maze in 140 px frames: 1.2 MB on average), and a round gives one per episode that went wrong, so a pool of every round
-grows by a few hundred MB a round at the GPU recipe's 384 rows. The policy plays the rows as they are: from their own starts, or from anywhere
-where the rows carry the env's ``start_anywhere`` option (``clew dataset --option``); SFT's
-own ``start_anywhere`` moves only the solver's demonstrations. No library does this for multi-turn VLM SFT (TRL's SFTTrainer trains on a
-fixed dataset; imitation libraries such as ``imitation`` drive gym policies, not chat
-models), so it is written here on clew's own rollout loop and demonstration player.
+(a solver demonstration of an easy maze in 140 px frames: 1.2 MB on average), and a round
+gives one per episode that went wrong, so a pool of every round grows by a few hundred MB a
+round at the GPU recipe's 384 rows. The policy plays the rows as they are: from their own
+starts, or from anywhere where the rows carry the env's ``start_anywhere`` option (``clew
+dataset --option``); SFT's own ``start_anywhere`` moves only the solver's demonstrations. No
+library does this for multi-turn VLM SFT (TRL's SFTTrainer trains on a fixed dataset;
+imitation libraries such as ``imitation`` drive gym policies, not chat models), so it is
+written here on clew's own rollout loop and demonstration player.
 """
 
 from __future__ import annotations
