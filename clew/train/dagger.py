@@ -167,13 +167,12 @@ class BranchPool:
 
     def __init__(self, keep_rounds: int = 1) -> None:
         self._rounds: deque[list[Demonstration]] = deque(maxlen=keep_rounds or None)
+        # Flattened once a round, not on every SFT step that draws from it.
+        self.demos: list[Demonstration] = []
 
     def add(self, demos: Sequence[Demonstration]) -> None:
         self._rounds.append(list(demos))
-
-    @property
-    def demos(self) -> list[Demonstration]:
-        return [d for r in self._rounds for d in r]
+        self.demos = [d for r in self._rounds for d in r]
 
 
 def mix_in(
