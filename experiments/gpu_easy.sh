@@ -155,6 +155,36 @@ PY
   # on to 78.1% after the step it picked, and that policy was lost with the machine.
   pack "$work/sft_final" sft_final
 }
+export_policy() { # export_policy EXPORT DEST: a run's export as a standalone policy in DEST
+  rm -rf "$2"
+  if [ -f "$1/adapter_config.json" ]; then
+    # A LoRA run (trainer.policy.model.lora.rank > 0) exports an adapter: merged into its
+    # base, it is a standalone policy that a fresh machine restores and trains on (a new
+    # adapter on the merged weights) and that `clew eval` plays without the base.
+    $CLEW export --model "$(cat "$work/grpo_start")" --adapter "$1" --output "$2" --merge
+  else
+    cp -r "$1" "$2"
+  fi
+}
+pack_best() { # pack_best LAST_EXPORT: the run's best-evaluated export as OUT/best.tgz.part-*
+  # The curve is noisy (session 25: 84.4% at step 35, 73.4% at the packed step 82), and a
+  # held machine's WORK is lost with it: the best step comes back too, BEST.txt says which.
+  local best
+  best=$($PYTHON - "$work/runs/grpo/metrics.jsonl" <<'PY'
+import json, sys
+evals = [json.loads(line) for line in open(sys.argv[1])]
+evals = [e for e in evals if "eval/all/pass_at_1" in e and e.get("step", 0) > 0]
+if evals:
+    top = max(evals, key=lambda e: (e["eval/all/pass_at_1"], e["step"]))
+    print(top["step"], top["eval/all/pass_at_1"])
+PY
+)
+  [ -n "$best" ] || return 0
+  local step=${best%% *} dir="$work/runs/grpo/exports/global_step_${best%% *}/policy"
+  if [ ! -d "$dir" ] || [ "$dir" = "$1" ]; then return 0; fi
+  echo "best evaluated GRPO step: $step (eval pass@1 ${best##* })" | tee "$out/BEST.txt"
+  export_policy "$dir" "$work/best" && pack "$work/best" best
+}
 # TRAIN_MAX_TURNS: the training mazes' own turn budget (the eval mazes keep 32). Optimal paths
 # of easy mazes are 12, 16, 20 or (1 in 100) 24 moves, one turn more with the stop: at 26 every
 # training maze stays solvable and a wrong branch on a long maze costs the episode, as under
@@ -254,16 +284,10 @@ elif [ "$phase" = grpo ]; then
   cat "$work/runs/grpo/metrics.jsonl" >> "$out/grpo_metrics.jsonl" || true
   last=$(ls -d "$work"/runs/grpo/exports/global_step_*/policy 2>/dev/null | sort -V | tail -1)
   if [ -n "$last" ]; then
-    rm -rf "$work/policy_new"  # WORK/policy: the packed output, never a run's start
-    if [ -f "$last/adapter_config.json" ]; then
-      # A LoRA run (trainer.policy.model.lora.rank > 0) exports an adapter: merged into its
-      # base, it is a standalone policy that a fresh machine restores and trains on (a new
-      # adapter on the merged weights) and that `clew eval` plays without the base.
-      $CLEW export --model "$(cat "$work/grpo_start")" --adapter "$last" --output "$work/policy_new" --merge
-    else
-      cp -r "$last" "$work/policy_new"
-    fi
+    # WORK/policy: the packed output, never a run's start
+    export_policy "$last" "$work/policy_new"
     rm -rf "$work/policy" && mv "$work/policy_new" "$work/policy" && pack "$work/policy" policy
+    pack_best "$last"
     # The policy that comes back is the last step trained, which the run's own evaluations
     # (every eval_interval steps) may not have seen: evaluate it as it was trained.
     final_evals "$work/policy"
