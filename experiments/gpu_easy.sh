@@ -6,8 +6,9 @@
 #   bash experiments/gpu_easy.sh grpo  WORK OUT   # GRPO from WORK/sft (resumes WORK/runs/grpo)
 #
 # WORK holds what the next call needs (kept on the machine while it is held); OUT gets
-# the logs and metrics that come back, and the SFT checkpoint and the latest GRPO policy as
-# 15 MiB parts (what comes back is at most 16 MiB a file): a later call on a fresh machine
+# the logs and metrics that come back, and the SFT checkpoint and the latest GRPO policy (and
+# the run's best-evaluated step, as best.tgz, where it fits beside them) as 15 MiB parts
+# (what comes back is at most 16 MiB a file): a later call on a fresh machine
 # restores them from the folder named by RESTORE (a carried copy of an earlier OUT). A grpo
 # call also evaluates the policy it packs (OUT/final_eval.json, `clew eval`); an sft or
 # sft_more call its start, when BIG_EVAL or ANYWHERE_EVAL asks for more mazes.
@@ -96,7 +97,18 @@ pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
     src=$work/pack_bf16/$(basename "$1") && rm -rf "$work/pack_bf16" && mkdir -p "$src"
     cp -r "$1"/. "$src"/ && $PYTHON -c "import sys, torch; from safetensors.torch import load_file, save_file; f=sys.argv[1]; save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}, f, metadata={'format': 'pt'})" "$src/model.safetensors"
   fi
-  tar czf - -C "$(dirname "$src")" "$(basename "$src")" | split -b 15m - "$out/$2.tgz.part-"
+  rm -rf "$work/parts" "$out/$2".tgz.part-* && mkdir -p "$work/parts"
+  tar czf - -C "$(dirname "$src")" "$(basename "$src")" | split -b 15m - "$work/parts/$2.tgz.part-"
+  # What comes back from a call is at most 8 files and 64 MiB: a second pack (sft_final,
+  # best) that would pass 4 parts or 56 MiB of parts in OUT, beside the logs, stays behind.
+  local parts bytes
+  parts=$(find "$out" "$work/parts" -maxdepth 1 -name '*.tgz.part-*' | wc -l)
+  bytes=$(find "$out" "$work/parts" -maxdepth 1 -name '*.tgz.part-*' -printf '%s\n' | awk '{ s += $1 } END { print s + 0 }')
+  if [ "$parts" -gt "${MAX_PARTS:-4}" ] || [ "$bytes" -gt $((56 * 1024 * 1024)) ]; then
+    echo "$2 not brought back: with it OUT would hold $parts parts, $bytes bytes" | tee -a "$out/NOT_PACKED.txt"
+    return 0
+  fi
+  mv "$work"/parts/* "$out"/
 }
 play_eval() { # play_eval MODEL DATA DIR: MODEL on DATA as it was trained, metrics in DIR
   $CLEW eval --model "$1" --data "$2" --output-dir "$3" \
