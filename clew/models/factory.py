@@ -106,8 +106,9 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(128, 3, 4, 2, 512, 128, 1, 4, 4, "1.5M", vision_deepstack=(0,)),
-    "small": Preset(256, 6, 4, 2, 1024, 128, 4, 4, 4, "7.4M", vision_deepstack=(1, 3)),
-    "deep": Preset(256, 12, 4, 2, 1024, 128, 8, 4, 4, "14.1M", vision_deepstack=(1, 3, 5)),
+    "small": Preset(256, 6, 4, 2, 1024, 128, 4, 4, 4, "7.5M", vision_deepstack=(1, 3)),
+    "deep": Preset(256, 12, 4, 2, 1024, 128, 8, 4, 4, "14.2M", vision_deepstack=(1, 3, 5)),
+    "medium": Preset(384, 8, 6, 2, 1536, 128, 4, 4, 4, "19.1M", vision_deepstack=(1, 3)),
     "base": Preset(768, 12, 12, 4, 3072, 512, 12, 8, 4, "149M", vision_deepstack=(3, 7, 11)),
 }
 
