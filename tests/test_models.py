@@ -263,7 +263,7 @@ def test_merge_size_one_gives_one_token_per_patch(tmp_path: Path) -> None:
 
 
 def test_build_model_rejects_bad_arguments(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="tiny, small, deep, base"):
+    with pytest.raises(ConfigError, match="tiny, small, deep, medium, base"):
         build_model("huge", tmp_path / "x")
     with pytest.raises(ConfigError, match="multiple of patch_size"):
         build_model("tiny", tmp_path / "x", image_size=225)
