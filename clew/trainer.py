@@ -45,6 +45,10 @@ class LoopState:
     # Batches of prompts dynamic sampling needed last step: the next step plays that many
     # in one go (checkpointed, so a resumed run plays what the uninterrupted one would).
     sample_batches: int = 1
+    # The best eval/all/pass_at_1 so far and its step (trainer.export_best), checkpointed so
+    # a resumed run replaces its best export only with a better one.
+    best_eval: float = -1.0
+    best_step: int = -1
 
 
 def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
@@ -123,6 +127,7 @@ class Trainer:
         last_eval: dict[str, float] = {}
         if t.eval_before_train and self.state.global_step == 0 and self.eval_rows:
             last_eval = self.evaluate()
+            self.keep_best(last_eval)
             self.loggers.log(self.metrics.flush(0), 0)
         batches = iter(self.sampler)
         self._saved_step = self.state.global_step  # a resumed step is saved already
@@ -141,6 +146,7 @@ class Trainer:
                 self.sync()
                 if self._due(t.eval_interval, step) and self.eval_rows:
                     last_eval, evaluated = self.evaluate(), step
+                    self.keep_best(last_eval)
             # Logged before the checkpoint, so a checkpoint of step N holds step N's metrics
             # and a run killed right after it resumes with its history complete. The save's
             # own time is therefore reported with the next step.
@@ -158,6 +164,7 @@ class Trainer:
             # The run ended (max_steps or the data) between evaluations: the final policy is
             # evaluated too, logged at its step. A signal stops at once instead.
             last_eval = self.evaluate()
+            self.keep_best(last_eval)
             self.loggers.log(self.metrics.flush(self.state.global_step), self.state.global_step)
         return last_eval
 
@@ -295,6 +302,17 @@ class Trainer:
                     dump_eval(trajs, metrics, self.run_dir / "eval" / name, num_gifs=2)
         self.metrics.add_many(metrics)
         return metrics
+
+    def keep_best(self, metrics: dict[str, float]) -> None:
+        """Export the policy as the run's best when this evaluation beats every earlier one
+        (ties keep the earlier step)."""
+        value = metrics.get("eval/all/pass_at_1")
+        if value is None or value <= self.state.best_eval:
+            return
+        self.state.best_eval, self.state.best_step = value, self.state.global_step
+        if self.cfg.trainer.export_best and self.checkpointer is not None:
+            with self.metrics.timer("export"):
+                self.checkpointer.export_best(self, value)
 
     def log(self, step: int) -> None:
         self.loggers.log(self.metrics.flush(step), step)

@@ -178,24 +178,17 @@ export_policy() { # export_policy EXPORT DEST: a run's export as a standalone po
     cp -r "$1" "$2"
   fi
 }
-pack_best() { # pack_best LAST_EXPORT: the run's best-evaluated export as OUT/best.tgz.part-*
+pack_best() { # pack_best LAST_EXPORT: the run's best-evaluated policy as OUT/best.tgz.part-*
   # The curve is noisy (session 25: 84.4% at step 35, 73.4% at the packed step 82), and a
-  # held machine's WORK is lost with it: the best step comes back too, BEST.txt says which.
-  local best
-  best=$($PYTHON - "$work/runs/grpo/metrics.jsonl" <<'PY'
-import json, sys
-evals = [json.loads(line) for line in open(sys.argv[1])]
-evals = [e for e in evals if "eval/all/pass_at_1" in e and e.get("step", 0) > 0]
-if evals:
-    top = max(evals, key=lambda e: (e["eval/all/pass_at_1"], e["step"]))
-    print(top["step"], top["eval/all/pass_at_1"])
-PY
-)
-  [ -n "$best" ] || return 0
-  local step=${best%% *} dir="$work/runs/grpo/exports/global_step_${best%% *}/policy"
-  if [ ! -d "$dir" ] || [ "$dir" = "$1" ]; then return 0; fi
-  echo "best evaluated GRPO step: $step (eval pass@1 ${best##* })" | tee "$out/BEST.txt"
-  export_policy "$dir" "$work/best" && pack "$work/best" best
+  # held machine's WORK is lost with it: clew train keeps the best evaluation's policy
+  # (trainer.export_best, exports/best), which comes back too unless it is the start or the
+  # last step; BEST.txt says which step it is.
+  local record=$work/runs/grpo/exports/best/best.json step
+  [ -f "$record" ] || return 0
+  step=$($PYTHON -c "import json, sys; print(json.load(open(sys.argv[1]))['step'])" "$record")
+  echo "best evaluated GRPO step: $step ($record)" | tee "$out/BEST.txt"
+  if [ "$step" = 0 ] || [ "$1" = "$work/runs/grpo/exports/global_step_$step/policy" ]; then return 0; fi
+  export_policy "$work/runs/grpo/exports/best/policy" "$work/best" && pack "$work/best" best
 }
 # TRAIN_MAX_TURNS: the training mazes' own turn budget (the eval mazes keep 32). Optimal paths
 # of easy mazes are 12, 16, 20 or (1 in 100) 24 moves, one turn more with the stop: at 26 every

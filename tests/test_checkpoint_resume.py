@@ -263,3 +263,44 @@ def test_resuming_with_a_new_learning_rate_warns_that_the_checkpoints_value_goes
         UserWarning, match=r"optimizer_config\.lr: checkpoint 0\.003, this run 0\.001"
     ):
         train(_cfg(setup, "newlr", changed, "trainer.epochs=2"))
+
+
+def test_best_evaluation_is_exported_with_its_step_and_value(setup):
+    cfg = _cfg(
+        setup,
+        "best",
+        f"data.val_data=['{setup / 'train.parquet'}']",
+        "trainer.eval_before_train=true",
+        "trainer.eval_interval=1",
+        "trainer.policy.optimizer_config.lr=0.05",
+    )
+    train(cfg)
+    history = _history(setup, "best")
+    evals = [
+        (s, r["eval/all/pass_at_1"])
+        for s, r in sorted(history.items())
+        if "eval/all/pass_at_1" in r
+    ]
+    assert [s for s, _ in evals] == list(range(STEPS + 1))  # step 0: before training
+    top = max(v for _, v in evals)
+    first_top = next(s for s, v in evals if v == top)  # ties keep the earlier step
+    best = setup / "runs" / "best" / "exports" / "best"
+    record = json.loads((best / "best.json").read_text())
+    assert record["step"] == first_top and record["eval/all/pass_at_1"] == pytest.approx(top)
+    assert (best / "policy" / "config.json").is_file()
+    state = torch.load(
+        setup / "ckpts" / "best" / f"global_step_{STEPS}" / "trainer_state.pt", weights_only=False
+    )
+    assert state["loop"]["best_step"] == first_top  # a resumed run keeps comparing to it
+
+
+def test_export_best_off_writes_no_best_policy(setup):
+    cfg = _cfg(
+        setup,
+        "nobest",
+        f"data.val_data=['{setup / 'train.parquet'}']",
+        "trainer.eval_interval=3",
+        "trainer.export_best=false",
+    )
+    train(cfg)
+    assert not (setup / "runs" / "nobest" / "exports" / "best").exists()

@@ -10,6 +10,7 @@ inference-ready adapter next to it.
 
 from __future__ import annotations
 
+import json
 import random
 import tempfile
 import warnings
@@ -186,4 +187,19 @@ class Checkpointer:
         with tempfile.TemporaryDirectory(prefix="clew-export-") as tmp:
             trainer.group.export(tmp)
             self.export_storage.put_dir(tmp, dest)
+        return dest
+
+    def export_best(self, trainer: Any, value: float) -> str:
+        """The policy as export_path/best/policy, best.json beside it (step, pass@1). The
+        old best is removed before the new one is written, and best.json is written last:
+        a best.json on disk always describes the policy beside it."""
+        folder = join(self.export_path, "best")
+        if self.export_storage.exists(folder):
+            self.export_storage.rm_tree(folder)
+        dest = join(folder, "policy")
+        with tempfile.TemporaryDirectory(prefix="clew-export-") as tmp:
+            trainer.group.export(tmp)
+            self.export_storage.put_dir(tmp, dest)
+        record = {"step": trainer.state.global_step, "eval/all/pass_at_1": value, "policy": dest}
+        self.export_storage.write_text(join(folder, "best.json"), json.dumps(record, indent=2))
         return dest

@@ -364,6 +364,12 @@ class TrainerConfig(Section):
     hf_save_interval: int = Field(
         -1, description="Export a Hugging Face model every this many steps; -1 never."
     )
+    export_best: bool = Field(
+        True,
+        description="After an evaluation whose eval/all/pass_at_1 beats every earlier one of "
+        "the run (the one before training included), export the policy to "
+        "export_path/best/policy, with best.json naming its step and value.",
+    )
     max_ckpts_to_keep: int = Field(
         -1, description="Checkpoints kept on disk, oldest deleted first; -1 keeps all."
     )

@@ -31,8 +31,10 @@ def replay(
     frames, captions, reward = [obs.images[-1]], ["start"], 0.0
     for turn, action in enumerate(actions, start=1):
         obs, reward, done, info = env.step(action)
-        frames.append(obs.images[-1])
-        captions.append(f"{turn}: {info['note'].split(';')[0]}")
+        # An env may end on an observation without an image (the protocol allows it): the
+        # last picture stands for that turn. Envs without a note are captioned by the reply.
+        frames.append(obs.images[-1] if obs.images else frames[-1])
+        captions.append(f"{turn}: {str(info.get('note', action)).split(';')[0][:40]}")
         if done:
             break
     return Replay(frames, captions, reward)
