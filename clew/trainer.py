@@ -46,7 +46,7 @@ class LoopState:
     # in one go (checkpointed, so a resumed run plays what the uninterrupted one would).
     sample_batches: int = 1
     # The best eval/all/pass_at_1 so far and its step (trainer.export_best), checkpointed so
-    # a resumed run replaces its best export only with a better one.
+    # a resumed run measures its evaluations against the best of the steps it goes on from.
     best_eval: float = -1.0
     best_step: int = -1
 
