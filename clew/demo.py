@@ -192,15 +192,24 @@ def grpo_from(
     gifs = sorted(
         (run_dir / "exports" / "eval").glob(f"global_step_{evals[-1][0]}/gifs/solved*.gif")
     )
+    best_step, best = max(evals, key=lambda e: (e[1], -e[0]))  # ties: the earlier step
     summary = {
         "sft_pass_at_1": start,
         "final_pass_at_1": final,
         "gain_points": 100 * (final - start),
+        "best_pass_at_1": best,
+        "best_step": best_step,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _say(
         f"eval pass@1 on {len(rows['eval'])} fixed {plan.env_id} mazes: SFT start {start:.1%}, "
         f"after GRPO {final:.1%} ({summary['gain_points']:+.1f} points)"
     )
+    if best_step != evals[-1][0]:
+        kept = run_dir / "exports" / "best" / "policy"
+        _say(
+            f"best evaluation: {best:.1%} at step {best_step}"
+            + (f", kept as {kept}" if kept.is_dir() else "")
+        )
     _say(f"report: {png}" + (f"; a solved maze: {gifs[0]}" if gifs else ""))
     return summary

@@ -24,7 +24,16 @@ def test_demo_runs_sft_then_grpo_and_reports_both_eval_figures(tmp_path: Path) -
         ),
     )
     summary = run_demo(tmp_path, plan)
-    assert set(summary) == {"sft_pass_at_1", "final_pass_at_1", "gain_points"}
+    assert set(summary) == {
+        "sft_pass_at_1",
+        "final_pass_at_1",
+        "gain_points",
+        "best_pass_at_1",
+        "best_step",
+    }
+    assert summary["best_pass_at_1"] >= max(summary["sft_pass_at_1"], summary["final_pass_at_1"])
+    best = json.loads((tmp_path / "runs" / "grpo" / "exports" / "best" / "best.json").read_text())
+    assert best["step"] == summary["best_step"]
     assert 0.0 <= summary["sft_pass_at_1"] <= 1.0 and 0.0 <= summary["final_pass_at_1"] <= 1.0
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     run_dir = tmp_path / "runs" / "grpo"
