@@ -102,8 +102,7 @@ pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
   # What comes back from a call is at most 8 files and 64 MiB: a second pack (sft_final,
   # best) that would pass 4 parts or 56 MiB of parts in OUT, beside the logs, stays behind.
   local parts bytes
-  parts=$(find "$out" "$work/parts" -maxdepth 1 -name '*.tgz.part-*' | wc -l)
-  bytes=$(find "$out" "$work/parts" -maxdepth 1 -name '*.tgz.part-*' -printf '%s\n' | awk '{ s += $1 } END { print s + 0 }')
+  read -r parts bytes < <(find "$out" "$work/parts" -maxdepth 1 -name '*.tgz.part-*' -printf '%s\n' | awk '{ s += $1 } END { print NR, s + 0 }')
   if [ "$parts" -gt "${MAX_PARTS:-4}" ] || [ "$bytes" -gt $((56 * 1024 * 1024)) ]; then
     echo "$2 not brought back: with it OUT would hold $parts parts, $bytes bytes" | tee -a "$out/NOT_PACKED.txt"
     return 0
