@@ -289,10 +289,10 @@ elif [ "$phase" = grpo ]; then
   cat "$work/runs/grpo/metrics.jsonl" >> "$out/grpo_metrics.jsonl" || true
   last=$(ls -d "$work"/runs/grpo/exports/global_step_*/policy 2>/dev/null | sort -V | tail -1)
   if [ -n "$last" ]; then
-    # WORK/policy: the packed output, never a run's start
     # The best evaluation is packed first: where only one pack fits, the best comes back
     # (session 26: the medium run's 78.1% at step 30 stayed behind its last step's 46.9%).
     pack_best "$last"
+    # WORK/policy: the packed output, never a run's start
     export_policy "$last" "$work/policy_new"
     rm -rf "$work/policy" && mv "$work/policy_new" "$work/policy" && pack "$work/policy" policy
     # The policy that comes back is the last step trained, which the run's own evaluations
