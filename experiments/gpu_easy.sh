@@ -6,8 +6,8 @@
 #   bash experiments/gpu_easy.sh grpo  WORK OUT   # GRPO from WORK/sft (resumes WORK/runs/grpo)
 #
 # WORK holds what the next call needs (kept on the machine while it is held); OUT gets
-# the logs and metrics that come back, and the SFT checkpoint and the latest GRPO policy (and
-# the run's best-evaluated step, as best.tgz, where it fits beside them) as 15 MiB parts
+# the logs and metrics that come back, and the SFT checkpoint and the GRPO run's
+# best-evaluated step (best.tgz) and latest policy, the second where it fits, as 15 MiB parts
 # (what comes back is at most 16 MiB a file): a later call on a fresh machine
 # restores them from the folder named by RESTORE (a carried copy of an earlier OUT). A grpo
 # call also evaluates the policy it packs (OUT/final_eval.json, `clew eval`); an sft or

@@ -183,7 +183,9 @@ class Checkpointer:
 
     def export(self, trainer: Any) -> str:
         step = trainer.state.global_step
-        dest = join(self.export_path, f"global_step_{step}", "policy")
+        return self._export_to(trainer, join(self.export_path, f"global_step_{step}", "policy"))
+
+    def _export_to(self, trainer: Any, dest: str) -> str:
         with tempfile.TemporaryDirectory(prefix="clew-export-") as tmp:
             trainer.group.export(tmp)
             self.export_storage.put_dir(tmp, dest)
@@ -196,10 +198,7 @@ class Checkpointer:
         folder = join(self.export_path, "best")
         if self.export_storage.exists(folder):
             self.export_storage.rm_tree(folder)
-        dest = join(folder, "policy")
-        with tempfile.TemporaryDirectory(prefix="clew-export-") as tmp:
-            trainer.group.export(tmp)
-            self.export_storage.put_dir(tmp, dest)
+        dest = self._export_to(trainer, join(folder, "policy"))
         record = {"step": trainer.state.global_step, "eval/all/pass_at_1": value, "policy": dest}
         self.export_storage.write_text(join(folder, "best.json"), json.dumps(record, indent=2))
         return dest
