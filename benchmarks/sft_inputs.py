@@ -5,7 +5,7 @@
    sequence as the worker did before ``clew.models.pixels``; clew:
    ``ChatFormat.encode_images`` (the vectorised path for same-size frames). Both outputs
    are checked equal before timing.
-2. Demonstrations per second on ``maze_2d/easy`` (``clew.train.sft.demonstrations``).
+2. Demonstrations per second on ``maze_2d/easy`` (``clew.train.demonstrations.demonstrations``).
    Baseline: the same code with a ``ChatFormat`` that encodes every frame with the image
    processor and tokenizes every text anew (what it did before); both must give the same
    tokens.
@@ -43,7 +43,7 @@ from clew.models import build_model
 from clew.models.chat import ChatFormat
 from clew.models.pixels import as_patches
 from clew.train.batch import collate, encode_vision
-from clew.train.sft import demonstrations
+from clew.train.demonstrations import demonstrations
 
 
 class BaselineChat(ChatFormat):

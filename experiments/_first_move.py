@@ -23,7 +23,7 @@ from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.train.agreement import decision_tokens
 from clew.train.batch import ModelBatch, collate
-from clew.train.sft import Demonstration
+from clew.train.demonstrations import Demonstration
 
 # The keyword reply of each move, indexed by direction id.
 MOVE_WORDS = [format_action(Action("move", d), "keyword") for d in range(len(DIRECTIONS))]

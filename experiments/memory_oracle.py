@@ -33,7 +33,7 @@ from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.train.agreement import decision_tokens
 from clew.train.batch import collate
-from clew.train.sft import Demonstration
+from clew.train.demonstrations import Demonstration
 from clew.train.worker import logits_at
 
 model_dir, data = sys.argv[1], sys.argv[2]

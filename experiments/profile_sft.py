@@ -15,7 +15,7 @@ import time
 import torch
 
 from clew.data.rows import generate_rows
-from clew.train.sft import demonstrations
+from clew.train.demonstrations import demonstrations
 from clew.train.worker import PolicyWorker, WorkerSettings
 
 model_dir = sys.argv[1]

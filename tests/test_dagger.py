@@ -20,7 +20,8 @@ from clew.train.dagger import (
     branch_points,
     mix_in,
 )
-from clew.train.sft import Demonstration, play_demonstration, run_sft
+from clew.train.demonstrations import Demonstration, play_demonstration
+from clew.train.sft import run_sft
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 

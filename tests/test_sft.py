@@ -16,7 +16,8 @@ from clew.errors import ClewError, ConfigError
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.train.batch import collate
-from clew.train.sft import demonstrations, play_demonstration, run_sft
+from clew.train.demonstrations import demonstrations, play_demonstration
+from clew.train.sft import run_sft
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 

@@ -5,9 +5,10 @@ distributed trainer wraps it in a Ray actor with the same methods.
 """
 
 from clew.train.batch import ModelBatch, Sample, collate, micro_batches, target_values
+from clew.train.demonstrations import Demonstration, demonstrations
 from clew.train.lora import apply_lora
 from clew.train.settings import PPOSettings, WorkerSettings
-from clew.train.sft import Demonstration, SFTResult, demonstrations, run_sft
+from clew.train.sft import SFTResult, run_sft
 from clew.train.worker import PolicyWorker
 
 __all__ = [

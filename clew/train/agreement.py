@@ -32,7 +32,7 @@ from clew.inference.sampling import banned_token_ids, mask_banned
 from clew.models.chat import ChatFormat
 from clew.models.precision import bf16_autocast
 from clew.train.batch import collate
-from clew.train.sft import Demonstration, play_demonstration
+from clew.train.demonstrations import Demonstration, play_demonstration
 from clew.train.worker import logits_at
 
 __all__ = ["TurnPrediction", "decision_tokens", "solver_agreement", "solver_predictions"]

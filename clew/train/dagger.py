@@ -33,7 +33,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,9 +41,7 @@ from clew.envs import make
 from clew.envs.maze.solver import distances_to
 from clew.errors import ConfigError
 from clew.models.chat import ChatFormat
-
-if TYPE_CHECKING:
-    from clew.train.sft import Demonstration
+from clew.train.demonstrations import Demonstration, play_demonstration
 
 
 @dataclass(frozen=True)
@@ -112,8 +109,6 @@ def branch_demonstrations(
     uniformly, so a policy that bumps the same wall five times is also labelled after its
     second, third, ... bump, where the env's replies are in the context.
     """
-    from clew.train.sft import play_demonstration
-
     out = []
     for row, actions in zip(rows, played, strict=True):
         points = branch_points(row, actions)
