@@ -15,7 +15,7 @@ from clew.errors import ConfigError, EnvError
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.train.batch import collate
-from clew.train.demonstrations import demonstrations, play_demonstration
+from clew.train.demonstrations import demonstration_batches, demonstrations, play_demonstration
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
@@ -121,8 +121,6 @@ def test_demonstrations_record_where_each_observation_starts(chat, rows):
 
 
 def test_batches_are_played_on_demand_pass_by_pass_with_new_detours_each_pass(chat, rows):
-    from clew.train.demonstrations import demonstration_batches
-
     batches = demonstration_batches(rows, chat, 5, detour_prob=0.3, seed=4, image_window=1)
     drawn = [demo for _ in range(5) for demo in next(batches)]  # 25 = two passes and one more
     key = lambda d: (d.row_seed, tuple(d.token_ids))  # noqa: E731
