@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RUN_DIR ?= runs/demo
 
-.PHONY: setup test test-all test-oldest lint format demo bench clean
+.PHONY: setup test test-all test-oldest lint format demo bench clean device-wheels
 
 $(BIN)/clew: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,15 @@ demo: setup
 
 bench: setup
 	$(BIN)/python benchmarks/env.py
+
+# The wheels a device call carries in `.whl` (`run` with carry [".whl"]): pydantic and its
+# dependencies, which the GPU image (Python 3.12) lacks; experiments/gpu_easy.sh's calls
+# install them with `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`.
+device-wheels:
+	rm -rf .whl
+	$(PY) -m pip download -q pydantic --only-binary=:all: --python-version 3.12 \
+		--platform manylinux2014_x86_64 -d .whl
+	ls .whl
 
 clean:
 	rm -rf $(VENV) $(OLDEST) runs .pytest_cache .ruff_cache
