@@ -40,6 +40,9 @@ if [ "${BALANCED:-0}" = 1 ]; then
 fi
 DEVICE=${DEVICE:-cuda}
 RESTORE=${RESTORE:-}
+# RESTORE_PICK: which packed policy of RESTORE a fresh grpo call goes on from, the first found
+# of these names (the latest policy if it came back, else the best-evaluated step)
+RESTORE_PICK=${RESTORE_PICK:-policy best}
 PROMPTS=${PROMPTS:-24}
 SAMPLES=${SAMPLES:-8}
 MAX_TURNS=${MAX_TURNS:-32}
@@ -146,6 +149,13 @@ start_evals() { # start_evals: with BIG_EVAL or ANYWHERE_EVAL, final_evals of th
 unpack() { # unpack NAME DEST_PARENT: restore from RESTORE/NAME.tgz.part-*
   cat "$RESTORE/$1".tgz.part-* | tar xzf - -C "$2"
 }
+restorable() { # the first name in RESTORE_PICK with parts in RESTORE
+  local name
+  for name in $RESTORE_PICK; do
+    if ls "$RESTORE/$name".tgz.part-* >/dev/null 2>&1; then echo "$name" && return 0; fi
+  done
+  return 1
+}
 pick() { # pick METRICS_NAME: with SFT_PICK, WORK/sft becomes the latest saved step in the band
   [ -n "$SFT_PICK" ] || return 0
   local step
@@ -244,10 +254,12 @@ elif [ "$phase" = grpo ]; then
     # The machine was still held (WORK is ignored by git, so it stays between calls): the
     # run resumes from its own checkpoint, optimizer state included, from the same start.
     start=$(cat "$work/grpo_start")
-  elif [ -n "$RESTORE" ] && ls "$RESTORE"/policy.tgz.part-* >/dev/null 2>&1; then
-    # A fresh machine: go on from the last policy that came back (a new optimizer state).
+  elif [ -n "$RESTORE" ] && name=$(restorable); then
+    # A fresh machine: go on from a policy that came back (a new optimizer state). Session 29
+    # had only call 2's best step back and renamed its parts by hand.
     rm -rf "$work/runs/grpo" "$work/restored" && mkdir -p "$work/restored"
-    unpack policy "$work/restored" && start=$work/restored/policy
+    unpack "$name" "$work/restored" && start=$work/restored/$name
+    echo "restored from $RESTORE/$name.tgz.part-*" | tee "$out/RESTORED.txt"
   elif [ ! -d "$work/sft" ]; then
     unpack sft "$work"
   fi
