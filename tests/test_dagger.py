@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -147,3 +148,24 @@ def test_sft_command_refuses_a_bad_dagger_share_before_any_work(model_dir, tmp_p
     assert code != 0
     assert "dagger share is a share of each batch in (0, 1], got 1.5" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_sft_command_decays_the_learning_rate_on_the_chosen_schedule(model_dir, tmp_path):
+    data = tmp_path / "train.parquet"
+    write_rows(generate_rows("maze_2d/tiny", 2, env_options=OPTIONS), data)
+    metrics = tmp_path / "sft.jsonl"
+    code = main(["sft", "--model", str(model_dir), "--data", str(data), "--output",
+                 str(tmp_path / "sft"), "--steps", "4", "--batch-size", "2", "--lr", "1e-3",
+                 "--warmup-steps", "0", "--scheduler", "linear", "--metrics", str(metrics)])  # fmt: skip
+    assert code == 0
+    lrs = [json.loads(line)["sft/lr"] for line in metrics.read_text().splitlines()]
+    # Each step logs the rate it stepped with: 1e-3, then a quarter less each step.
+    assert lrs == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+
+def test_sft_command_names_the_schedules_it_accepts(model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["sft", "--model", str(model_dir), "--data", "x", "--output", "y",
+              "--scheduler", "cosin"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert "invalid choice: 'cosin'" in err and "'cosine'" in err

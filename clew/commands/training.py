@@ -39,6 +39,12 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--micro-batch-size", type=positive_int, default=None)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument(
+        "--scheduler",
+        choices=["constant_with_warmup", "cosine", "linear"],
+        default="constant_with_warmup",
+        help="learning-rate schedule after the warmup; cosine and linear decay to 0 at --steps",
+    )
     p.add_argument("--lora-rank", type=int, default=0, help="0 trains all weights")
     p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale numerator")
     p.add_argument(
@@ -169,6 +175,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
             micro_batch_size=args.micro_batch_size,
             lr=args.lr,
             warmup_steps=args.warmup_steps,
+            scheduler=args.scheduler,
             lora_rank=args.lora_rank,
             lora_alpha=args.lora_alpha,
             lora_target_modules=args.lora_target_modules,
