@@ -91,8 +91,11 @@ PRECISION=${PRECISION:-bf16-mixed}  # clew sft --precision (bf16-true: the runs 
 # BORDER: the env's border_px (7: half a cell, so the policy's 14 px patches fall across the
 # cells' centres and each holds parts of the agent's neighbours; the image grows to 140 px)
 BORDER=${BORDER:-0}
-IMAGE_SIZE=$((126 + 2 * BORDER))
-opts=(--env-id maze_2d/easy --option cell_px=14 --option border_px="$BORDER" --option max_turns=32 --option action_format=keyword)
+# CELL_PX: the env's cell_px (14: one 14 px patch a cell; 28: four, a wall between two cells
+# no longer shares a patch with both; the 9x9 maze's frame is 9 * CELL_PX + 2 * BORDER px)
+CELL_PX=${CELL_PX:-14}
+IMAGE_SIZE=$((9 * CELL_PX + 2 * BORDER))
+opts=(--env-id maze_2d/easy --option cell_px="$CELL_PX" --option border_px="$BORDER" --option max_turns=32 --option action_format=keyword)
 
 pack() { # pack DIR NAME: DIR as OUT/NAME.tgz.part-*
   local src=$1
@@ -214,7 +217,7 @@ TRAIN_START_ANYWHERE=${TRAIN_START_ANYWHERE:-}
 data() {
   # The training rows are rebuilt when the options they were made with change (an sft call's
   # 32,000 rows from the starts are not a grpo call's 6,000 with TRAIN_START_ANYWHERE).
-  local key="rows=$TRAIN_ROWS border=$BORDER max_turns=${TRAIN_MAX_TURNS:-32} anywhere=${TRAIN_START_ANYWHERE:-0}"
+  local key="rows=$TRAIN_ROWS cell=$CELL_PX border=$BORDER max_turns=${TRAIN_MAX_TURNS:-32} anywhere=${TRAIN_START_ANYWHERE:-0}"
   if [ -f "$work/data/train.parquet" ] && [ "$(cat "$work/data/train.key" 2>/dev/null)" = "$key" ]; then
     return
   fi
