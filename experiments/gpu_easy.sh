@@ -55,8 +55,9 @@ SFT_EVAL_INTERVAL=${SFT_EVAL_INTERVAL:-100}
 # SFT_LR (1e-3) and SFT_WARMUP (50 steps): the `deep` preset's SFT at the small preset's values
 # hardly left 0% in 224 steps, at SFT_LR=5e-4 SFT_WARMUP=100 it reached 65.6% in 309
 # (BENCHMARKS.md, "Fourteenth attempt" and "Fifteenth attempt")
-# SFT_SCHEDULER: clew sft --scheduler (constant_with_warmup; cosine and linear decay to 0 at
-# SFT_STEPS, so set SFT_STEPS to what SFT_MINUTES holds)
+# SFT_SCHEDULER: clew sft --scheduler (cosine and linear decay to 0 at SFT_STEPS, so set
+# SFT_STEPS to what SFT_MINUTES holds)
+SFT_SCHEDULER=${SFT_SCHEDULER:-constant_with_warmup}
 SFT_STOP_AT=${SFT_STOP_AT:-}  # clew sft --stop-at-pass: end SFT at the first eval reaching it
 # SFT_PICK="LOW HIGH": save the policy at every evaluation (clew sft --save-interval) and make
 # the GRPO start the latest one whose eval pass@1 lies in [LOW, HIGH] (the final one kept as
@@ -236,7 +237,7 @@ if [ "$phase" = sft ]; then
   $CLEW sft --model "$work/base" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
-    --warmup-steps "${SFT_WARMUP:-50}" --scheduler "${SFT_SCHEDULER:-constant_with_warmup}" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" \
+    --warmup-steps "${SFT_WARMUP:-50}" --scheduler "$SFT_SCHEDULER" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" \
     --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} ${dagger[@]+"${dagger[@]}"} --metrics "$out/sft_metrics.jsonl"
   pick sft && pack "$work/sft" sft
@@ -248,7 +249,7 @@ elif [ "$phase" = sft_more ]; then
   $CLEW sft --model "$work/sft" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
-    --warmup-steps "${SFT_MORE_WARMUP:-20}" --scheduler "${SFT_SCHEDULER:-constant_with_warmup}" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
+    --warmup-steps "${SFT_MORE_WARMUP:-20}" --scheduler "$SFT_SCHEDULER" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
     ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} ${dagger[@]+"${dagger[@]}"} --metrics "$out/sft_more_metrics.jsonl"
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pick sft_more && pack "$work/sft" sft
   start_evals

@@ -41,6 +41,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument(
         "--scheduler",
+        # clew.train.settings.SCHEDULERS, spelled out: importing clew.train loads torch
         choices=["constant_with_warmup", "cosine", "linear"],
         default="constant_with_warmup",
         help="learning-rate schedule after the warmup; cosine and linear decay to 0 at --steps",
