@@ -49,6 +49,9 @@ MAX_TURNS=${MAX_TURNS:-32}
 MICRO=${MICRO:-48}
 SFT_BATCH=${SFT_BATCH:-64}  # demonstrations per SFT step
 SFT_MICRO=${SFT_MICRO:-}  # demonstrations per forward (the deep preset's 64 at once held 110 GiB)
+# SFT_PACK=1: clew sft --pack-sequences (short episodes end to end in a forward's rows)
+pack_seqs=()
+if [ "${SFT_PACK:-0}" = 1 ]; then pack_seqs=(--pack-sequences); fi
 DETOUR=${DETOUR:-0.0}  # share of detour turns in SFT demonstrations (wrong moves, wall bumps)
 START_ANYWHERE=${START_ANYWHERE:-0.0}  # share of SFT demonstrations starting on a random open cell
 SFT_EVAL_INTERVAL=${SFT_EVAL_INTERVAL:-100}
@@ -238,7 +241,7 @@ if [ "$phase" = sft ]; then
     --eval-data "$work/data/eval.parquet" --output "$work/sft" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
     --warmup-steps "${SFT_WARMUP:-50}" --scheduler "$SFT_SCHEDULER" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" \
-    --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
+    --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} ${pack_seqs[@]+"${pack_seqs[@]}"} \
     ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} ${dagger[@]+"${dagger[@]}"} --metrics "$out/sft_metrics.jsonl"
   pick sft && pack "$work/sft" sft
   start_evals
@@ -249,7 +252,7 @@ elif [ "$phase" = sft_more ]; then
   $CLEW sft --model "$work/sft" --data "$work/data/train.parquet" \
     --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
-    --warmup-steps "${SFT_MORE_WARMUP:-20}" --scheduler "$SFT_SCHEDULER" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} \
+    --warmup-steps "${SFT_MORE_WARMUP:-20}" --scheduler "$SFT_SCHEDULER" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} ${pack_seqs[@]+"${pack_seqs[@]}"} \
     ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} ${dagger[@]+"${dagger[@]}"} --metrics "$out/sft_more_metrics.jsonl"
   rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pick sft_more && pack "$work/sft" sft
   start_evals

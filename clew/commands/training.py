@@ -37,6 +37,12 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--steps", type=positive_int, default=300)
     p.add_argument("--batch-size", type=positive_int, default=16, help="episodes per step")
     p.add_argument("--micro-batch-size", type=positive_int, default=None)
+    p.add_argument(
+        "--pack-sequences",
+        action="store_true",
+        help="lay short episodes end to end in rows (same loss, less padding); "
+        "--micro-batch-size then counts rows",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument(
@@ -174,6 +180,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
             steps=args.steps,
             batch_size=args.batch_size,
             micro_batch_size=args.micro_batch_size,
+            pack_sequences=args.pack_sequences,
             lr=args.lr,
             warmup_steps=args.warmup_steps,
             scheduler=args.scheduler,

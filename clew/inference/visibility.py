@@ -53,14 +53,18 @@ def hiding_vectors(
 
 
 def visibility_from_vectors(
-    hidden_below: torch.Tensor, image_of_key: torch.Tensor, lengths: torch.Tensor
+    hidden_below: torch.Tensor,
+    image_of_key: torch.Tensor,
+    lengths: torch.Tensor,
+    document: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bool ``[B, 1, W, W]`` from ``[B, W]`` vectors (right-padded) and real ``lengths [B]``.
 
     Built where the vectors live (on the GPU for training): a mask of ``B * W * W`` entries
     is far more to build and move on the host than the ``B * W`` numbers it comes from.
     Real queries see their causal past minus hidden images; padded queries see their row's
-    real tokens, so no attention row is empty; nothing sees padded keys.
+    real tokens, so no attention row is empty; nothing sees padded keys. ``document [B, W]``
+    (rows packed with several sequences): a query sees only keys of its own sequence.
     """
     w = hidden_below.shape[1]
     pos = torch.arange(w, device=hidden_below.device)
@@ -73,6 +77,8 @@ def visibility_from_vectors(
     allowed.logical_not_()
     allowed &= causal
     allowed &= real_key[:, None, :]
+    if document is not None:
+        allowed &= document[:, :, None] == document[:, None, :]
     padded_query = pos[None, :] >= lengths[:, None]  # [B, Wq]
     allowed[padded_query] = real_key[:, None, :].expand_as(allowed)[padded_query]
     return allowed[:, None]

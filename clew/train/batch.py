@@ -80,6 +80,9 @@ class ModelBatch:
     # query, the image index below which images are hidden; per key, its image (-1: text).
     hidden_below: Tensor | None = None
     image_of_key: Tensor | None = None
+    # Long[B, L] when rows are packed (``collate(pack=True)``): which of the row's sequences
+    # each token belongs to (-1 on padding); ``lengths`` are then the rows' filled lengths.
+    document: Tensor | None = None
 
     @property
     def visibility(self) -> Tensor | None:
@@ -87,7 +90,7 @@ class ModelBatch:
         if self.hidden_below is None or self.image_of_key is None:
             return None
         lengths = torch.tensor(self.lengths)
-        return visibility_from_vectors(self.hidden_below, self.image_of_key, lengths)
+        return visibility_from_vectors(self.hidden_below, self.image_of_key, lengths, self.document)
 
     @property
     def num_sequences(self) -> int:
@@ -111,6 +114,7 @@ class ModelBatch:
                 self.hidden_below.to(device),
                 self.image_of_key.to(device),
                 torch.tensor(self.lengths, device=device),
+                None if self.document is None else self.document.to(device),
             )
             mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
             mask.masked_fill_(allowed, 0.0)
@@ -126,6 +130,10 @@ class ModelBatch:
 
     def unpad(self, per_target: Tensor) -> list[Tensor]:
         """Rows of a ``[B, L - 1]`` tensor cut to each sequence's ``length - 1`` targets."""
+        if self.document is not None:
+            raise ValueError(
+                "a packed batch's rows hold several sequences; unpad needs one per row"
+            )
         return [per_target[b, : n - 1] for b, n in enumerate(self.lengths)]
 
 
@@ -173,61 +181,93 @@ def _check_sequence(seq: SequenceLike, grid: Tensor | None, chat: ChatFormat, in
         )
 
 
+def pack_rows(lengths: Sequence[int], width: int) -> list[list[int]]:
+    """Indices of sequences of ``lengths`` placed in rows of ``width`` tokens, first fit
+    decreasing (each row's indices in the order they are laid out)."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] > width:
+            raise ValueError(f"a sequence of {lengths[i]} tokens does not fit rows of {width}")
+        row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            free.append(width)
+            row = len(rows) - 1
+        rows[row].append(i)
+        free[row] -= lengths[i]
+    return rows
+
+
 def collate(
     seqs: Sequence[SequenceLike],
     chat: ChatFormat,
     *,
     vision: Sequence[Vision] | None = None,
     values: Mapping[str, Sequence[Tensor]] | None = None,
+    pack: bool = False,
 ) -> ModelBatch:
     """Pad ``seqs`` into one batch.
 
     ``vision``: each sequence's encoded images (from ``encode_vision``), to avoid
     re-encoding in every epoch; encoded here when None. ``values``: per-target tensors
-    (see ``target_values``) by name, one per sequence.
+    (see ``target_values``) by name, one per sequence. ``pack``: lay several sequences end
+    to end in a row as wide as the longest (``pack_rows``), each at its own positions and
+    attending only to itself (``ModelBatch.document``), so a batch of mixed lengths spends
+    no compute on padding between short sequences. Logprobs and token sums are those of the
+    unpacked batch; only a loss that reduces per row (per sequence) needs ``pack=False``.
     """
     if not seqs:
         raise ValueError("cannot collate an empty list of sequences")
     if vision is None:
         vision = [encode_vision(s, chat) for s in seqs]
     lengths = [len(s.token_ids) for s in seqs]
-    b, width = len(seqs), max(lengths)
+    width = max(lengths)
+    layout = pack_rows(lengths, width) if pack else [[i] for i in range(len(seqs))]
+    b = len(layout)
     input_ids = torch.full((b, width), chat.pad_id, dtype=torch.long)
     attention_mask = torch.zeros(b, width, dtype=torch.long)
     # Padding keeps position 0: it is masked out of attention, so its position is never used.
     position_ids = torch.zeros(3, b, width, dtype=torch.long)
     loss_mask = torch.zeros(b, width, dtype=torch.float32)
+    document = torch.full((b, width), -1, dtype=torch.long) if pack else None
+    windowed = pack or any(getattr(seq, "image_window", None) for seq in seqs)
+    hidden_below = torch.zeros(b, width, dtype=torch.long) if windowed else None
+    image_of_key = torch.full((b, width), -1, dtype=torch.long) if windowed else None
+    padded = {name: torch.zeros(b, width - 1, dtype=torch.float32) for name in values or {}}
     pix: list[Pixels] = []
     grids: list[Tensor] = []
-    for row, (seq, (pixels, grid)) in enumerate(zip(seqs, vision, strict=True)):
-        _check_sequence(seq, grid, chat, row)
-        n = lengths[row]
-        input_ids[row, :n] = torch.tensor(seq.token_ids, dtype=torch.long)
-        attention_mask[row, :n] = 1
-        position_ids[:, row, :n] = sequence_positions(
-            list(seq.token_ids), grid, chat.image_token_id, chat.merge_size
-        )
-        loss_mask[row, :n] = torch.tensor(seq.loss_mask, dtype=torch.float32)
-        if pixels is not None and grid is not None:
-            pix.append(pixels)
-            grids.append(grid)
-    hidden_below = image_of_key = None
-    if any(getattr(seq, "image_window", None) for seq in seqs):
-        hidden_below = torch.zeros(b, width, dtype=torch.long)
-        image_of_key = torch.full((b, width), -1, dtype=torch.long)
-        for row, seq in enumerate(seqs):
+    row_lengths = []
+    for row, members in enumerate(layout):
+        off = 0
+        for doc, i in enumerate(members):
+            seq, (pixels, grid), n = seqs[i], vision[i], lengths[i]
+            _check_sequence(seq, grid, chat, i)
+            if pack and seq.loss_mask[0]:
+                # Its first token would be a target of the sequence before it in the row.
+                raise ValueError(f"sequence {i} starts inside the loss mask; it cannot be packed")
+            cols = slice(off, off + n)
+            input_ids[row, cols] = torch.tensor(seq.token_ids, dtype=torch.long)
+            attention_mask[row, cols] = 1
+            position_ids[:, row, cols] = sequence_positions(
+                list(seq.token_ids), grid, chat.image_token_id, chat.merge_size
+            )
+            loss_mask[row, cols] = torch.tensor(seq.loss_mask, dtype=torch.float32)
+            if document is not None:
+                document[row, cols] = doc
             if k := getattr(seq, "image_window", None):
                 below, images = hiding_vectors(
                     list(seq.token_ids), seq.chunk_starts, chat.image_token_id, k
                 )
-                hidden_below[row, : lengths[row]] = below
-                image_of_key[row, : lengths[row]] = images
-    padded: dict[str, Tensor] = {}
-    for name, per_seq in (values or {}).items():
-        out = torch.zeros(b, width - 1, dtype=torch.float32)
-        for row, v in enumerate(per_seq):
-            out[row, : lengths[row] - 1] = target_values(v, lengths[row], name)
-        padded[name] = out
+                hidden_below[row, cols] = below
+                image_of_key[row, cols] = images
+            for name, per_seq in (values or {}).items():
+                padded[name][row, off : off + n - 1] = target_values(per_seq[i], n, name)
+            if pixels is not None and grid is not None:
+                pix.append(pixels)
+                grids.append(grid)
+            off += n
+        row_lengths.append(off)
     return ModelBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -236,10 +276,11 @@ def collate(
         image_grid_thw=torch.cat(grids) if grids else None,
         targets=input_ids[:, 1:].clone(),
         target_mask=loss_mask[:, 1:].clone(),
-        lengths=lengths,
+        lengths=row_lengths,
         values=padded,
         hidden_below=hidden_below,
         image_of_key=image_of_key,
+        document=document,
     )
 
 

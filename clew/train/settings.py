@@ -22,6 +22,9 @@ class WorkerSettings:
     is no LoRA (with LoRA the reference is the adapter switched off, and this is ignored).
     ``autocast_bf16`` computes in bfloat16 over the weights' own dtype (float32 master
     weights: ``clew.models.precision``); bfloat16 weights on CUDA always compute so.
+    ``pack_sequences`` packs SFT micro-batches (``clew.train.batch.collate(pack=True)``):
+    the same loss and gradient with less compute spent on padding; the micro-batch size
+    then counts packed rows.
     """
 
     lr: float = 1e-6
@@ -38,6 +41,7 @@ class WorkerSettings:
     kl_reference: bool = False
     gradient_checkpointing: bool = False
     autocast_bf16: bool = False
+    pack_sequences: bool = False
 
 
 @dataclass(frozen=True)

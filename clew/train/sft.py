@@ -64,6 +64,7 @@ def run_sft(
     warmup_steps: int = 0,
     scheduler: str = "constant_with_warmup",
     micro_batch_size: int | None = None,
+    pack_sequences: bool = False,
     detour_prob: float = 0.0,
     start_anywhere: float = 0.0,
     keep_last_k_images: int | None = None,
@@ -93,7 +94,9 @@ def run_sft(
     (``clew.stopping``) at the step it arrives in. ``stop_at_pass`` ends it (saved) at the
     first evaluation whose ``eval/all/pass_at_1`` reaches it: an SFT start meant to lie in a
     band of solve rates stops in it rather than past it. ``dtype`` and ``autocast_bf16`` are the
-    weights' dtype and bfloat16 compute (``clew.models.precision``). ``save_interval`` also
+    weights' dtype and bfloat16 compute (``clew.models.precision``); ``pack_sequences``
+    lays short episodes end to end in each micro-batch's rows (``clew.train.batch.collate``:
+    the same loss with less padding). ``save_interval`` also
     saves the policy every that many steps to ``output_dir/step_N`` (as HF's ``save_steps``),
     so a start of a chosen strength can be taken from along the curve. ``dagger`` adds DAgger
     rounds: every ``dagger.interval`` steps the policy plays training rows and its branch
@@ -138,6 +141,7 @@ def run_sft(
         lora_dropout=lora_dropout,
         lora_target_modules=lora_target_modules,
         autocast_bf16=autocast_bf16,
+        pack_sequences=pack_sequences,
     )
     worker = PolicyWorker.from_pretrained(model_dir, settings, dtype=dtype, device=device)
     chat = worker.chat

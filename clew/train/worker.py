@@ -39,7 +39,7 @@ from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
 from clew.models.pixels import as_patches
 from clew.models.precision import bf16_autocast
-from clew.train.batch import ModelBatch, SequenceLike, Vision, collate, encode_vision
+from clew.train.batch import ModelBatch, SequenceLike, Vision, collate, encode_vision, pack_rows
 from clew.train.batch import micro_batches as chunked
 from clew.train.lora import apply_lora, is_lora
 from clew.train.objectives import Objective, TargetOutputs, ppo_objective, sft_objective
@@ -189,6 +189,19 @@ class PolicyWorker:
         # sequences inside a mini-batch changes nothing in its (summed) gradient.
         return sorted(indices, key=lambda i: len(seqs[i].token_ids))
 
+    def _micro_batches(
+        self, seqs: Sequence[SequenceLike], indices: Sequence[int], size: int, pack: bool
+    ) -> list[list[int]]:
+        """Sequence indices of each micro-batch: ``size`` sequences, or with ``pack`` the
+        sequences of ``size`` rows as wide as the longest, packed over the whole mini-batch
+        (packing only inside micro-batches already sorted by length finds little room)."""
+        order = self._by_length(seqs, indices)
+        if not pack:
+            return chunked(order, size)
+        lengths = [len(seqs[i].token_ids) for i in order]
+        rows = pack_rows(lengths, max(lengths))
+        return [[order[j] for row in chunk for j in row] for chunk in chunked(rows, size)]
+
     @torch.no_grad()
     def compute_logprobs(
         self,
@@ -222,6 +235,7 @@ class PolicyWorker:
         objective: Objective,
         temperature: float,
         by_tokens: bool,
+        pack: bool = False,
     ) -> dict[str, float] | None:
         """Zero the grads and backpropagate the loss of ``seqs[indices]`` over micro-batches.
 
@@ -230,7 +244,9 @@ class PolicyWorker:
         else its share of sequences, for the per-sequence reductions), so the accumulated
         gradient is that of the mini-batch loss whatever the micro-batch size. Statistics
         are token-weighted means, except ``loss`` which is the mini-batch loss. None when the
-        mini-batch has no loss-mask token (nothing to learn from).
+        mini-batch has no loss-mask token (nothing to learn from). ``pack`` packs each
+        micro-batch's rows (``collate``), for objectives that do not reduce per row; a
+        micro-batch is then ``micro_batch_size`` packed rows.
         """
         self.optimizer.zero_grad(set_to_none=True)
         tokens = {i: sum(seqs[i].loss_mask[1:]) for i in indices}
@@ -240,7 +256,7 @@ class PolicyWorker:
         stats: dict[str, float] = {"loss": 0.0, "tokens": float(total_tokens)}
         self.model.train()
         try:
-            for idx in chunked(self._by_length(seqs, indices), micro_batch_size):
+            for idx in self._micro_batches(seqs, indices, micro_batch_size, pack):
                 n_tok = sum(tokens[i] for i in idx)
                 if n_tok == 0:
                     continue  # contributes exactly 0 to every reduction
@@ -249,6 +265,7 @@ class PolicyWorker:
                     self.chat,
                     vision=[vision[i] for i in idx],
                     values={k: [v[i] for i in idx] for k, v in values.items()},
+                    pack=pack,
                 )
                 outputs = self._forward(self.model, batch, temperature)
                 loss, micro_stats = objective(batch, outputs)
@@ -355,8 +372,9 @@ class PolicyWorker:
         """
         indices = range(len(seqs))
         stats = self._accumulate(
-            seqs, indices, self._vision(seqs), {}, micro_batch_size, sft_objective, 1.0, True
-        )
+            seqs, indices, self._vision(seqs), {}, micro_batch_size, sft_objective, 1.0, True,
+            pack=self.settings.pack_sequences,
+        )  # fmt: skip
         if stats is None:
             raise ValueError("the SFT batch has no loss-mask tokens")
         stats |= self._optimizer_step()
