@@ -94,6 +94,8 @@ class ModelBatch:
 
     @property
     def num_sequences(self) -> int:
+        if self.document is not None:  # packed: several a row
+            return int((self.document.max(dim=1).values + 1).sum())
         return len(self.lengths)
 
     @property

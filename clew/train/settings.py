@@ -22,9 +22,9 @@ class WorkerSettings:
     is no LoRA (with LoRA the reference is the adapter switched off, and this is ignored).
     ``autocast_bf16`` computes in bfloat16 over the weights' own dtype (float32 master
     weights: ``clew.models.precision``); bfloat16 weights on CUDA always compute so.
-    ``pack_sequences`` packs SFT micro-batches (``clew.train.batch.collate(pack=True)``):
-    the same loss and gradient with less compute spent on padding; the micro-batch size
-    then counts packed rows.
+    ``pack_sequences`` packs an SFT batch's sequences into rows
+    (``clew.train.batch.collate(pack=True)``): the same loss and gradient with less compute
+    spent on padding; the micro-batch size then counts packed rows.
     """
 
     lr: float = 1e-6

@@ -95,8 +95,8 @@ def run_sft(
     first evaluation whose ``eval/all/pass_at_1`` reaches it: an SFT start meant to lie in a
     band of solve rates stops in it rather than past it. ``dtype`` and ``autocast_bf16`` are the
     weights' dtype and bfloat16 compute (``clew.models.precision``); ``pack_sequences``
-    lays short episodes end to end in each micro-batch's rows (``clew.train.batch.collate``:
-    the same loss with less padding). ``save_interval`` also
+    lays the batch's episodes end to end in rows, ``micro_batch_size`` rows a forward
+    (``clew.train.batch.collate``: the same loss with less padding). ``save_interval`` also
     saves the policy every that many steps to ``output_dir/step_N`` (as HF's ``save_steps``),
     so a start of a chosen strength can be taken from along the curve. ``dagger`` adds DAgger
     rounds: every ``dagger.interval`` steps the policy plays training rows and its branch
