@@ -76,12 +76,10 @@ def main() -> None:
             if rep:  # the first step of each is a warm-up
                 seconds[pack].append(time.perf_counter() - t)
             losses.setdefault(pack, stats["sft/loss"])
+    mean = {pack: sum(s) / len(s) for pack, s in seconds.items()}
     for pack, label in ((False, "baseline, one episode a row"), (True, "clew, packed rows")):
-        mean = sum(seconds[pack]) / len(seconds[pack])
-        print(f"{label}: {mean:.3f} s a step, first loss {losses[pack]:.6f}")
-    base = sum(seconds[False]) / len(seconds[False])
-    packed = sum(seconds[True]) / len(seconds[True])
-    print(f"speed-up: {base / packed:.2f}x")
+        print(f"{label}: {mean[pack]:.3f} s a step, first loss {losses[pack]:.6f}")
+    print(f"speed-up: {mean[False] / mean[True]:.2f}x")
 
 
 if __name__ == "__main__":

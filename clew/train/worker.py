@@ -195,9 +195,9 @@ class PolicyWorker:
         """Sequence indices of each micro-batch: ``size`` sequences, or with ``pack`` the
         sequences of ``size`` rows as wide as the longest, packed over the whole mini-batch
         (packing only inside micro-batches already sorted by length finds little room)."""
-        order = self._by_length(seqs, indices)
         if not pack:
-            return chunked(order, size)
+            return chunked(self._by_length(seqs, indices), size)
+        order = list(indices)  # pack_rows sorts by length itself
         lengths = [len(seqs[i].token_ids) for i in order]
         rows = pack_rows(lengths, max(lengths))
         return [[order[j] for row in chunk for j in row] for chunk in chunked(rows, size)]
@@ -244,9 +244,9 @@ class PolicyWorker:
         else its share of sequences, for the per-sequence reductions), so the accumulated
         gradient is that of the mini-batch loss whatever the micro-batch size. Statistics
         are token-weighted means, except ``loss`` which is the mini-batch loss. None when the
-        mini-batch has no loss-mask token (nothing to learn from). ``pack`` packs each
-        micro-batch's rows (``collate``), for objectives that do not reduce per row; a
-        micro-batch is then ``micro_batch_size`` packed rows.
+        mini-batch has no loss-mask token (nothing to learn from). ``pack`` packs the
+        mini-batch's sequences into rows (``_micro_batches``, ``collate``), for objectives
+        that do not reduce per row; a micro-batch is then ``micro_batch_size`` packed rows.
         """
         self.optimizer.zero_grad(set_to_none=True)
         tokens = {i: sum(seqs[i].loss_mask[1:]) for i in indices}
