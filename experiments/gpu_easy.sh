@@ -66,6 +66,11 @@ SFT_STOP_AT=${SFT_STOP_AT:-}  # clew sft --stop-at-pass: end SFT at the first ev
 # the GRPO start the latest one whose eval pass@1 lies in [LOW, HIGH] (the final one kept as
 # WORK/sft_final and packed as OUT/sft_final.tgz.part-*); SFT_PICK.txt in OUT says which step was taken.
 SFT_PICK=${SFT_PICK:-}
+# SFT_SAVE_BEST=1: clew sft --save-best; the best evaluation's policy comes back as
+# OUT/sft_best.tgz.part-* (its tar root `sft`, so renamed to sft.tgz.part-* it is a RESTORE
+# start) after the final one, when it is another step and fits; OUT/SFT_BEST.json names it
+save_best=()
+if [ "${SFT_SAVE_BEST:-0}" = 1 ]; then save_best=(--save-best); fi
 # DAGGER_INTERVAL=N: DAgger rounds in SFT every N steps (clew sft --dagger-interval; the
 # policy plays DAGGER_ROWS training rows, default 64, and the solver's branches from its
 # mistakes fill DAGGER_SHARE of each batch, default 0.5, drawn from the latest
@@ -165,6 +170,24 @@ restorable() { # the first name in RESTORE_PICK with parts in RESTORE
   done
   return 1
 }
+stash_best() { # stash_best METRICS_NAME: WORK/sft/best out of the SFT checkpoint, kept as
+  # WORK/sft_best/sft when its step is not the last one evaluated
+  rm -rf "$work/sft_best"
+  [ -d "$work/sft/best" ] || return 0
+  cp "$work/sft/best/best.json" "$out/SFT_BEST.json"
+  if $PYTHON - "$out/$1_metrics.jsonl" "$out/SFT_BEST.json" <<'PY'
+import json, sys
+last = [json.loads(line) for line in open(sys.argv[1])][-1]["step"]
+sys.exit(0 if json.load(open(sys.argv[2]))["step"] != last else 1)
+PY
+  then mkdir -p "$work/sft_best" && mv "$work/sft/best/policy" "$work/sft_best/sft"
+  else echo "the best evaluation is the last step's: no sft_best pack"
+  fi
+  rm -rf "$work/sft/best"
+}
+pack_best_sft() { # after the SFT checkpoint's own pack, so it never crowds that one out
+  if [ -d "$work/sft_best/sft" ]; then pack "$work/sft_best/sft" sft_best; fi
+}
 pick() { # pick METRICS_NAME: with SFT_PICK, WORK/sft becomes the latest saved step in the band
   [ -n "$SFT_PICK" ] || return 0
   local step
@@ -242,8 +265,8 @@ if [ "$phase" = sft ]; then
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
     --warmup-steps "${SFT_WARMUP:-50}" --scheduler "$SFT_SCHEDULER" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" \
     --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} ${pack_seqs[@]+"${pack_seqs[@]}"} \
-    ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} ${dagger[@]+"${dagger[@]}"} --metrics "$out/sft_metrics.jsonl"
-  pick sft && pack "$work/sft" sft
+    ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} ${dagger[@]+"${dagger[@]}"} ${save_best[@]+"${save_best[@]}"} --metrics "$out/sft_metrics.jsonl"
+  stash_best sft && pick sft && pack "$work/sft" sft && pack_best_sft
   start_evals
 elif [ "$phase" = sft_more ]; then
   # More SFT from WORK/sft (restored if the machine is fresh), for SFT_MINUTES more.
@@ -253,8 +276,8 @@ elif [ "$phase" = sft_more ]; then
     --eval-data "$work/data/eval.parquet" --output "$work/sft_more" --steps "$SFT_STEPS" \
     --max-minutes "$SFT_MINUTES" --batch-size "$SFT_BATCH" --lr "${SFT_LR:-1e-3}" \
     --warmup-steps "${SFT_MORE_WARMUP:-20}" --scheduler "$SFT_SCHEDULER" --detour-prob "$DETOUR" --start-anywhere "$START_ANYWHERE" --eval-interval "$SFT_EVAL_INTERVAL" --keep-last-k-images "$KEEP" --device "$DEVICE" --precision "$PRECISION" ${SFT_STOP_AT:+--stop-at-pass "$SFT_STOP_AT"} ${SFT_MICRO:+--micro-batch-size "$SFT_MICRO"} ${pack_seqs[@]+"${pack_seqs[@]}"} \
-    ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} ${dagger[@]+"${dagger[@]}"} --metrics "$out/sft_more_metrics.jsonl"
-  rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && pick sft_more && pack "$work/sft" sft
+    ${SFT_PICK:+--save-interval "$SFT_EVAL_INTERVAL"} ${dagger[@]+"${dagger[@]}"} ${save_best[@]+"${save_best[@]}"} --metrics "$out/sft_more_metrics.jsonl"
+  rm -rf "$work/sft" && mv "$work/sft_more" "$work/sft" && stash_best sft_more && pick sft_more && pack "$work/sft" sft && pack_best_sft
   start_evals
 elif [ "$phase" = grpo ]; then
   data

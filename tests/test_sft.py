@@ -181,6 +181,30 @@ def test_sft_saves_a_policy_every_save_interval_steps_besides_the_final_one(
         run_sft(model_dir, rows, tmp_path / "z", steps=1, batch_size=1, lr=1e-3, save_interval=-1)
 
 
+def test_sft_keeps_the_best_evaluated_policy_with_its_step(model_dir, rows, tmp_path):
+    scores = {1: 0.2, 2: 0.5, 3: 0.5, 4: 0.3}  # the tie at step 3 keeps step 2
+
+    def eval_fn(model, chat, step):
+        return {"eval/all/pass_at_1": scores[step]}
+
+    out = tmp_path / "best_run"
+    run_sft(
+        model_dir, rows, out, steps=4, batch_size=1, lr=3e-3,
+        eval_fn=eval_fn, eval_interval=1, save_interval=1, save_best=True,
+    )  # fmt: skip
+    record = json.loads((out / "best" / "best.json").read_text())
+    assert record == {"step": 2, "eval/all/pass_at_1": 0.5}
+    best, step2, final = (load_policy(d)[0] for d in (out / "best" / "policy", out / "step_2", out))
+    assert all(
+        torch.equal(a, b) for a, b in zip(best.parameters(), step2.parameters(), strict=True)
+    )
+    assert any(
+        not torch.equal(a, b) for a, b in zip(best.parameters(), final.parameters(), strict=True)
+    )
+    with pytest.raises(ConfigError, match="save_best needs an evaluation"):
+        run_sft(model_dir, rows, tmp_path / "n", steps=1, batch_size=1, lr=1e-3, save_best=True)
+
+
 def test_sigterm_ends_sft_at_that_step_evaluated_and_saved(model_dir, rows, tmp_path):
     seen: list[int] = []
 

@@ -88,6 +88,12 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         help="also save the policy every N steps to OUTPUT/step_N (0: only the final one)",
     )
     p.add_argument(
+        "--save-best",
+        action="store_true",
+        help="keep the best evaluation's policy in OUTPUT/best/policy, best.json naming its "
+        "step (needs --eval-data)",
+    )
+    p.add_argument(
         "--dagger-interval",
         type=int,
         default=0,
@@ -199,6 +205,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
             eval_fn=eval_fn,
             eval_interval=args.eval_interval,
             save_interval=args.save_interval,
+            save_best=args.save_best,
             dagger=dagger,
             log=log,
         )

@@ -9,7 +9,9 @@ The demonstrations (solver episodes with detours, starts anywhere, and their bat
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +49,17 @@ def _save(worker: PolicyWorker, directory: Path) -> None:
     worker.chat.processor.save_pretrained(directory)
 
 
+def _save_best(worker: PolicyWorker, directory: Path, step: int, value: float) -> None:
+    """The policy as ``directory/policy`` and ``best.json`` (step, pass@1) beside it, as
+    ``clew train``'s ``export_best``: the old best goes first and best.json is written last,
+    so a best.json on disk always describes the policy beside it."""
+    if directory.exists():
+        shutil.rmtree(directory)
+    _save(worker, directory / "policy")
+    record = {"step": step, "eval/all/pass_at_1": value}
+    (directory / "best.json").write_text(json.dumps(record, indent=2))
+
+
 def run_sft(
     model_dir: str | Path,
     train_rows: Sequence[MazeRow],
@@ -77,6 +90,7 @@ def run_sft(
     eval_fn: EvalFn | None = None,
     eval_interval: int = 0,
     save_interval: int = 0,
+    save_best: bool = False,
     dagger: DaggerSettings | None = None,
     log: LogFn | None = None,
 ) -> SFTResult:
@@ -98,7 +112,10 @@ def run_sft(
     lays the batch's episodes end to end in rows, ``micro_batch_size`` rows a forward
     (``clew.train.batch.collate``: the same loss with less padding). ``save_interval`` also
     saves the policy every that many steps to ``output_dir/step_N`` (as HF's ``save_steps``),
-    so a start of a chosen strength can be taken from along the curve. ``dagger`` adds DAgger
+    so a start of a chosen strength can be taken from along the curve. ``save_best`` keeps the
+    policy of the best evaluation so far (``eval/all/pass_at_1``, ties keep the earlier step) in
+    ``output_dir/best/policy`` with ``best.json`` naming its step: the SFT curve is noisy, and
+    its peak is often not its last step. ``dagger`` adds DAgger
     rounds: every ``dagger.interval`` steps the policy plays training rows and its branch
     demonstrations (those of the latest ``dagger.keep_rounds`` rounds) fill ``dagger.share``
     of each batch until the next round
@@ -128,6 +145,8 @@ def run_sft(
         )
     if stop_at_pass is not None and eval_fn is None:
         raise ConfigError("stop_at_pass needs an evaluation: give eval data (--eval-data)")
+    if save_best and eval_fn is None:
+        raise ConfigError("save_best needs an evaluation: give eval data (--eval-data)")
     torch.manual_seed(seed)
     settings = WorkerSettings(
         lr=lr,
@@ -156,6 +175,7 @@ def run_sft(
     evals: list[dict[str, float]] = []
     branches = BranchPool(dagger.keep_rounds if dagger is not None else 1)
     dagger_rng = random.Random(seed + 1)
+    best = -1.0  # the best eval/all/pass_at_1 so far (save_best)
     dropped = 0  # steps in a row whose gradient was NaN or infinite (no update)
     started = time.monotonic()
     # One batch is played ahead on a thread while the current one trains.
@@ -192,8 +212,12 @@ def run_sft(
                 metrics = eval_fn(worker.model, chat, step)
                 evals.append(metrics)
                 stats = stats | metrics
+                value = metrics.get("eval/all/pass_at_1")
+                if save_best and value is not None and value > best:
+                    best = value
+                    _save_best(worker, output_dir / "best", step, value)
                 if stop_at_pass is not None:
-                    last = last or metrics.get("eval/all/pass_at_1", 0.0) >= stop_at_pass
+                    last = last or (value or 0.0) >= stop_at_pass
             if log is not None:
                 log(step, stats)
             if save_interval and step % save_interval == 0 and not last:
