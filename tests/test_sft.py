@@ -201,7 +201,7 @@ def test_sft_keeps_the_best_evaluated_policy_with_its_step(model_dir, rows, tmp_
     assert any(
         not torch.equal(a, b) for a, b in zip(best.parameters(), final.parameters(), strict=True)
     )
-    with pytest.raises(ConfigError, match="save_best needs an evaluation"):
+    with pytest.raises(ConfigError, match="save_best .--save-best. keeps the best evaluation"):
         run_sft(model_dir, rows, tmp_path / "n", steps=1, batch_size=1, lr=1e-3, save_best=True)
 
 

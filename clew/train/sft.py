@@ -146,7 +146,9 @@ def run_sft(
     if stop_at_pass is not None and eval_fn is None:
         raise ConfigError("stop_at_pass needs an evaluation: give eval data (--eval-data)")
     if save_best and eval_fn is None:
-        raise ConfigError("save_best needs an evaluation: give eval data (--eval-data)")
+        raise ConfigError(
+            "save_best (--save-best) keeps the best evaluation: give eval data (--eval-data)"
+        )
     torch.manual_seed(seed)
     settings = WorkerSettings(
         lr=lr,
