@@ -18,9 +18,15 @@ set -euo pipefail
 jobs_file=$1
 : "${OUT:?OUT must name the folder whose files come back}"
 WHEELS=${WHEELS:-.whl}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -d "$WHEELS" ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl 2>/dev/null || true
-  export PYTHONPATH=/tmp/site:$PWD
+  # The wheels are built for the GPU image's Python; elsewhere (a CPU check) pip refuses them
+  # and the jobs go on with the Python's own packages, said here rather than hidden.
+  if python3 -m pip install -q --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl; then
+    export PYTHONPATH=/tmp/site:$PYTHONPATH
+  else
+    echo "side_by_side: the wheels in $WHEELS were not installed (pip's error above)" >&2
+  fi
 fi
 export HF_HUB_OFFLINE=1 CLEW=${CLEW:-python3 -m clew}
 names=()
