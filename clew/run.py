@@ -66,6 +66,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> LocalWorkerGroup
     return LocalWorkerGroup(
         worker,
         InferenceEngine(worker.model, worker.chat, max_cache_bytes=budget, autocast=autocast),
+        cfg,
     )
 
 

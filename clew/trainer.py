@@ -68,6 +68,7 @@ def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
             top_k=sp.top_k,
             max_tokens=sp.max_generate_length,
             stop=tuple(sp.stop or ()),
+            allowed_tokens=tuple(sp.allowed_tokens or ()),
         ),
     )
 

@@ -200,6 +200,7 @@ def test_section_given_a_scalar_is_a_config_error_not_a_pydantic_one(tmp_path: P
         (["generator.sampling_params.top_p=0"], "top-p"),
         (["generator.eval_sampling_params.top_p=1.5"], "top-p"),
         (["generator.sampling_params.top_k=0"], "top-k"),
+        (["generator.sampling_params.allowed_tokens=[]"], "allowed-tokens"),
         (["generator.inference_engine.gpu_memory_utilization=0"], "gpu-memory-utilization"),
         (["generator.inference_engine.gpu_memory_utilization=1.2"], "gpu-memory-utilization"),
         (["trainer.algorithm.eps_clip_low=1.0"], "eps-clip"),
@@ -218,6 +219,17 @@ def test_each_validation_rule_rejects_a_bad_value(overrides: list[str], rule: st
         load_config(None, overrides)
     assert f"[{rule}]" in str(err.value)
     assert value in str(err.value)
+
+
+def test_allowed_tokens_reach_the_rollouts_and_the_update_but_not_evaluation() -> None:
+    from clew.cluster.group import ppo_settings
+    from clew.trainer import rollout_settings
+
+    cfg = load_config(None, ["generator.sampling_params.allowed_tokens=[up,down,left,right,stop]"])
+    words = ("up", "down", "left", "right", "stop")
+    assert rollout_settings(cfg, evaluation=False).sampling.allowed_tokens == words
+    assert ppo_settings(cfg).allowed_tokens == words
+    assert rollout_settings(cfg, evaluation=True).sampling.allowed_tokens == ()
 
 
 def test_several_eval_samples_are_accepted_with_a_sampling_temperature() -> None:

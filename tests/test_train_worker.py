@@ -102,6 +102,57 @@ def test_worker_logprobs_match_engine_sampling_logprobs(model_dir, rows, tempera
     assert max(diffs) < 1e-4, f"max |worker - engine| logprob difference: {max(diffs):.3g}"
 
 
+ACTIONS = ("up", "down", "left", "right", "stop")
+
+
+def test_allowed_tokens_are_all_that_is_sampled_and_the_worker_scores_them_as_sampled(
+    model_dir, rows
+):
+    worker = make_worker(model_dir, lr=1e-2)
+    engine = InferenceEngine(worker.model, worker.chat)
+    allowed = set(engine.allowed_ids(ACTIONS).tolist())
+    settings = RolloutSettings(
+        n_samples_per_prompt=4,
+        max_turns=3,
+        reply_prefix="<action>",
+        reply_suffix="</action>",
+        sampling=SamplingParams(temperature=1.5, max_tokens=1, allowed_tokens=ACTIONS),
+    )
+    trajs = play(engine, rows, settings, seed=0)
+    sampled = [tok for t in trajs for tok, m in zip(t.token_ids, t.loss_mask, strict=True) if m]
+    assert sampled and set(sampled) <= allowed
+    assert sum(t.parse_errors for t in trajs) == 0
+    computed = worker.compute_logprobs(trajs, temperature=1.5, allowed=ACTIONS)
+    engine_lp = [masked(torch.tensor(t.logprobs[1:]), t) for t in trajs]
+    assert (
+        max_diff([masked(lp, t) for t, lp in zip(trajs, computed, strict=True)], engine_lp) < 1e-4
+    )
+    # over the whole vocabulary the same tokens score lower: the rest holds some mass
+    full = worker.compute_logprobs(trajs, temperature=1.5)
+    assert all((masked(f, t) < e).all() for t, f, e in zip(trajs, full, engine_lp, strict=True))
+    # a step against the sampled tokens lowers their logprobs within the allowed set
+    seqs = trajs[:2]
+    worker.ppo_update(
+        seqs,
+        [torch.tensor(t.logprobs) for t in seqs],
+        token_advantages(seqs, [-1.0, -1.0]),
+        None,
+        PPOSettings(temperature=1.5, allowed_tokens=ACTIONS),
+        mini_batch_size=2,
+        micro_batch_size=2,
+    )
+    after = worker.compute_logprobs(seqs, temperature=1.5, allowed=ACTIONS)
+    before = sum(float(masked(lp, t).sum()) for t, lp in zip(seqs, computed[:2], strict=True))
+    assert sum(float(masked(a, t).sum()) for t, a in zip(seqs, after, strict=True)) < before - 0.1
+
+
+def test_an_allowed_token_that_is_several_tokens_is_a_clear_error(model_dir):
+    worker = make_worker(model_dir)
+    engine = InferenceEngine(worker.model, worker.chat)
+    with pytest.raises(ClewError, match="'go north' is .* tokens"):
+        engine.allowed_ids(("up", "go north"))
+
+
 def test_logprobs_are_the_same_without_boolean_logits_to_keep(model_dir, trajectories, monkeypatch):
     worker = make_worker(model_dir)
     boolean = worker.compute_logprobs(trajectories, micro_batch_size=4)

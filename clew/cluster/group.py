@@ -37,6 +37,7 @@ def ppo_settings(cfg: Any) -> PPOSettings:
         kl_estimator=a.kl_estimator_type,
         entropy_loss_coef=a.entropy_loss_coef if a.use_entropy_loss else 0.0,
         temperature=temperature if temperature > 0 else 1.0,
+        allowed_tokens=tuple(cfg.generator.sampling_params.allowed_tokens or ()),
     )
 
 
@@ -66,9 +67,14 @@ class LocalWorkerGroup:
 
     world_size = 1
 
-    def __init__(self, worker: Any, engine: InferenceEngine) -> None:
+    def __init__(self, worker: Any, engine: InferenceEngine, cfg: Any | None = None) -> None:
         self.worker = worker
         self.engine = engine
+        if cfg is not None:
+            # A token text that is not one token fails here, before any rollout.
+            for sp in (cfg.generator.sampling_params, cfg.generator.eval_sampling_params):
+                if sp.allowed_tokens:
+                    engine.allowed_ids(tuple(sp.allowed_tokens))
 
     def generate(
         self, rows: Sequence[MazeRow], settings: RolloutSettings, seed: int, progress=None
@@ -98,7 +104,11 @@ class LocalWorkerGroup:
         ref = None
         if t.algorithm.use_kl_loss:
             ref = self.worker.compute_logprobs(
-                trajs, ppo.temperature, t.micro_forward_batch_size_per_gpu, adapter_enabled=False
+                trajs,
+                ppo.temperature,
+                t.micro_forward_batch_size_per_gpu,
+                adapter_enabled=False,
+                allowed=ppo.allowed_tokens,
             )
         mini = t.policy_mini_batch_size * cfg.generator.n_samples_per_prompt // self.world_size
         self.worker.model.train()

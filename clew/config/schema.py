@@ -70,6 +70,15 @@ class SamplingParams(Section):
         None, description="Strings that end a turn's generation (kept in the output)."
     )
     seed: int | None = Field(None, description="Sampling seed; null derives one from trainer.seed.")
+    allowed_tokens: list[str] | None = Field(
+        None,
+        description="Sample only these tokens (vLLM's allowed_token_ids, by text; each must be "
+        "one token of the model's tokenizer, e.g. [up, down, left, right, stop] after "
+        "reply_prefix '<action>'): the others are masked before the softmax, so the logprobs "
+        "trained on are those of the distribution over the allowed tokens. null: the whole "
+        "vocabulary. eval_sampling_params does not inherit it: evaluation reads the policy's "
+        "own greedy reply unless set there too.",
+    )
 
 
 class InferenceEngineConfig(Section):

@@ -157,6 +157,14 @@ def _rules(cfg: ClewConfig) -> list[str]:
             fail("top-p", f"generator.{name}.top_p must be in (0, 1], got {sp.top_p}")
         if sp.top_k < 1 and sp.top_k != -1:
             fail("top-k", f"generator.{name}.top_k must be >= 1, or -1 for off; got {sp.top_k}")
+        if sp.allowed_tokens is not None and (
+            not sp.allowed_tokens or any(not t for t in sp.allowed_tokens)
+        ):
+            fail(
+                "allowed-tokens",
+                f"generator.{name}.allowed_tokens must be null or a list of non-empty token "
+                f"texts, got {sp.allowed_tokens!r}",
+            )
     if gen.eval_n_samples_per_prompt > 1 and gen.eval_sampling_params.temperature == 0:
         fail(
             "eval-samples-greedy",

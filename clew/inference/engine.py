@@ -34,7 +34,14 @@ from transformers import DynamicCache
 
 from clew.errors import ConfigError
 from clew.inference.positions import mrope_positions
-from clew.inference.sampling import SamplingParams, banned_token_ids, filter_logits, mask_banned
+from clew.inference.sampling import (
+    SamplingParams,
+    allowed_token_ids,
+    banned_token_ids,
+    filter_logits,
+    keep_allowed,
+    mask_banned,
+)
 from clew.models.chat import ChatFormat, Chunk
 from clew.models.pixels import as_patches, cat_pixels
 from clew.models.precision import bf16_autocast
@@ -104,7 +111,14 @@ class InferenceEngine:
         self.max_cache_bytes = max_cache_bytes
         self.stop_token_ids = stop_token_ids or (chat.im_end_id,)
         self.banned_token_ids = banned_token_ids(chat)
+        self._allowed: dict[tuple[str, ...], torch.Tensor] = {}
         self._cache_kw = _cache_kwarg(model)
+
+    def allowed_ids(self, texts: tuple[str, ...]) -> torch.Tensor:
+        """The ids of ``SamplingParams.allowed_tokens`` on this device, resolved once."""
+        if texts not in self._allowed:
+            self._allowed[texts] = allowed_token_ids(self.chat, texts).to(self.device)
+        return self._allowed[texts]
 
     def session(
         self, size: int, seed: int | None = None, keep_last_k_images: int | None = None
@@ -353,6 +367,8 @@ class Session:
     ) -> tuple[list[int], list[float]]:
         """One token per row and its logprob, as Python lists (one device-to-host copy)."""
         temperature = 1.0 if params.greedy else params.temperature
+        if params.allowed_tokens:
+            logits = keep_allowed(logits, self.engine.allowed_ids(params.allowed_tokens))
         logp = torch.log_softmax(logits / temperature, dim=-1)
         if params.greedy:
             tokens = logits.argmax(-1)

@@ -1,7 +1,16 @@
-"""Sampling one token: the sampling settings, the ids a reply may never hold, top-k/top-p.
+"""Sampling one token: the sampling settings, the ids a reply may never hold, top-k/top-p,
+and the tokens a reply is restricted to.
 
 Pure functions on logits, shared by the rollout engine (which samples) and the policy
 worker (which must compute the same distribution when it recomputes logprobs).
+
+``allowed_tokens`` is vLLM's ``allowed_token_ids`` by text: every other id goes to -inf
+*before* the softmax, so the logprob the engine records and the one the worker recomputes
+are those of the distribution renormalised over the allowed tokens: what the rest of the
+vocabulary holds is neither drawn nor trained on. Top-k/top-p differ: they shape only the
+draw while the logprobs stay those of the full distribution, so a negative advantage on a
+drawn token pushes mass onto tokens that are never drawn and so never pushed back (BENCHMARKS.md, "Thirty-first attempt": with ``top_k=5`` the replies that were not an
+action rose from 0.1% to 70% of the sampled turns in 30 GRPO steps).
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from clew.errors import ClewError
 from clew.models.chat import ChatFormat
 
 
@@ -22,6 +32,7 @@ class SamplingParams:
     top_k: int = -1
     max_tokens: int = 64
     stop: tuple[str, ...] = ()
+    allowed_tokens: tuple[str, ...] = ()  # empty: the whole vocabulary
 
     @property
     def greedy(self) -> bool:
@@ -55,3 +66,26 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def allowed_token_ids(chat: ChatFormat, texts: tuple[str, ...] | list[str]) -> torch.Tensor:
+    """The ids of ``texts``, each of which must be exactly one token of ``chat``'s tokenizer."""
+    ids = []
+    for text in texts:
+        encoded = chat.encode_text(text)
+        if len(encoded) != 1:
+            pieces = [chat.decode([i]) for i in encoded]
+            raise ClewError(
+                f"allowed token {text!r} is {len(encoded)} tokens of this model's tokenizer "
+                f"({pieces}); each allowed token must be exactly one token (e.g. an action "
+                "word after a reply_prefix such as '<action>')"
+            )
+        ids.append(encoded[0])
+    return torch.tensor(sorted(set(ids)), dtype=torch.long)
+
+
+def keep_allowed(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``logits`` [..., V] with every id outside ``allowed`` at -inf (out of place)."""
+    keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    keep[allowed.to(logits.device)] = True
+    return logits.masked_fill(~keep, float("-inf"))

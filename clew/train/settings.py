@@ -50,7 +50,7 @@ class PPOSettings:
 
     ``policy_loss`` is a name in ``clew.algorithms.POLICY_LOSSES`` (the config's "regular"
     is "ppo_clip"). The KL term is added when the update is given reference logprobs;
-    ``temperature`` must be the rollout's sampling temperature.
+    ``temperature`` and ``allowed_tokens`` must be the rollout's sampling ones.
     """
 
     policy_loss: str = "ppo_clip"
@@ -63,3 +63,4 @@ class PPOSettings:
     kl_estimator: str = "k3"
     entropy_loss_coef: float = 0.0
     temperature: float = 1.0
+    allowed_tokens: tuple[str, ...] = ()

@@ -7,7 +7,8 @@ update, which is the mode the engine expects.
 
 Logprobs are computed the way the engine samples: the vision placeholder ids are masked to
 -inf and the logits divided by the sampling temperature before ``log_softmax``, so the
-PPO ratio is exactly 1 (up to float error) at the first update. Only the positions whose
+PPO ratio is exactly 1 (up to float error) at the first update; when the rollouts were
+sampled with ``allowed_tokens``, every other id is masked too, as the engine masked it. Only the positions whose
 target is a loss-mask token go through the output projection: every loss here is masked to
 generated tokens, and image and prompt tokens are most of an episode, so projecting them
 onto the vocabulary would be the largest tensor of the step for nothing. Values the worker
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from clew.algorithms import logprobs_from_logits
 from clew.errors import ClewError
-from clew.inference.sampling import banned_token_ids, mask_banned
+from clew.inference.sampling import allowed_token_ids, banned_token_ids, keep_allowed, mask_banned
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
 from clew.models.pixels import as_patches
@@ -99,6 +100,7 @@ class PolicyWorker:
         self.device = next(model.parameters()).device
         self.lora = is_lora(model)
         self.banned = banned_token_ids(chat).to(self.device)
+        self._allowed: dict[tuple[str, ...], Tensor] = {}
         dtype = next(model.parameters()).dtype
         self.dtype = dtype
         self.autocast = settings.autocast_bf16 or (
@@ -157,18 +159,33 @@ class PolicyWorker:
     def _autocast(self) -> contextlib.AbstractContextManager:
         return bf16_autocast(self.device, self.autocast)
 
-    def _target_logits(self, model: torch.nn.Module, batch: ModelBatch) -> Tensor:
-        """Logits ``[K, V]`` (float32, banned ids at -inf) at the K loss-mask targets, row-major."""
+    def _target_logits(
+        self, model: torch.nn.Module, batch: ModelBatch, allowed: tuple[str, ...] = ()
+    ) -> Tensor:
+        """Logits ``[K, V]`` (float32, banned ids at -inf) at the K loss-mask targets, row-major.
+
+        With ``allowed`` (the rollouts' ``SamplingParams.allowed_tokens``) every other id is at
+        -inf too.
+        """
         keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
         keep[:, :-1] = (batch.target_mask > 0).to(self.device)
         with self._autocast():
             logits = logits_at(model, batch, keep, self.compute_dtype)
-        return mask_banned(logits.float(), self.banned)
+        logits = mask_banned(logits.float(), self.banned)
+        if allowed:
+            if allowed not in self._allowed:
+                self._allowed[allowed] = allowed_token_ids(self.chat, allowed).to(self.device)
+            logits = keep_allowed(logits, self._allowed[allowed])
+        return logits
 
     def _forward(
-        self, model: torch.nn.Module, batch: ModelBatch, temperature: float
+        self,
+        model: torch.nn.Module,
+        batch: ModelBatch,
+        temperature: float,
+        allowed: tuple[str, ...] = (),
     ) -> TargetOutputs:
-        logits = self._target_logits(model, batch)
+        logits = self._target_logits(model, batch, allowed)
         mask = (batch.target_mask > 0).to(self.device)
         targets = batch.targets.to(self.device)[mask]
         logprobs = logprobs_from_logits(logits[None], targets[None], temperature=temperature)[0]
@@ -209,10 +226,12 @@ class PolicyWorker:
         temperature: float = 1.0,
         micro_batch_size: int = 8,
         adapter_enabled: bool = True,
+        allowed: tuple[str, ...] = (),
     ) -> list[Tensor]:
         """Per sequence, float32 CPU ``[len - 1]``: the logprob of ``token_ids[1:]`` (0 off the mask).
 
-        ``adapter_enabled=False`` gives the KL reference's logprobs (see the module docstring).
+        ``adapter_enabled=False`` gives the KL reference's logprobs (see the module docstring);
+        ``allowed``: the rollouts' ``allowed_tokens``.
         """
         self.model.eval()
         out: list[Tensor] = [torch.zeros(0)] * len(seqs)
@@ -220,7 +239,7 @@ class PolicyWorker:
         with self._policy(adapter_enabled) as model:
             for idx in chunked(self._by_length(seqs, range(len(seqs))), micro_batch_size):
                 batch = collate([seqs[i] for i in idx], self.chat, vision=[vision[i] for i in idx])
-                out_b = self._forward(model, batch, temperature).per_target.cpu()
+                out_b = self._forward(model, batch, temperature, allowed).per_target.cpu()
                 for i, row in zip(idx, batch.unpad(out_b), strict=True):
                     out[i] = row.clone()
         return out
@@ -236,6 +255,7 @@ class PolicyWorker:
         temperature: float,
         by_tokens: bool,
         pack: bool = False,
+        allowed: tuple[str, ...] = (),
     ) -> dict[str, float] | None:
         """Zero the grads and backpropagate the loss of ``seqs[indices]`` over micro-batches.
 
@@ -267,7 +287,7 @@ class PolicyWorker:
                     values={k: [v[i] for i in idx] for k, v in values.items()},
                     pack=pack,
                 )
-                outputs = self._forward(self.model, batch, temperature)
+                outputs = self._forward(self.model, batch, temperature, allowed)
                 loss, micro_stats = objective(batch, outputs)
                 share = n_tok / total_tokens if by_tokens else len(idx) / len(indices)
                 (loss * share).backward()
@@ -321,6 +341,7 @@ class PolicyWorker:
             ppo_objective(settings),
             settings.temperature,
             settings.loss_reduction == "token_mean",
+            allowed=settings.allowed_tokens,
         )
 
     def ppo_update(
@@ -355,6 +376,7 @@ class PolicyWorker:
                     objective,
                     settings.temperature,
                     settings.loss_reduction == "token_mean",
+                    allowed=settings.allowed_tokens,
                 )
                 if stats is not None:
                     steps.append(stats | self._optimizer_step())
