@@ -62,3 +62,26 @@ def test_eval_refuses_several_greedy_samples_with_the_rule(tmp_path, capsys):
                  "--n-samples-per-prompt", "4"])  # fmt: skip
     assert code != 0
     assert "needs --temperature > 0" in capsys.readouterr().err
+
+
+def test_eval_with_allowed_tokens_plays_only_those_words(tmp_path, capsys):
+    model, data = _tiny_policy_and_mazes(tmp_path)
+    out = tmp_path / "eval"
+    code = main(["eval", "--model", str(model), "--data", str(data), "--output-dir", str(out),
+                 "--reply-prefix", "<action>", "--reply-suffix", "</action>",
+                 "--max-generate-length", "1", "--allowed-tokens", "up,down,left,right,stop",
+                 "--temperature", "1.0", "--num-gifs", "0", "--device", "cpu"])  # fmt: skip
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    words = {f"<action>{w}</action>" for w in ("up", "down", "left", "right", "stop")}
+    assert all(a in words for t in trajs for a in t["actions"])
+    assert metrics["eval/all/parse_error_rate"] == 0.0
+
+
+def test_eval_refuses_an_allowed_token_that_is_not_one_token(tmp_path, capsys):
+    model, data = _tiny_policy_and_mazes(tmp_path)
+    code = main(["eval", "--model", str(model), "--data", str(data), "--device", "cpu",
+                 "--allowed-tokens", "up,go north"])  # fmt: skip
+    assert code != 0
+    assert "'go north' is" in capsys.readouterr().err

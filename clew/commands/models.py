@@ -157,6 +157,13 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
         "--reply-suffix", default="", help="as generator.reply_suffix (e.g. '</action>')"
     )
     p.add_argument(
+        "--allowed-tokens",
+        default=None,
+        help="as generator.eval_sampling_params.allowed_tokens, comma-separated (e.g. "
+        "up,down,left,right,stop after --reply-prefix '<action>'): only these tokens are "
+        "generated; default: the whole vocabulary, the policy's own reply",
+    )
+    p.add_argument(
         "--keep-last-k-images",
         type=positive_int,
         default=None,
@@ -194,14 +201,26 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
         from clew.inference.sampling import SamplingParams
         from clew.rollout.loop import RolloutSettings
 
+        allowed: tuple[str, ...] = ()
+        if args.allowed_tokens is not None:
+            allowed = tuple(t for t in args.allowed_tokens.split(",") if t)
+            if not allowed:
+                raise ClewError(
+                    f"--allowed-tokens {args.allowed_tokens!r} names no token: give "
+                    "comma-separated token texts, e.g. up,down,left,right,stop"
+                )
         rows = read_rows(args.data)
         policy = open_policy(args.model, args.adapter, device=args.device)
+        if allowed:
+            policy.engine.allowed_ids(allowed)  # a text that is not one token fails here
         settings = RolloutSettings(
             n_samples_per_prompt=args.n_samples_per_prompt,
             max_turns=args.max_turns or max(r.max_turns for r in rows),
             max_input_length=args.max_input_length,
             sampling=SamplingParams(
-                temperature=args.temperature, max_tokens=args.max_generate_length
+                temperature=args.temperature,
+                max_tokens=args.max_generate_length,
+                allowed_tokens=allowed,
             ),
             keep_last_k_images=args.keep_last_k_images,
             reply_prefix=args.reply_prefix,
