@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -132,15 +134,17 @@ def test_allowed_tokens_are_all_that_is_sampled_and_the_worker_scores_them_as_sa
     assert all((masked(f, t) < e).all() for t, f, e in zip(trajs, full, engine_lp, strict=True))
     # a step against the sampled tokens lowers their logprobs within the allowed set
     seqs = trajs[:2]
-    worker.ppo_update(
+    stats = worker.ppo_update(
         seqs,
         [torch.tensor(t.logprobs) for t in seqs],
         token_advantages(seqs, [-1.0, -1.0]),
         None,
-        PPOSettings(temperature=1.5, allowed_tokens=ACTIONS),
+        # with an entropy bonus, which now ranges over the five words only
+        PPOSettings(temperature=1.5, allowed_tokens=ACTIONS, entropy_loss_coef=0.01),
         mini_batch_size=2,
         micro_batch_size=2,
     )
+    assert 0 < stats["policy/entropy"] <= math.log(len(ACTIONS)) + 1e-6
     after = worker.compute_logprobs(seqs, temperature=1.5, allowed=ACTIONS)
     before = sum(float(masked(lp, t).sum()) for t, lp in zip(seqs, computed[:2], strict=True))
     assert sum(float(masked(a, t).sum()) for t, a in zip(seqs, after, strict=True)) < before - 0.1
