@@ -9,8 +9,9 @@ worker (which must compute the same distribution when it recomputes logprobs).
 are those of the distribution renormalised over the allowed tokens: what the rest of the
 vocabulary holds is neither drawn nor trained on. Top-k/top-p differ: they shape only the
 draw while the logprobs stay those of the full distribution, so a negative advantage on a
-drawn token pushes mass onto tokens that are never drawn and so never pushed back (BENCHMARKS.md, "Thirty-first attempt": with ``top_k=5`` the replies that were not an
-action rose from 0.1% to 70% of the sampled turns in 30 GRPO steps).
+drawn token pushes mass onto tokens that are never drawn and so never pushed back
+(BENCHMARKS.md, "Thirty-first attempt": with ``top_k=5`` the replies that were not an
+action rose from 0.1% to 70% of the sampled turns in 25 GRPO steps).
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ update, which is the mode the engine expects.
 Logprobs are computed the way the engine samples: the vision placeholder ids are masked to
 -inf and the logits divided by the sampling temperature before ``log_softmax``, so the
 PPO ratio is exactly 1 (up to float error) at the first update; when the rollouts were
-sampled with ``allowed_tokens``, every other id is masked too, as the engine masked it. Only the positions whose
-target is a loss-mask token go through the output projection: every loss here is masked to
-generated tokens, and image and prompt tokens are most of an episode, so projecting them
-onto the vocabulary would be the largest tensor of the step for nothing. Values the worker
-returns off the loss mask are therefore 0.
+sampled with ``allowed_tokens``, every other id is masked too, as the engine masked it.
+Only the positions whose target is a loss-mask token go through the output projection:
+every loss here is masked to generated tokens, and image and prompt tokens are most of an
+episode, so projecting them onto the vocabulary would be the largest tensor of the step for
+nothing. Values the worker returns off the loss mask are therefore 0.
 
 The KL reference: with LoRA it is the base model with the adapter switched off
 (``disable_adapter``), which costs no memory. Without LoRA it is a frozen copy of the
