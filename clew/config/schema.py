@@ -64,10 +64,9 @@ class SamplingParams(Section):
     top_p: float = Field(1.0, description="Nucleus sampling mass, in (0, 1].")
     top_k: int = Field(
         -1,
-        description="Sample from the k most likely tokens; -1 turns it off. Like top_p it shapes "
-        "the draw only: the logprobs trained on stay those of the whole vocabulary, so in GRPO "
-        "a negative advantage moves mass onto tokens that are never drawn (to restrict replies "
-        "to a few tokens, use allowed_tokens).",
+        description="Sample from the k most likely tokens; -1 turns it off. "
+        "Shapes the draw only (logprobs stay the whole vocabulary's): use allowed_tokens to "
+        "restrict replies.",
     )
     max_generate_length: int = Field(
         64, description="Most new tokens generated per turn (SkyRL's name for max_new_tokens)."

@@ -35,8 +35,8 @@ from transformers import DynamicCache
 from clew.errors import ConfigError
 from clew.inference.positions import mrope_positions
 from clew.inference.sampling import (
+    AllowedIds,
     SamplingParams,
-    allowed_token_ids,
     banned_token_ids,
     filter_logits,
     keep_allowed,
@@ -111,14 +111,9 @@ class InferenceEngine:
         self.max_cache_bytes = max_cache_bytes
         self.stop_token_ids = stop_token_ids or (chat.im_end_id,)
         self.banned_token_ids = banned_token_ids(chat)
-        self._allowed: dict[tuple[str, ...], torch.Tensor] = {}
+        # The ids of SamplingParams.allowed_tokens; a text that is not one token raises.
+        self.allowed_ids = AllowedIds(chat, self.device)
         self._cache_kw = _cache_kwarg(model)
-
-    def allowed_ids(self, texts: tuple[str, ...]) -> torch.Tensor:
-        """The ids of ``SamplingParams.allowed_tokens`` on this device, resolved once."""
-        if texts not in self._allowed:
-            self._allowed[texts] = allowed_token_ids(self.chat, texts).to(self.device)
-        return self._allowed[texts]
 
     def session(
         self, size: int, seed: int | None = None, keep_last_k_images: int | None = None

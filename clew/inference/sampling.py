@@ -85,6 +85,20 @@ def allowed_token_ids(chat: ChatFormat, texts: tuple[str, ...] | list[str]) -> t
     return torch.tensor(sorted(set(ids)), dtype=torch.long)
 
 
+class AllowedIds:
+    """``allowed_token_ids`` of one tokenizer, resolved once per tuple of texts and kept on
+    ``device``: the engine looks them up at every sampled token, the worker at every forward."""
+
+    def __init__(self, chat: ChatFormat, device: torch.device | str) -> None:
+        self.chat, self.device = chat, device
+        self._ids: dict[tuple[str, ...], torch.Tensor] = {}
+
+    def __call__(self, texts: tuple[str, ...]) -> torch.Tensor:
+        if texts not in self._ids:
+            self._ids[texts] = allowed_token_ids(self.chat, texts).to(self.device)
+        return self._ids[texts]
+
+
 def keep_allowed(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """``logits`` [..., V] with every id outside ``allowed`` at -inf (out of place)."""
     keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from clew.algorithms import logprobs_from_logits
 from clew.errors import ClewError
-from clew.inference.sampling import allowed_token_ids, banned_token_ids, keep_allowed, mask_banned
+from clew.inference.sampling import AllowedIds, banned_token_ids, keep_allowed, mask_banned
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
 from clew.models.pixels import as_patches
@@ -100,7 +100,7 @@ class PolicyWorker:
         self.device = next(model.parameters()).device
         self.lora = is_lora(model)
         self.banned = banned_token_ids(chat).to(self.device)
-        self._allowed: dict[tuple[str, ...], Tensor] = {}
+        self.allowed_ids = AllowedIds(chat, self.device)
         dtype = next(model.parameters()).dtype
         self.dtype = dtype
         self.autocast = settings.autocast_bf16 or (
@@ -162,21 +162,14 @@ class PolicyWorker:
     def _target_logits(
         self, model: torch.nn.Module, batch: ModelBatch, allowed: tuple[str, ...] = ()
     ) -> Tensor:
-        """Logits ``[K, V]`` (float32, banned ids at -inf) at the K loss-mask targets, row-major.
-
-        With ``allowed`` (the rollouts' ``SamplingParams.allowed_tokens``) every other id is at
-        -inf too.
-        """
+        """Logits ``[K, V]`` (float32, banned ids at -inf) at the K loss-mask targets, row-major;
+        with ``allowed`` (the rollouts' ``allowed_tokens``) every other id at -inf too."""
         keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
         keep[:, :-1] = (batch.target_mask > 0).to(self.device)
         with self._autocast():
             logits = logits_at(model, batch, keep, self.compute_dtype)
         logits = mask_banned(logits.float(), self.banned)
-        if allowed:
-            if allowed not in self._allowed:
-                self._allowed[allowed] = allowed_token_ids(self.chat, allowed).to(self.device)
-            logits = keep_allowed(logits, self._allowed[allowed])
-        return logits
+        return keep_allowed(logits, self.allowed_ids(allowed)) if allowed else logits
 
     def _forward(
         self,
