@@ -95,7 +95,10 @@ fi
 # evaluation alike); a policy trained with one KEEP is evaluated with it
 KEEP=${KEEP:-1}
 PRECISION=${PRECISION:-bf16-mixed}  # clew sft --precision (bf16-true: the runs before session 5)
-# BIG_EVAL, ANYWHERE_EVAL: larger evaluations of what a call brings back (final_evals below)
+# BIG_EVAL, ANYWHERE_EVAL: larger evaluations of what a call brings back (final_evals below); unset
+# or 0: none
+[ "${BIG_EVAL:-}" != 0 ] || BIG_EVAL=
+[ "${ANYWHERE_EVAL:-}" != 0 ] || ANYWHERE_EVAL=
 # GRPO_EXTRA: more `clew train` overrides, space-separated (e.g. trainer.eval_interval=10)
 # BORDER: the env's border_px (7: half a cell, so the policy's 14 px patches fall across the
 # cells' centres and each holds parts of the agent's neighbours; the image grows to 140 px)
