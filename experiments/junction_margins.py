@@ -102,12 +102,14 @@ for text in names:
 demos = []
 for ep in episodes:
     demo = play_demonstration(row_of(ep), chat, random.Random(0), prefix=ep["actions"])
+    if demo is None:  # the optimal play does not fit the turn budget: not a row clew eval plays
+        sys.exit(f"seed {ep['seed']}: its maze is not solvable within {ep['env_options']}")
     demo.image_window = 1  # what --keep-last-k-images 1 kept in the context
     demos.append(demo)
 
 # p(an optimal move) at each turn off the goal, split by whether the greedy move was optimal
-probs_good: dict[str, list[float]] = defaultdict(list)
-margins_right: dict[str, list[float]] = defaultdict(list)
+p_opt_wrong: dict[str, list[float]] = defaultdict(list)
+p_opt_right: dict[str, list[float]] = defaultdict(list)
 failed_seen: set[int] = set()  # episodes whose first wrong first-visit junction is counted
 # wrong first-visit junction choices by what the move was: into a side branch, a wall, stop
 wrong_move: dict[str, list[float]] = defaultdict(list)
@@ -143,9 +145,9 @@ for start in range(0, len(demos), batch_size):
         greedy_right = kinds_of[top] in good
         for g in (group, "all turns off the goal"):
             if greedy_right:
-                margins_right[g].append(p_good)
+                p_opt_right[g].append(p_good)
             else:
-                probs_good[g].append(p_good)
+                p_opt_wrong[g].append(p_good)
         if not greedy_right and group == "junction, first visit":
             move = kinds_of[top]
             what = "stop" if move == "stop" else "open" if move in opened else "wall"
@@ -167,8 +169,8 @@ def histogram(values: list[float]) -> str:
 print(
     f"{model_dir}: {len(episodes)} episodes, {total} turns; replay check: {mismatch} turns whose most likely word is not the one played"
 )
-for g in sorted(set(probs_good) | set(margins_right)):
-    wrong, right = probs_good[g], margins_right[g]
+for g in sorted(set(p_opt_wrong) | set(p_opt_right)):
+    wrong, right = p_opt_wrong[g], p_opt_right[g]
     print(
         f"{g}: {len(right)} right (p(optimal) mean {sum(right) / max(len(right), 1):.3f}), {len(wrong)} wrong"
     )
