@@ -110,10 +110,10 @@ for ep in episodes:
 # p(an optimal move) at each turn off the goal, split by whether the greedy move was optimal
 p_opt_wrong: dict[str, list[float]] = defaultdict(list)
 p_opt_right: dict[str, list[float]] = defaultdict(list)
-failed_seen: set[int] = set()  # episodes whose first wrong first-visit junction is counted
+first_wrong_seen: set[int] = set()  # episodes whose first wrong first-visit junction is known
 # wrong first-visit junction choices by what the move was: into a side branch, a wall, stop
 wrong_move: dict[str, list[float]] = defaultdict(list)
-first_wrong: list[tuple[int, float]] = []
+first_wrong: list[float] = []  # p(optimal) there, for the failed episodes
 mismatch = total = 0
 batch_size = 8
 for start in range(0, len(demos), batch_size):
@@ -152,10 +152,9 @@ for start in range(0, len(demos), batch_size):
             move = kinds_of[top]
             what = "stop" if move == "stop" else "open" if move in opened else "wall"
             wrong_move[what].append(p_good)
-        if not greedy_right and group == "junction, first visit" and i not in failed_seen:
-            if not ep["success"]:
-                first_wrong.append((i, p_good))
-            failed_seen.add(i)
+            if i not in first_wrong_seen and not ep["success"]:
+                first_wrong.append(p_good)
+            first_wrong_seen.add(i)
 
 
 def histogram(values: list[float]) -> str:
@@ -181,5 +180,5 @@ for what, values in sorted(wrong_move.items()):
 solved = sum(bool(ep["success"]) for ep in episodes)
 print(
     f"failed episodes: {len(episodes) - solved}; their first wrong first-visit junction, p(optimal): "
-    + (histogram([v for _, v in first_wrong]) if first_wrong else "none")
+    + (histogram(first_wrong) if first_wrong else "none")
 )
