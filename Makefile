@@ -35,8 +35,8 @@ test-oldest:
 		tests/test_vision_attention.py tests/test_trainer.py
 
 lint: setup
-	$(BIN)/ruff check clew tests benchmarks experiments
-	$(BIN)/ruff format --check clew tests benchmarks experiments
+	$(BIN)/ruff check clew tests benchmarks
+	$(BIN)/ruff format --check clew tests benchmarks
 
 format: setup
 	$(BIN)/ruff format clew tests benchmarks
@@ -48,9 +48,8 @@ demo: setup
 bench: setup
 	$(BIN)/python benchmarks/env.py
 
-# The wheels a device call carries in `.whl` (`run` with carry [".whl"]): pydantic and its
-# dependencies, which the GPU image (Python 3.12) lacks; experiments/gpu_easy.sh's calls
-# install them with `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`.
+# Wheels for a GPU machine without network access whose image lacks pydantic (Python 3.12):
+# copy `.whl` there and `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`.
 device-wheels:
 	rm -rf .whl
 	$(PY) -m pip download -q pydantic --only-binary=:all: --python-version 3.12 \

@@ -29,8 +29,8 @@ from rollout import baseline  # noqa: E402
 from clew.config import load_config  # noqa: E402
 from clew.data.rows import generate_rows, write_rows  # noqa: E402
 from clew.envs.base import text_corpus  # noqa: E402
+from clew.launch import run_dir_of, run_grpo  # noqa: E402
 from clew.models import build_model  # noqa: E402
-from clew.run import run_dir_of, train  # noqa: E402
 
 PHASES = ("generate", "score", "advantages", "update", "sync", "step")
 
@@ -90,7 +90,7 @@ def main() -> None:
             ],
         )
         t0 = time.perf_counter()
-        train(cfg)
+        run_grpo(cfg)
         wall = time.perf_counter() - t0
         history = [
             json.loads(x) for x in (run_dir_of(cfg) / "metrics.jsonl").read_text().splitlines()

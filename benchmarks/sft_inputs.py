@@ -13,7 +13,7 @@
    plus ``model_inputs``. Baseline: what the trainer did before, a dense ``[L, L]`` mask
    built per sequence and copied into ``[B, 1, W, W]``, then an additive float mask made
    with two full-size temporaries; clew: ``[B, W]`` vectors per batch, expanded where the
-   model runs (``clew.inference.visibility.visibility_from_vectors``). Both masks are
+   model runs (``clew.models.visibility.visibility_from_vectors``). Both masks are
    checked equal. (On a GPU the expansion runs on the device and the host only builds the
    vectors.)
 4. A batch's pixels from frames to the model's device: encode every sequence, collate,
@@ -38,10 +38,10 @@ from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.solver import shortest_actions
-from clew.inference.visibility import visibility_mask
 from clew.models import build_model
 from clew.models.chat import ChatFormat
 from clew.models.pixels import as_patches
+from clew.models.visibility import visibility_mask
 from clew.train.batch import collate, encode_vision
 from clew.train.demonstrations import demonstrations
 

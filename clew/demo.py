@@ -140,8 +140,8 @@ def grpo_from(
 ) -> dict[str, float]:
     """GRPO from ``sft_dir``, evaluated before training and after; writes the report."""
     from clew.config import load_config
+    from clew.launch import run_dir_of, run_grpo
     from clew.metrics import draw_report
-    from clew.run import run_dir_of, train
 
     data = out / "data"
     turns = rows["eval"][0].max_turns
@@ -184,7 +184,7 @@ def grpo_from(
         f"GRPO: {plan.grpo_steps} steps of {plan.grpo_prompts} mazes x {plan.grpo_samples} samples"
     )
     run_dir = run_dir_of(cfg)
-    train(cfg)
+    run_grpo(cfg)
     history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [(h["step"], h["eval/all/pass_at_1"]) for h in history if "eval/all/pass_at_1" in h]
     png = draw_report(run_dir)

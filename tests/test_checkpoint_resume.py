@@ -19,8 +19,8 @@ from clew.checkpoint.layout import POINTER_FILE
 from clew.config import load_config
 from clew.data.rows import write_rows
 from clew.errors import CheckpointError
+from clew.launch import build_worker_group, run_grpo
 from clew.models import build_model
-from clew.run import build_worker_group, train
 
 TESTS = Path(__file__).parent
 STEPS = 6
@@ -182,16 +182,16 @@ def _cfg(root: Path, run: str, *extra: str):
 
 
 def test_corrupt_latest_checkpoint_falls_back_with_a_warning(setup):
-    train(_cfg(setup, "corrupt", "trainer.epochs=1"))
+    run_grpo(_cfg(setup, "corrupt", "trainer.epochs=1"))
     ckpt = setup / "ckpts" / "corrupt"
     assert (ckpt / POINTER_FILE).read_text().strip() == str(STEPS)
     state = ckpt / f"global_step_{STEPS}" / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[:-100])  # truncated
     cfg = _cfg(setup, "corrupt", "trainer.epochs=2")
     from clew.checkpoint.state import Checkpointer
-    from clew.trainer import Trainer
+    from clew.grpo import GRPOTrainer
 
-    trainer = Trainer(
+    trainer = GRPOTrainer(
         cfg,
         build_worker_group(cfg, 4 * STEPS),
         digits_rows(4 * STEPS),
@@ -206,14 +206,14 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(setup):
 
 
 def test_incompatible_checkpoint_is_refused_with_the_differences(setup):
-    train(_cfg(setup, "compat", "trainer.ckpt_interval=6"))
+    run_grpo(_cfg(setup, "compat", "trainer.ckpt_interval=6"))
     with pytest.raises(CheckpointError, match="lora.rank: checkpoint 0, this run 4"):
-        train(_cfg(setup, "compat", "trainer.policy.model.lora.rank=4", "trainer.epochs=2"))
+        run_grpo(_cfg(setup, "compat", "trainer.policy.model.lora.rank=4", "trainer.epochs=2"))
 
 
 def test_resume_path_that_is_not_a_checkpoint_is_refused(setup, tmp_path):
     with pytest.raises(CheckpointError, match="not a clew checkpoint"):
-        train(
+        run_grpo(
             _cfg(
                 setup, "badpath", "trainer.resume_mode=from_path", f"trainer.resume_path={tmp_path}"
             )
@@ -224,9 +224,9 @@ def test_exported_adapter_loads_with_peft_and_matches_the_trainer(setup):
     from peft import PeftModel
 
     from clew.checkpoint.state import Checkpointer
+    from clew.grpo import GRPOTrainer
     from clew.metrics import make_loggers
     from clew.models import load_policy
-    from clew.trainer import Trainer
 
     cfg = _cfg(
         setup,
@@ -238,7 +238,7 @@ def test_exported_adapter_loads_with_peft_and_matches_the_trainer(setup):
     run_dir = setup / "runs" / "export"
     group = build_worker_group(cfg, 4 * STEPS)
     loggers = make_loggers("jsonl", run_dir, "p", "export")
-    Trainer(
+    GRPOTrainer(
         cfg, group, digits_rows(4 * STEPS), [], loggers, run_dir, Checkpointer(cfg, run_dir)
     ).fit()
     policy_dir = run_dir / "exports" / f"global_step_{STEPS}" / "policy"
@@ -257,12 +257,12 @@ def test_exported_adapter_loads_with_peft_and_matches_the_trainer(setup):
 
 
 def test_resuming_with_a_new_learning_rate_warns_that_the_checkpoints_value_goes_on(setup):
-    train(_cfg(setup, "newlr", "trainer.ckpt_interval=6"))
+    run_grpo(_cfg(setup, "newlr", "trainer.ckpt_interval=6"))
     changed = "trainer.policy.optimizer_config.lr=1.0e-3"
     with pytest.warns(
         UserWarning, match=r"optimizer_config\.lr: checkpoint 0\.003, this run 0\.001"
     ):
-        train(_cfg(setup, "newlr", changed, "trainer.epochs=2"))
+        run_grpo(_cfg(setup, "newlr", changed, "trainer.epochs=2"))
 
 
 def test_best_evaluation_is_exported_with_its_step_and_value(setup):
@@ -274,7 +274,7 @@ def test_best_evaluation_is_exported_with_its_step_and_value(setup):
         "trainer.eval_interval=1",
         "trainer.policy.optimizer_config.lr=0.05",
     )
-    train(cfg)
+    run_grpo(cfg)
     history = _history(setup, "best")
     evals = [
         (s, r["eval/all/pass_at_1"])
@@ -302,5 +302,5 @@ def test_export_best_off_writes_no_best_policy(setup):
         "trainer.eval_interval=3",
         "trainer.export_best=false",
     )
-    train(cfg)
+    run_grpo(cfg)
     assert not (setup / "runs" / "nobest" / "exports" / "best").exists()

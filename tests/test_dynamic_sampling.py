@@ -9,9 +9,9 @@ import pytest
 from clew.config import load_config
 from clew.data.rows import generate_rows
 from clew.errors import ConfigError
+from clew.grpo import GRPOTrainer
 from clew.rollout.filtering import batches_needed, spread_groups, spread_per_batch, take_groups
 from clew.rollout.trajectory import Trajectory
-from clew.trainer import Trainer
 
 
 def _traj(group: int, sample: int, reward: float, turns: int = 1) -> Trajectory:
@@ -74,7 +74,7 @@ class _Loggers:
         self.logged.append(dict(metrics))
 
 
-def _run(tmp_path: Path, *overrides: str) -> tuple[_Group, _Loggers, Trainer]:
+def _run(tmp_path: Path, *overrides: str) -> tuple[_Group, _Loggers, GRPOTrainer]:
     cfg = load_config(
         None,
         [
@@ -91,7 +91,7 @@ def _run(tmp_path: Path, *overrides: str) -> tuple[_Group, _Loggers, Trainer]:
     )
     group, loggers = _Group(), _Loggers()
     rows = generate_rows("maze_2d/small", 96, "train")
-    trainer = Trainer(cfg, group, rows, [], loggers, tmp_path)
+    trainer = GRPOTrainer(cfg, group, rows, [], loggers, tmp_path)
     trainer.fit()
     return group, loggers, trainer
 
@@ -195,7 +195,7 @@ def test_the_update_learns_from_turn_discounted_rewards_while_metrics_keep_the_e
         ],
     )
     group, loggers = _SolvingGroup(), _Loggers()
-    Trainer(cfg, group, generate_rows("maze_2d/small", 8, "train"), [], loggers, tmp_path).fit()
+    GRPOTrainer(cfg, group, generate_rows("maze_2d/small", 8, "train"), [], loggers, tmp_path).fit()
     (adv,) = group.advantages
     assert adv.tolist() == pytest.approx([0.7071, -0.7071, 0.7071, -0.7071], abs=1e-3)
     step = next(m for m in loggers.logged if "train/solve_rate" in m)

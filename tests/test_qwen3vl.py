@@ -13,11 +13,11 @@ from transformers import Qwen3VLForConditionalGeneration
 from clew.data.rows import generate_rows
 from clew.errors import ConfigError
 from clew.inference.engine import InferenceEngine
-from clew.inference.positions import sequence_positions
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat, Chunk, join_chunks
 from clew.models.pixels import as_patches
+from clew.models.positions import sequence_positions
 from clew.models.qwen3 import qwen3_mrope_section, sincos_position_table
 from clew.rollout.loop import RolloutSettings, play
 

@@ -11,10 +11,10 @@ from clew.envs import make
 from clew.errors import ConfigError
 from clew.evaluation import eval_metrics, evaluate
 from clew.inference.engine import InferenceEngine
-from clew.inference.positions import sequence_positions
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
+from clew.models.positions import sequence_positions
 from clew.rollout.loop import RolloutSettings, play, rollout_metrics
 from clew.rollout.trajectory import Trajectory
 
@@ -324,7 +324,7 @@ def test_stop_strings_and_max_tokens_end_a_reply(policy, rows):
 
 
 def test_cached_position_layouts_are_shifted_copies_never_shared_state():
-    from clew.inference.positions import mrope_positions
+    from clew.models.positions import mrope_positions
 
     ids = [5, 7, 9, 9, 9, 9, 3]
     grid = torch.tensor([[1, 2, 2]])

@@ -11,10 +11,10 @@ from envs_for_tests import digits_rows, walk_rows
 from clew.config import load_config
 from clew.data.rows import generate_rows, write_rows
 from clew.errors import ClewError
+from clew.grpo import GRPOTrainer
+from clew.launch import run_grpo
 from clew.models import build_model
 from clew.rollout.trajectory import Trajectory
-from clew.run import train
-from clew.trainer import Trainer
 
 
 def _tiny_run(tmp_path, rows, corpus: str, run: str, *overrides: str) -> list[dict]:
@@ -36,7 +36,7 @@ def _tiny_run(tmp_path, rows, corpus: str, run: str, *overrides: str) -> list[di
             *overrides,
         ],
     )
-    train(cfg)
+    run_grpo(cfg)
     lines = (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
@@ -90,7 +90,7 @@ def test_gigpo_updates_each_turn_with_its_own_advantage_end_to_end(tmp_path):
 
 
 def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch):
-    import clew.run
+    import clew.launch
 
     model_dir = tmp_path / "tiny"
     build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28, overwrite=True)
@@ -101,8 +101,8 @@ def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch
         asked.append((name, lora))
         return "float32", True  # what CUDA gives for bf16-mixed without LoRA
 
-    monkeypatch.setattr(clew.run, "policy_precision", precision)
-    group = clew.run.build_worker_group(cfg, num_train_rows=8)
+    monkeypatch.setattr(clew.launch, "policy_precision", precision)
+    group = clew.launch.build_worker_group(cfg, num_train_rows=8)
     assert asked == [("bf16-mixed", False)]  # trainer.bf16 defaults to true
     assert group.worker.autocast and group.engine.autocast
     assert {p.dtype for p in group.worker.model.parameters()} == {torch.float32}
@@ -110,7 +110,7 @@ def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch
         None,
         [f"trainer.policy.model.path={model_dir}", "trainer.device=cpu", "trainer.bf16=false"],
     )
-    clew.run.build_worker_group(cfg, num_train_rows=8)
+    clew.launch.build_worker_group(cfg, num_train_rows=8)
     assert asked[-1] == ("32-true", False)
 
 
@@ -147,7 +147,7 @@ class _Loggers:
         self.records.append((step, dict(metrics)))
 
 
-def _fit(tmp_path, group, *overrides: str, eval_rows=0, loggers=None) -> Trainer:
+def _fit(tmp_path, group, *overrides: str, eval_rows=0, loggers=None) -> GRPOTrainer:
     """A run of 8 steps (unless ``overrides`` say otherwise) on a group without a model."""
     base = [
         "trainer.train_batch_size=2",
@@ -159,7 +159,7 @@ def _fit(tmp_path, group, *overrides: str, eval_rows=0, loggers=None) -> Trainer
     ]
     cfg = load_config(None, [*base, *overrides])
     rows = generate_rows("maze_2d/small", 32, "train")
-    trainer = Trainer(cfg, group, rows, rows[:eval_rows], loggers or _Loggers(), tmp_path)
+    trainer = GRPOTrainer(cfg, group, rows, rows[:eval_rows], loggers or _Loggers(), tmp_path)
     trainer.fit()
     return trainer
 

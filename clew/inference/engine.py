@@ -11,7 +11,7 @@ turn appends a chunk to every sequence (the previous reply's last token plus the
 observation) and then decodes the reply one token per step, so a turn only prefills the
 new tokens, never the history. Sequences are padded to a common cache length, and the
 attention mask hides the padding; M-RoPE positions are given explicitly per sequence
-(``clew.inference.positions``), so padding never shifts a position. Finished sequences
+(``clew.models.positions``), so padding never shifts a position. Finished sequences
 leave the batch, and cache columns that hold only padding are dropped, so the cache stays
 close to the real tokens. It is token in, token out: the engine returns sampled ids and
 their logprobs, and nothing is re-tokenized from text.
@@ -33,17 +33,11 @@ import torch
 from transformers import DynamicCache
 
 from clew.errors import ConfigError
-from clew.inference.positions import mrope_positions
-from clew.inference.sampling import (
-    AllowedIds,
-    SamplingParams,
-    banned_token_ids,
-    filter_logits,
-    keep_allowed,
-    mask_banned,
-)
+from clew.inference.sampling import SamplingParams, filter_logits
 from clew.models.chat import ChatFormat, Chunk
+from clew.models.logit_masks import AllowedIds, banned_token_ids, keep_allowed, mask_banned
 from clew.models.pixels import as_patches, cat_pixels
+from clew.models.positions import mrope_positions
 from clew.models.precision import bf16_autocast
 
 

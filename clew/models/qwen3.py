@@ -15,7 +15,7 @@ What Qwen3-VL changes against Qwen2-VL, as far as a small policy built from scra
   coming in three blocks. ``mrope_section`` still sums to ``head_dim / 2``; Qwen3-VL uses
   [24, 20, 20] for head_dim 128.
 - Positions: for images exactly Qwen2-VL's (t = h = w = start for the first token of an
-  image, the text after it at ``start + max(h, w)``), so ``clew.inference.positions``
+  image, the text after it at ``start + max(h, w)``), so ``clew.models.positions``
   serves both; Qwen3-VL differs only for videos (per-frame timestamps), which clew never
   sends.
 

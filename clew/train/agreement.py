@@ -28,8 +28,8 @@ from clew.envs import make
 from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.generate import DIRECTIONS
 from clew.envs.maze.solver import distances_to
-from clew.inference.sampling import banned_token_ids, mask_banned
 from clew.models.chat import ChatFormat
+from clew.models.logit_masks import banned_token_ids, mask_banned
 from clew.models.precision import bf16_autocast
 from clew.train.batch import collate
 from clew.train.demonstrations import Demonstration, play_demonstration

@@ -27,10 +27,10 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from clew.inference.positions import sequence_positions
-from clew.inference.visibility import hiding_vectors, visibility_from_vectors
 from clew.models.chat import ChatFormat
 from clew.models.pixels import Pixels, as_patches, cat_pixels
+from clew.models.positions import sequence_positions
+from clew.models.visibility import hiding_vectors, visibility_from_vectors
 
 T = TypeVar("T")
 

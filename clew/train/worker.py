@@ -35,9 +35,9 @@ from torch import Tensor
 
 from clew.algorithms import logprobs_from_logits
 from clew.errors import ClewError
-from clew.inference.sampling import AllowedIds, banned_token_ids, keep_allowed, mask_banned
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
+from clew.models.logit_masks import AllowedIds, banned_token_ids, keep_allowed, mask_banned
 from clew.models.pixels import as_patches
 from clew.models.precision import bf16_autocast
 from clew.train.batch import ModelBatch, SequenceLike, Vision, collate, encode_vision, pack_rows

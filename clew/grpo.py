@@ -1,0 +1,327 @@
+"""The GRPO loop: generate, score, advantages, update, sync, evaluate, checkpoint, log.
+
+One step: the sampler hands out ``train_batch_size`` maze rows; the worker group plays each
+``n_samples_per_prompt`` times; rewards become group-relative advantages; the policy takes
+PPO-clipped updates on the generated tokens; every ``eval_interval`` steps the fixed eval
+mazes are played greedily; every ``ckpt_interval`` steps the full state is saved. Metrics
+go to a collector and from there to the loggers; timings are per phase.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from clew.algorithms import compute_advantages
+from clew.cluster.group import WorkerGroup
+from clew.config import ClewConfig
+from clew.data.rows import MazeRow
+from clew.data.sampler import ResumableSampler
+from clew.errors import ClewError
+from clew.evaluation import dump_eval, eval_metrics
+from clew.inference.sampling import SamplingParams
+from clew.metrics import MetricsCollector
+from clew.rollout.filtering import (
+    batches_needed,
+    learning_rewards,
+    spread_groups,
+    spread_per_batch,
+    take_groups,
+)
+from clew.rollout.loop import RolloutSettings, rollout_metrics
+from clew.stopping import GracefulStop
+from clew.train.optim import MAX_DROPPED_STEPS
+
+
+@dataclass
+class LoopState:
+    global_step: int = 0
+    # Batches of prompts dynamic sampling needed last step: the next step plays that many
+    # in one go (checkpointed, so a resumed run plays what the uninterrupted one would).
+    sample_batches: int = 1
+    # The best eval/all/pass_at_1 so far and its step (trainer.export_best), checkpointed so
+    # a resumed run measures its evaluations against the best of the steps it goes on from.
+    best_eval: float = -1.0
+    best_step: int = -1
+
+
+def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
+    g = cfg.generator
+    sp = g.eval_sampling_params if evaluation else g.sampling_params
+    return RolloutSettings(
+        n_samples_per_prompt=g.eval_n_samples_per_prompt if evaluation else g.n_samples_per_prompt,
+        max_turns=g.max_turns,
+        max_input_length=g.max_input_length,
+        keep_last_k_images=g.keep_last_k_images,
+        reply_prefix=g.reply_prefix,
+        reply_suffix=g.reply_suffix,
+        state_keys=not evaluation and cfg.trainer.algorithm.advantage_estimator == "gigpo",
+        sampling=SamplingParams(
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            max_tokens=sp.max_generate_length,
+            stop=tuple(sp.stop or ()),
+            allowed_tokens=tuple(sp.allowed_tokens or ()),
+        ),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class GRPOTrainer:
+    """Drives a worker group through GRPO steps; checkpointing is delegated to ``checkpointer``."""
+
+    def __init__(
+        self,
+        cfg: ClewConfig,
+        group: WorkerGroup,
+        train_rows: Sequence[MazeRow],
+        eval_rows: Sequence[MazeRow],
+        loggers: Any,
+        run_dir: Path,
+        checkpointer: Any | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.group = group
+        self.eval_rows = list(eval_rows)
+        self.sampler = ResumableSampler(
+            train_rows, cfg.trainer.train_batch_size, cfg.trainer.seed, cfg.trainer.epochs
+        )
+        self.loggers = loggers
+        self.run_dir = run_dir
+        self.checkpointer = checkpointer
+        self.state = LoopState()
+        self._saved_step = 0
+        self._dropped_updates = 0  # training steps in a row whose every optimizer step was dropped
+        self.metrics = MetricsCollector()
+        self.train_settings = rollout_settings(cfg, evaluation=False)
+        self.eval_settings = rollout_settings(cfg, evaluation=True)
+
+    # -- the loop -------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_resume(self)
+        with GracefulStop("training") as stop:
+            last_eval = self._loop(stop)
+            if self.checkpointer is not None:
+                # However the loop ended (max_steps, the data, a SIGINT/SIGTERM), the step
+                # it reached is saved, so resume_mode=latest goes on from it, and exported.
+                saved = self.state.global_step <= self._saved_step
+                if self.cfg.trainer.ckpt_interval > 0 and not saved:
+                    self.checkpointer.save(self)
+                self.checkpointer.export(self)
+        return last_eval
+
+    def _loop(self, stop: GracefulStop) -> dict[str, float]:
+        t = self.cfg.trainer
+        last_eval: dict[str, float] = {}
+        if t.eval_before_train and self.state.global_step == 0 and self.eval_rows:
+            last_eval = self.evaluate()
+            self.keep_best(last_eval)
+            self.loggers.log(self.metrics.flush(0), 0)
+        batches = iter(self.sampler)
+        self._saved_step = self.state.global_step  # a resumed step is saved already
+        evaluated = self.state.global_step
+        while not stop.requested and not 0 <= t.max_steps <= self.state.global_step:
+            rows = next(batches, None)
+            if rows is None:  # every epoch done
+                break
+            self.state.global_step += 1
+            step = self.state.global_step
+            with self.metrics.timer("step"):
+                trajs, played = self.generate(rows, step, batches)
+                rewards = self.score(trajs, played)
+                advantages = self.advantages(trajs, rewards)
+                self.update(trajs, advantages)
+                self.sync()
+                if self._due(t.eval_interval, step) and self.eval_rows:
+                    last_eval, evaluated = self.evaluate(), step
+                    self.keep_best(last_eval)
+            # Logged before the checkpoint, so a checkpoint of step N holds step N's metrics
+            # and a run killed right after it resumes with its history complete. The save's
+            # own time is therefore reported with the next step.
+            self.log(step)
+            if self._due(t.ckpt_interval, step) and self.checkpointer is not None:
+                with self.metrics.timer("checkpoint"):
+                    self.checkpointer.save(self)
+                self._saved_step = step
+            if self._due(t.hf_save_interval, step) and self.checkpointer is not None:
+                with self.metrics.timer("export"):
+                    self.checkpointer.export(self)
+        if stop.requested:
+            print(f"stopped by {stop.signal_name} after step {self.state.global_step}", flush=True)
+        elif t.eval_interval > 0 and self.eval_rows and evaluated < self.state.global_step:
+            # The run ended (max_steps or the data) between evaluations: the final policy is
+            # evaluated too, logged at its step. A signal stops at once instead.
+            last_eval = self.evaluate()
+            self.keep_best(last_eval)
+            self.loggers.log(self.metrics.flush(self.state.global_step), self.state.global_step)
+        return last_eval
+
+    # -- the phases -----------------------------------------------------------------
+    def generate(
+        self, rows: Sequence[MazeRow], step: int, more: Iterator[list[MazeRow]] | None = None
+    ) -> tuple[list, list]:
+        """The step's trajectories to learn from, and every trajectory played for them.
+
+        They are the same unless dynamic sampling filters: then batches are drawn from
+        ``more`` (the sampler, so a resumed run goes on after them) until enough groups
+        have reward spread (``clew.rollout.filtering``). The first play takes as many
+        batches at once as the last step needed.
+        """
+        ds = self.cfg.trainer.algorithm.dynamic_sampling
+        want, limit = self.cfg.trainer.train_batch_size, ds.max_sample_batches
+        discount = self.cfg.trainer.algorithm.turn_discount
+        more = more if more is not None else iter(())
+        with self.metrics.timer("generate"):
+            if ds.type != "filter":
+                played = self.group.generate(rows, self.train_settings, seed=self._seed(step))
+                return played, played
+
+            def draw() -> list[MazeRow] | None:  # the next batch, unless the limit or data is out
+                return None if 0 < limit <= drawn else next(more, None)
+
+            first, drawn = list(rows), 1
+            while drawn < self.state.sample_batches and (extra := draw()) is not None:
+                first, drawn = first + list(extra), drawn + 1
+            played = self.group.generate(first, self.train_settings, seed=self._seed(step))
+            groups = spread_groups(played, discount)
+            counts = spread_per_batch(groups, drawn, len(rows))
+            while len(groups) < want and (extra := draw()) is not None:
+                seed = self._seed(step) + 1_000_000_007 * drawn
+                batch = self.group.generate(extra, self.train_settings, seed=seed)
+                found = spread_groups(batch, discount)
+                played, groups, drawn = played + batch, groups + found, drawn + 1
+                counts.append(len(found))
+            self.state.sample_batches = batches_needed(counts, want)
+        self.metrics.add_many(
+            {
+                "train/dynamic_sampling/batches": float(drawn),
+                "train/dynamic_sampling/kept_groups": float(min(len(groups), want)),
+            }
+        )
+        return take_groups(groups, want), played
+
+    def score(self, trajs: Sequence, played: Sequence) -> torch.Tensor:
+        """Rewards of ``trajs`` (what the update learns from, after ``turn_discount``);
+        rollout metrics of ``played`` (the env's rewards)."""
+        with self.metrics.timer("score"):
+            self.metrics.add_many(rollout_metrics(played, "train"))
+            return learning_rewards(trajs, self.cfg.trainer.algorithm.turn_discount)
+
+    def advantages(
+        self, trajs: Sequence, rewards: torch.Tensor
+    ) -> torch.Tensor | list[torch.Tensor]:
+        """One advantage per trajectory, or per turn (``Float[T_i]`` each) for ``gigpo``."""
+        a = self.cfg.trainer.algorithm
+        with self.metrics.timer("advantages"):
+            if not trajs:  # dynamic sampling found no group with signal: nothing to learn
+                return torch.zeros(0)
+            kwargs: dict[str, Any] = {"drop_zero_spread": a.drop_zero_spread_groups}
+            if a.advantage_estimator in ("grpo", "gigpo"):
+                kwargs["norm_adv_by_std_in_grpo"] = a.norm_adv_by_std_in_grpo
+            if a.advantage_estimator == "gigpo":
+                kwargs |= {
+                    "turn_rewards": [torch.tensor(t.padded_turn_rewards()) for t in trajs],
+                    "state_keys": [t.state_keys for t in trajs],
+                    "gamma": a.gigpo.gamma,
+                    "step_advantage_w": a.gigpo.step_advantage_w,
+                }
+            groups = torch.tensor([t.group_id for t in trajs])
+            result = compute_advantages(a.advantage_estimator, rewards, groups, **kwargs)
+            adv = result.advantages * result.keep.float()
+            self.metrics.add_many({f"train/{k}": v for k, v in result.stats.items()})
+            if result.turn_advantages is not None:
+                turns = [
+                    ta * k.float()
+                    for ta, k in zip(result.turn_advantages, result.keep, strict=True)
+                ]
+                flat = torch.cat(turns) if turns else torch.zeros(0)
+                self.metrics.add(
+                    "train/turn_advantage_std", flat.std().item() if len(flat) > 1 else 0.0
+                )
+            self.metrics.add_many(
+                {
+                    "train/advantage_mean": adv.mean().item(),
+                    "train/advantage_std": adv.std().item() if len(adv) > 1 else 0.0,
+                    "train/advantage_abs_max": adv.abs().max().item(),
+                    "train/zero_spread_groups": float(result.zero_spread_groups),
+                    "train/zero_spread_fraction": result.zero_spread_groups
+                    / max(result.num_groups, 1),
+                }
+            )
+            return adv if result.turn_advantages is None else turns
+
+    def update(self, trajs: Sequence, advantages: torch.Tensor | list[torch.Tensor]) -> None:
+        if not trajs:
+            return
+        with self.metrics.timer("update"):
+            stats = self.group.update(trajs, advantages, self.cfg)
+        self.metrics.add_many(stats)
+        steps, dropped = (
+            stats.get("policy/optimizer_steps", 0),
+            stats.get("policy/skipped_steps", 0),
+        )
+        self._dropped_updates = self._dropped_updates + 1 if steps and dropped == steps else 0
+        if self._dropped_updates >= MAX_DROPPED_STEPS:
+            step = self.state.global_step
+            raise ClewError(
+                f"the gradient was NaN or infinite at every optimizer step of training steps "
+                f"{step - MAX_DROPPED_STEPS + 1}-{step}, so none of them changed the policy; "
+                "stopping. Check the loss settings (trainer.algorithm.entropy_loss_coef, "
+                "kl_loss_coef, trainer.policy.optimizer_config.lr); the checkpoints and "
+                "exports already written are kept."
+            )
+
+    def sync(self) -> None:
+        # The engine samples from the modules the optimizer just stepped: nothing to copy.
+        with self.metrics.timer("sync"):
+            pass
+
+    def evaluate(self) -> dict[str, float]:
+        with self.metrics.timer("evaluate"):
+            trajs = self.group.generate(
+                self.eval_rows, self.eval_settings, seed=self.cfg.trainer.seed
+            )
+            metrics = eval_metrics(trajs, self.eval_rows, self.eval_settings.max_turns)
+            if self.cfg.trainer.dump_eval_results:
+                name = f"global_step_{self.state.global_step}"
+                if self.checkpointer is not None:
+                    self.checkpointer.dump_eval(trajs, metrics, name)
+                else:
+                    dump_eval(trajs, metrics, self.run_dir / "eval" / name, num_gifs=2)
+        self.metrics.add_many(metrics)
+        return metrics
+
+    def keep_best(self, metrics: dict[str, float]) -> None:
+        """Export the policy as the run's best when this evaluation beats every earlier one
+        (ties keep the earlier step)."""
+        value = metrics.get("eval/all/pass_at_1")
+        if value is None or value <= self.state.best_eval:
+            return
+        self.state.best_eval, self.state.best_step = value, self.state.global_step
+        if self.cfg.trainer.export_best and self.checkpointer is not None:
+            with self.metrics.timer("export"):
+                self.checkpointer.export_best(self, value)
+
+    def log(self, step: int) -> None:
+        self.loggers.log(self.metrics.flush(step), step)
+
+    # -- helpers --------------------------------------------------------------------
+    def _seed(self, step: int) -> int:
+        return self.cfg.trainer.seed * 1_000_003 + step
+
+    @staticmethod
+    def _due(interval: int, step: int) -> bool:
+        return interval > 0 and step % interval == 0

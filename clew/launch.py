@@ -1,0 +1,97 @@
+"""Assembling a training run from a config: data, worker, engine, loggers, checkpoints.
+
+``run_grpo(cfg)`` is what ``clew train`` runs. The run folder is ``trainer.log_path /
+trainer.run_name``: the resolved ``config.yaml``, ``metrics.jsonl``, TensorBoard events
+and, unless ``trainer.export_path`` says otherwise, checkpoints and exports.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from clew.checkpoint.state import Checkpointer
+from clew.cluster.group import LocalWorkerGroup
+from clew.config import ClewConfig, save_config
+from clew.data.rows import read_rows
+from clew.errors import ConfigError
+from clew.grpo import GRPOTrainer, seed_everything
+from clew.inference.engine import InferenceEngine, cache_budget_bytes
+from clew.inference.runtime import limit_host_threads, pick_device
+from clew.metrics import make_loggers
+from clew.models.precision import policy_precision
+from clew.train.worker import PolicyWorker, WorkerSettings
+
+
+def run_dir_of(cfg: ClewConfig) -> Path:
+    return Path(cfg.trainer.log_path) / cfg.trainer.run_name
+
+
+def optimizer_steps(cfg: ClewConfig, num_rows: int) -> int:
+    t = cfg.trainer
+    steps = (num_rows // t.train_batch_size) * t.epochs
+    if t.max_steps >= 0:  # the run ends there, so a decaying schedule must reach its end there
+        steps = min(steps, t.max_steps)
+    return max(
+        1, steps * (t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
+    )
+
+
+def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> LocalWorkerGroup:
+    t = cfg.trainer
+    if not t.policy.model.path:
+        raise ConfigError("trainer.policy.model.path is required: a local checkpoint directory")
+    device = pick_device(t.device)
+    limit_host_threads(device)
+    opt, lora = t.policy.optimizer_config, t.policy.model.lora
+    precision = "bf16-mixed" if t.bf16 else "32-true"
+    dtype, autocast = policy_precision(device, precision, lora.rank > 0)
+    settings = WorkerSettings(
+        lr=opt.lr,
+        adam_betas=tuple(opt.adam_betas),
+        weight_decay=opt.weight_decay,
+        max_grad_norm=opt.max_grad_norm,
+        scheduler=opt.scheduler,
+        num_warmup_steps=opt.num_warmup_steps,
+        num_training_steps=optimizer_steps(cfg, num_train_rows),
+        lora_rank=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        lora_target_modules=lora.target_modules,
+        kl_reference=t.algorithm.use_kl_loss,
+        autocast_bf16=autocast,
+    )
+    worker = PolicyWorker.from_pretrained(t.policy.model.path, settings, dtype=dtype, device=device)
+    ie = cfg.generator.inference_engine
+    budget = cache_budget_bytes(device, ie.gpu_memory_utilization, ie.max_cache_mb)
+    return LocalWorkerGroup(
+        worker,
+        InferenceEngine(worker.model, worker.chat, max_cache_bytes=budget, autocast=autocast),
+        cfg,
+    )
+
+
+def run_grpo(cfg: ClewConfig) -> dict[str, float]:
+    """Run GRPO as configured; returns the last evaluation's metrics."""
+    if not cfg.data.train_data:
+        raise ConfigError(
+            "data.train_data is empty: give one or more parquet files from `clew dataset`"
+        )
+    train_rows = [r for p in cfg.data.train_data for r in read_rows(p)]
+    eval_rows = [r for p in cfg.data.val_data for r in read_rows(p)]
+    run_dir = run_dir_of(cfg)
+    save_config(cfg, run_dir)
+    seed_everything(cfg.trainer.seed)
+    group = build_worker_group(cfg, len(train_rows))
+    loggers = make_loggers(
+        cfg.trainer.logger,
+        run_dir,
+        cfg.trainer.project_name,
+        cfg.trainer.run_name,
+        config=cfg.model_dump(mode="json"),
+    )
+    checkpointer = Checkpointer(cfg, run_dir)
+    trainer = GRPOTrainer(cfg, group, train_rows, eval_rows, loggers, run_dir, checkpointer)
+    try:
+        return trainer.fit()
+    finally:
+        loggers.close()
