@@ -439,6 +439,184 @@ class TrainerConfig(Section):
         return [self.logger] if isinstance(self.logger, str) else list(self.logger)
 
 
+class SFTDaggerConfig(Section):
+    interval: int = Field(
+        0,
+        description="DAgger rounds during SFT: every this many SFT steps the policy plays "
+        "training rows and the environment's expert labels the states it went wrong in "
+        "(clew.train.dagger); 0: off.",
+    )
+    rows: int = Field(64, description="Training rows the policy plays in each DAgger round.")
+    share: float = Field(
+        0.5,
+        description="Share of every SFT batch drawn from the rounds' branch demonstrations, "
+        "in (0, 1].",
+    )
+    keep_rounds: int = Field(
+        1,
+        description="Rounds whose branch demonstrations the batches draw from, the latest "
+        "first; 0: every round (DAgger's dataset aggregation, 1-2 MB of frames a "
+        "demonstration).",
+    )
+    temperature: float = Field(
+        1.0, description="The policy's sampling temperature in DAgger rounds; 0 is greedy."
+    )
+
+
+def _described(model: type[BaseModel], name: str, default: Any) -> Any:
+    """``name``'s field of ``model`` with another default, its description kept in one place."""
+    return Field(default, description=model.model_fields[name].description)
+
+
+class SFTOptimizerConfig(OptimizerConfig):
+    """AdamW as for GRPO, with defaults for SFT from scratch (a much larger rate, a warmup)."""
+
+    lr: float = _described(OptimizerConfig, "lr", 1e-3)
+    weight_decay: float = _described(OptimizerConfig, "weight_decay", 0.0)
+    num_warmup_steps: int = _described(OptimizerConfig, "num_warmup_steps", 20)
+
+
+class SFTConfig(Section):
+    model_path: str | None = Field(
+        None,
+        description="Starting checkpoint: a local Hugging Face directory (`clew init-model` "
+        "output or any Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint). Required by `clew sft`.",
+    )
+    run_name: str = Field(
+        "sft", description="Run folder of the SFT stage: trainer.log_path/sft.run_name."
+    )
+    steps: int = Field(300, description="Optimizer steps of SFT.")
+    batch_size: int = Field(16, description="Expert episodes per optimizer step.")
+    micro_batch_size: int | None = Field(
+        None,
+        description="Episodes per forward/backward pass (rows when pack_sequences); null is "
+        "batch_size.",
+    )
+    pack_sequences: bool = Field(
+        False,
+        description="Lay short episodes end to end in rows: the same loss with less padding.",
+    )
+    optimizer_config: SFTOptimizerConfig = Field(
+        default_factory=SFTOptimizerConfig,
+        description="The SFT optimizer (AdamW); cosine and linear schedules decay to 0 at "
+        "sft.steps.",
+    )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig,
+        description="Low-rank adapters for SFT (rank 0 trains all weights); the exported "
+        "policy has them merged into full weights.",
+    )
+    precision: Literal["bf16-mixed", "bf16-true", "32-true"] = Field(
+        "bf16-mixed",
+        description="On CUDA: float32 weights with bfloat16 compute (bf16-mixed), bfloat16 "
+        "weights (bf16-true) or float32 (32-true); float32 on CPU.",
+    )
+    seed: int = Field(0, description="Seed of the demonstrations' order, detours and DAgger.")
+    detour_prob: float = Field(
+        0.0,
+        description="Share of demonstration turns that take a wrong move on purpose (out of "
+        "the loss) from which the expert recovers, in [0, 1].",
+    )
+    start_anywhere: float = Field(
+        0.0,
+        description="Share of demonstrations that start on a random cell the expert can "
+        "still finish from, in [0, 1] (environments that offer start cells).",
+    )
+    eval_interval: int = Field(
+        -1,
+        description="Evaluate greedy pass@1 on data.val_data every this many steps, and "
+        "after the last step whenever val_data is given; -1: only after the last step.",
+    )
+    stop_at_pass: float | None = Field(
+        None,
+        description="End SFT (exported as after the last step) at the first evaluation whose "
+        "eval/all/pass_at_1 reaches this, in (0, 1]: a GRPO start meant to lie in a band "
+        "of solve rates stops inside it. Needs data.val_data.",
+    )
+    max_minutes: float | None = Field(
+        None,
+        description="End SFT (evaluated and exported) at the first step that finishes past "
+        "this wall-clock budget; null: no budget.",
+    )
+    ckpt_interval: int = Field(
+        50,
+        description="Full checkpoint (weights, optimizer, data position, RNG) every this "
+        "many steps and at the step the run ends on, for trainer.resume_mode=latest; -1 "
+        "never.",
+    )
+    hf_save_interval: int = Field(
+        -1,
+        description="Also export the policy every this many steps to "
+        "export_path/global_step_N/policy; -1 never.",
+    )
+    export_best: bool = Field(
+        False,
+        description="Keep the best evaluation's policy in export_path/best/policy with "
+        "best.json naming its step (needs data.val_data).",
+    )
+    export_path: str | None = Field(
+        None,
+        description="Directory (local or s3://) for the SFT exports; the final policy (full "
+        "weights, LoRA merged) is export_path/final/policy. null is RUN_DIR/exports.",
+    )
+    dagger: SFTDaggerConfig = Field(
+        default_factory=SFTDaggerConfig, description="DAgger rounds during SFT."
+    )
+
+
+class PipelineDatasetConfig(Section):
+    env_id: str = Field("maze_2d/easy", description="Environment id of the generated rows.")
+    env_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the environment (as `clew dataset --option`)."
+    )
+    train_rows: int = Field(2048, description="Training rows generated.")
+    eval_rows: int = Field(64, description="Evaluation rows generated (distinct layouts).")
+
+
+class PipelineModelConfig(Section):
+    preset: str = Field("tiny", description="Model preset of `clew init-model`.")
+    arch: Literal["qwen2_vl", "qwen3_vl"] = Field("qwen3_vl", description="Architecture.")
+    image_size: int | None = Field(
+        None, description="Largest image side in px; null: the environment's frame side."
+    )
+    patch_size: int | None = Field(
+        None, description="Vision patch in px; null: the architecture's own."
+    )
+    merge_size: int = Field(2, description="Vision patches merged per side into one token.")
+    image_mean: list[float] | None = Field(
+        None, description="Pixel normalization mean per channel; null: the architecture's."
+    )
+    image_std: list[float] | None = Field(
+        None, description="Pixel normalization std per channel; null: the architecture's."
+    )
+    position_table: Literal["sincos", "centered"] = Field(
+        "sincos", description="Qwen3-VL vision position table at start."
+    )
+    text: dict[str, Any] = Field(
+        default_factory=dict, description="Language-model fields replaced (as --text K=V)."
+    )
+    vision: dict[str, Any] = Field(
+        default_factory=dict, description="Vision-tower fields replaced (as --vision K=V)."
+    )
+    seed: int = Field(0, description="Seed of the random initial weights.")
+
+
+class PipelineConfig(Section):
+    stages: list[Literal["dataset", "model", "sft", "train"]] = Field(
+        default_factory=lambda: ["dataset", "model", "sft", "train"],
+        description="Stages `clew pipeline` runs, in this order, under trainer.log_path: "
+        "'dataset' writes data/{train,eval}.parquet and sets data.train_data/val_data; "
+        "'model' builds models/base offline and sets sft.model_path; 'sft' runs `clew sft` "
+        "and sets trainer.policy.model.path to its final policy; 'train' runs GRPO.",
+    )
+    dataset: PipelineDatasetConfig = Field(
+        default_factory=PipelineDatasetConfig, description="The 'dataset' stage."
+    )
+    model: PipelineModelConfig = Field(
+        default_factory=PipelineModelConfig, description="The 'model' stage."
+    )
+
+
 class ClewConfig(Section):
     """The whole configuration of a clew run; saved as ``config.yaml`` in every run folder."""
 
@@ -450,3 +628,13 @@ class ClewConfig(Section):
         default_factory=GeneratorConfig, description="Multi-turn rollout generation."
     )
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The training loop.")
+    sft: SFTConfig = Field(
+        default_factory=SFTConfig,
+        description="Supervised fine-tuning on expert demonstrations (`clew sft`); it also "
+        "reads data.*, generator.keep_last_k_images and trainer.log_path, logger, "
+        "project_name, resume_mode, resume_path, device and max_ckpts_to_keep.",
+    )
+    pipeline: PipelineConfig = Field(
+        default_factory=PipelineConfig,
+        description="A recipe's chain of stages (`clew pipeline`).",
+    )
