@@ -4,15 +4,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# Where clew's maths differs from SkyRL's on purpose, one line each (listed in config.md).
+SKYRL_DEPARTURES: tuple[str, ...] = (
+    "A group of one sample gets advantage 0 under `grpo` (SkyRL gives it its reward, taking "
+    "mean 0 and std 1): one sample has nothing to be compared with.",
+    "A group whose rewards are all equal gets exactly 0 (SkyRL computes `(r - mean) / (std + "
+    "1e-6)`, where the rounding of the mean can leave a residue that the division magnifies).",
+    "Dual clip is on whenever `trainer.algorithm.clip_ratio_c` is set; it defaults to null "
+    "(SkyRL applies it only with `policy_loss_type: dual_clip`, with `clip_ratio_c` 3.0).",
+    "The KL penalty's log-ratio is clamped to +-20 for every estimator (SkyRL: `k3` only), and "
+    "the `k3` estimate is not clamped to [-10, 10] afterwards, so a token far from the "
+    "reference keeps the penalty's gradient.",
+)
+
 
 def config_page() -> str:
     from clew.config import schema_markdown
 
+    departures = [f"- {line}" for line in SKYRL_DEPARTURES]
     return (
         "# Configuration reference\n\nGenerated from the schema (`clew/config/schema.py`) by "
         "`make docs`; every key takes a dotted `key=value` override on `clew train`.\n\n"
         + schema_markdown()
-        + "\n"
+        + "\n## Departures from SkyRL\n\nWhere clew and SkyRL share a key or a loss, the "
+        "maths is SkyRL's, except:\n\n" + "\n".join(departures) + "\n"
     )
 
 

@@ -10,7 +10,7 @@ go to a collector and from there to the loggers; timings are per phase.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from clew.algorithms import compute_advantages
+from clew.algorithms import EstimatorBatch, compute_advantages, get_estimator
 from clew.cluster.group import WorkerGroup
 from clew.config import ClewConfig
 from clew.data.rows import MazeRow
@@ -35,6 +35,7 @@ from clew.rollout.filtering import (
     take_groups,
 )
 from clew.rollout.loop import RolloutSettings, rollout_metrics
+from clew.rollout.trajectory import Trajectory
 from clew.stopping import GracefulStop
 from clew.train.optim import MAX_DROPPED_STEPS
 
@@ -51,6 +52,14 @@ class LoopState:
     best_step: int = -1
 
 
+# How each piece of per-turn data an estimator may need (EstimatorSpec.needs) is read
+# from a trajectory.
+_ROLLOUT_DATA: dict[str, Callable[[Trajectory], Any]] = {
+    "turn_rewards": lambda t: torch.tensor(t.padded_turn_rewards()),
+    "state_keys": lambda t: t.state_keys,
+}
+
+
 def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
     g = cfg.generator
     sp = g.eval_sampling_params if evaluation else g.sampling_params
@@ -61,7 +70,8 @@ def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
         keep_last_k_images=g.keep_last_k_images,
         reply_prefix=g.reply_prefix,
         reply_suffix=g.reply_suffix,
-        state_keys=not evaluation and cfg.trainer.algorithm.advantage_estimator == "gigpo",
+        state_keys=not evaluation
+        and "state_keys" in get_estimator(cfg.trainer.algorithm.advantage_estimator).needs,
         sampling=SamplingParams(
             temperature=sp.temperature,
             top_p=sp.top_p,
@@ -223,23 +233,20 @@ class GRPOTrainer:
     def advantages(
         self, trajs: Sequence, rewards: torch.Tensor
     ) -> torch.Tensor | list[torch.Tensor]:
-        """One advantage per trajectory, or per turn (``Float[T_i]`` each) for ``gigpo``."""
+        """One advantage per trajectory, or per turn (``Float[T_i]`` each) from estimators
+        that assign credit within an episode. The estimator's spec says which per-turn data
+        to hand it (``_ROLLOUT_DATA``); its settings are the ``trainer.algorithm`` section."""
         a = self.cfg.trainer.algorithm
         with self.metrics.timer("advantages"):
             if not trajs:  # dynamic sampling found no group with signal: nothing to learn
                 return torch.zeros(0)
-            kwargs: dict[str, Any] = {"drop_zero_spread": a.drop_zero_spread_groups}
-            if a.advantage_estimator in ("grpo", "gigpo"):
-                kwargs["norm_adv_by_std_in_grpo"] = a.norm_adv_by_std_in_grpo
-            if a.advantage_estimator == "gigpo":
-                kwargs |= {
-                    "turn_rewards": [torch.tensor(t.padded_turn_rewards()) for t in trajs],
-                    "state_keys": [t.state_keys for t in trajs],
-                    "gamma": a.gigpo.gamma,
-                    "step_advantage_w": a.gigpo.step_advantage_w,
-                }
-            groups = torch.tensor([t.group_id for t in trajs])
-            result = compute_advantages(a.advantage_estimator, rewards, groups, **kwargs)
+            needs = get_estimator(a.advantage_estimator).needs
+            batch = EstimatorBatch(
+                rewards,
+                torch.tensor([t.group_id for t in trajs]),
+                **{need: [_ROLLOUT_DATA[need](t) for t in trajs] for need in needs},
+            )
+            result = compute_advantages(a.advantage_estimator, batch, a.model_dump())
             adv = result.advantages * result.keep.float()
             self.metrics.add_many({f"train/{k}": v for k, v in result.stats.items()})
             if result.turn_advantages is not None:

@@ -7,10 +7,12 @@ import torch
 
 from clew.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    LOG_RATIO_CLAMP,
+    EstimatorBatch,
     compute_advantages,
     compute_policy_loss,
     entropy_from_logits,
-    get_advantage_estimator,
+    get_estimator,
     get_kl_estimator,
     get_policy_loss,
     grpo_advantages,
@@ -20,8 +22,9 @@ from clew.algorithms import (
     masked_mean,
     ppo_clip_loss,
     reduce_loss,
-    register_advantage_estimator,
+    register_estimator,
     rloo_advantages,
+    setting,
     token_advantages,
     turn_discounted_rewards,
 )
@@ -135,13 +138,29 @@ def test_rloo_leave_one_out_by_hand():
     assert res.keep.tolist() == [True, True, True, False, True, True, False]
 
 
-def test_compute_advantages_dispatches_by_name_and_passes_config():
-    rewards, ids = t([0.0, 2.0]), torch.tensor([0, 0])
-    close(
-        compute_advantages("grpo", rewards, ids, norm_adv_by_std_in_grpo=False).advantages,
-        [-1.0, 1.0],
-    )
-    close(compute_advantages("rloo", rewards, ids).advantages, [-2.0, 2.0])
+def test_compute_advantages_dispatches_by_name_and_passes_settings():
+    batch = EstimatorBatch(t([0.0, 2.0, 5.0, 5.0]), torch.tensor([0, 0, 1, 1]))
+    raw = compute_advantages("grpo", batch, {"norm_adv_by_std_in_grpo": False})
+    close(raw.advantages, [-1.0, 1.0, 0.0, 0.0])
+    close(compute_advantages("rloo", batch).advantages, [-2.0, 2.0, 0.0, 0.0])
+    dropped = compute_advantages("rloo", batch, {"drop_zero_spread_groups": True})
+    assert dropped.keep.tolist() == [True, True, False, False]
+
+
+def test_an_estimator_missing_what_its_spec_needs_is_refused():
+    assert get_estimator("gigpo").needs == {"turn_rewards", "state_keys"}
+    assert get_estimator("grpo").needs == frozenset()
+    batch = EstimatorBatch(t([0.0, 1.0]), [0, 0], turn_rewards=[t([0.0]), t([1.0])])
+    with pytest.raises(ValueError, match=r"'gigpo' needs \['state_keys'\]"):
+        compute_advantages("gigpo", batch)
+
+
+def test_setting_reads_dotted_keys_with_a_default():
+    settings = {"gigpo": {"gamma": 0.5}, "norm_adv_by_std_in_grpo": False}
+    assert setting(settings, "gigpo.gamma", 0.9) == 0.5
+    assert setting(settings, "gigpo.step_advantage_w", 1.0) == 1.0
+    assert setting(settings, "norm_adv_by_std_in_grpo", True) is False
+    assert setting({}, "gigpo.gamma", 0.9) == 0.9
 
 
 def test_empty_batch_has_no_groups():
@@ -154,17 +173,20 @@ def test_token_advantages_broadcast_over_masked_tokens():
     close(out, [[2.0, 2.0, 0.0], [0.0, -1.0, -1.0]])
 
 
-def test_register_advantage_estimator_adds_a_name():
-    @register_advantage_estimator("_test_const")
-    def const(rewards, group_ids, *, drop_zero_spread=False):
-        return grpo_advantages(rewards * 0, group_ids, drop_zero_spread=drop_zero_spread)
+def test_register_estimator_adds_a_name_with_its_needs():
+    @register_estimator("_test_const", needs={"turn_rewards"}, min_group_size=3)
+    def const(batch, settings):
+        return grpo_advantages(batch.rewards * 0, batch.group_ids)
 
     try:
-        assert get_advantage_estimator("_test_const") is const
+        spec = get_estimator("_test_const")
+        assert (spec.fn, spec.needs, spec.min_group_size) == (const, {"turn_rewards"}, 3)
         with pytest.raises(ValueError, match="already registered"):
-            register_advantage_estimator("_test_const")(const)
+            register_estimator("_test_const")(const)
     finally:
         ADVANTAGE_ESTIMATORS.pop("_test_const")
+    with pytest.raises(ValueError, match="'values'.*accepted: 'state_keys', 'turn_rewards'"):
+        register_estimator("_test_critic", needs={"values"})
 
 
 # ---------------------------------------------------------------- reductions and losses
@@ -280,6 +302,24 @@ def test_gradient_step_moves_logprobs_with_advantage_sign(sign):
     assert (lp.detach() - old)[~mask.bool()].eq(0).all()
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_one_corrupted_old_logprob_gives_a_finite_loss_and_gradient(sign):
+    # A stale or corrupted old log-prob (-1e4) makes the log-ratio 1e4: exp overflows to
+    # inf unless it is clamped first (to LOG_RATIO_CLAMP, as SkyRL does).
+    lp = torch.log(t([0.2, 0.5, 0.3], [0.1, 0.6, 0.3])).requires_grad_(True)
+    old = lp.detach().clone()
+    old[0, 1] = -1e4
+    mask, adv = torch.ones(2, 3), torch.full((2, 3), sign)
+    for clip_ratio_c in (None, 3.0):
+        loss, stats = ppo_clip_loss(lp, old, adv, mask, clip_ratio_c=clip_ratio_c)
+        (grad,) = torch.autograd.grad(loss, lp)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()
+        assert all(math.isfinite(v) for v in stats.values())
+        assert stats["ratio_max"] == pytest.approx(math.exp(LOG_RATIO_CLAMP), rel=1e-5)
+        assert grad[0, 1] == 0.0  # past the clamp the token has no gradient
+        assert (grad[1] != 0).all()  # the healthy tokens still learn
+
+
 def test_all_zero_mask_gives_finite_zero_loss_and_gradient():
     lp = torch.randn(2, 3, requires_grad=True)
     old = torch.full((2, 3), -torch.inf)  # garbage in padding must not leak
@@ -390,7 +430,7 @@ def test_masked_mean_weights_and_empty_mask():
 @pytest.mark.parametrize(
     ("call", "accepted"),
     [
-        (lambda: get_advantage_estimator("ppo"), ["'grpo'", "'rloo'"]),
+        (lambda: get_estimator("ppo"), ["'grpo'", "'rloo'", "'gigpo'"]),
         (lambda: get_policy_loss("ppo"), ["'ppo_clip'"]),
         (lambda: get_kl_estimator("k4"), ["'k1'", "'k2'", "'k3'", "'abs'"]),
         (

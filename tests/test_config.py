@@ -20,7 +20,7 @@ from clew.config import (
     schema_markdown,
     validate,
 )
-from clew.config.keys import key_table
+from clew.config.keys import KEY_ALIASES, key_table
 from clew.config.validate import reset_ignored_warnings
 from clew.errors import ConfigError
 
@@ -196,6 +196,7 @@ def test_section_given_a_scalar_is_a_config_error_not_a_pydantic_one(tmp_path: P
         (["trainer.micro_train_batch_size_per_gpu=65"], "micro-batch-size"),
         (["trainer.micro_train_batch_size_per_gpu=3"], "micro-batch-divisible"),
         (["generator.n_samples_per_prompt=1"], "group-size"),
+        (["trainer.algorithm.advantage_estimator=grpoo"], "advantage-estimator"),
         (["generator.sampling_params.temperature=-0.5"], "temperature"),
         (["generator.sampling_params.top_p=0"], "top-p"),
         (["generator.eval_sampling_params.top_p=1.5"], "top-p"),
@@ -239,7 +240,7 @@ def test_several_eval_samples_are_accepted_with_a_sampling_temperature() -> None
 
 
 def test_group_size_error_explains_a_group_of_one() -> None:
-    with pytest.raises(ConfigError, match="a group of one has no reward spread"):
+    with pytest.raises(ConfigError, match="must be >= 2 for 'grpo'.*no reward spread"):
         load_config(None, ["generator.n_samples_per_prompt=1"])
 
 
@@ -377,3 +378,52 @@ def test_schedule_length_ends_at_max_steps_when_the_run_does() -> None:
     assert optimizer_steps(load_config(None, base), 2048) == 2 * 256 * 2
     capped = load_config(None, [*base, "trainer.max_steps=60"])
     assert optimizer_steps(capped, 2048) == 60 * 2
+
+
+def test_an_unknown_estimator_names_the_registered_ones_and_the_nearest() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.algorithm.advantage_estimator=rlo"])
+    message = str(err.value)
+    assert "'gigpo', 'grpo', 'rloo'" in message and "did you mean 'rloo'?" in message
+    assert "clew.algorithms.register_estimator" in message
+
+
+def test_skyrl_grpo_norm_by_std_is_an_alias_in_overrides_and_yaml(tmp_path: Path) -> None:
+    off = load_config(None, ["trainer.algorithm.grpo_norm_by_std=false"])
+    assert off.trainer.algorithm.norm_adv_by_std_in_grpo is False
+    path = tmp_path / "base.yaml"
+    path.write_text("trainer:\n  algorithm:\n    grpo_norm_by_std: false\n")
+    assert load_config(path) == off
+    # An override of either spelling replaces what the file gave.
+    on = load_config(path, ["trainer.algorithm.norm_adv_by_std_in_grpo=true"])
+    assert on.trainer.algorithm.norm_adv_by_std_in_grpo is True
+    same = [
+        "trainer.algorithm.grpo_norm_by_std=false",
+        "trainer.algorithm.norm_adv_by_std_in_grpo=false",
+    ]
+    assert load_config(None, same) == off
+    saved = save_config(off, tmp_path / "run").read_text()
+    assert "norm_adv_by_std_in_grpo: false" in saved and "grpo_norm_by_std" not in saved
+
+
+def test_an_alias_and_its_key_set_to_different_values_is_an_error(tmp_path: Path) -> None:
+    both = [
+        "trainer.algorithm.norm_adv_by_std_in_grpo=true",
+        "trainer.algorithm.grpo_norm_by_std=false",
+    ]
+    with pytest.raises(ConfigError, match=r"grpo_norm_by_std=False.*disagree.*alias"):
+        load_config(None, both)
+    path = tmp_path / "base.yaml"
+    path.write_text(
+        "trainer:\n  algorithm:\n    grpo_norm_by_std: false\n    norm_adv_by_std_in_grpo: true\n"
+    )
+    with pytest.raises(ConfigError, match=r"disagree.*trainer\.algorithm\.norm_adv_by_std_in_grpo"):
+        load_config(path)
+
+
+def test_every_alias_stands_for_a_real_key_and_is_listed_in_the_docs() -> None:
+    md = schema_markdown()
+    for alias, key in KEY_ALIASES.items():
+        assert key in key_table() and alias not in key_table()
+        assert f"| `{alias}` | `{key}` |" in md
+    assert "| `environment.env_class: visgym` | `environment.env_class: maze_2d` |" in md

@@ -4,12 +4,15 @@ import pytest
 import torch
 
 from clew.algorithms import (
+    EstimatorBatch,
     compute_advantages,
     discounted_returns,
+    gigpo_advantages,
     grpo_advantages,
     step_advantages,
     turn_token_advantages,
 )
+from clew.config import load_config
 from clew.envs import make
 from clew.rollout.trajectory import state_key
 
@@ -54,9 +57,8 @@ def test_from_a_shared_junction_the_move_reaching_the_goal_sooner_gets_the_highe
     rewards = t([1.0, 1.0])
     turn_rewards = [t([0.0, 0.0, 1.0]), t([0.0, 0.0, 0.0, 0.0, 1.0])]
     keys = [["start", "j", "near"], ["start", "j", "dead", "j", "near"]]
-    result = compute_advantages(
-        "gigpo", rewards, [0, 0], turn_rewards=turn_rewards, state_keys=keys, gamma=0.9
-    )
+    batch = EstimatorBatch(rewards, [0, 0], turn_rewards=turn_rewards, state_keys=keys)
+    result = compute_advantages("gigpo", batch, {"gigpo": {"gamma": 0.9}})
     close(result.advantages, [0.0, 0.0])
     short, long = result.turn_advantages
     assert short[1] > 0 > long[1]  # the junction turns
@@ -69,22 +71,13 @@ def test_gigpo_adds_the_weighted_step_advantage_to_the_episode_one():
     rewards = t([1.0, 0.0])
     turn_rewards = [t([0.0, 1.0]), t([0.0, 0.0])]
     keys = [["s", "a"], ["s", "b"]]
-    result = compute_advantages(
-        "gigpo",
-        rewards,
-        [0, 0],
-        turn_rewards=turn_rewards,
-        state_keys=keys,
-        gamma=0.5,
-        step_advantage_w=2.0,
-    )
+    batch = EstimatorBatch(rewards, [0, 0], turn_rewards=turn_rewards, state_keys=keys)
+    result = compute_advantages("gigpo", batch, {"gigpo": {"gamma": 0.5, "step_advantage_w": 2.0}})
     episode = grpo_advantages(rewards, [0, 0]).advantages
     step, _ = step_advantages([t([0.5, 1.0]), t([0.0, 0.0])], keys, [0, 0])
     for i in range(2):
         close(result.turn_advantages[i], (episode[i] + 2.0 * step[i]).tolist())
-    zero_w = compute_advantages(
-        "gigpo", rewards, [0, 0], turn_rewards=turn_rewards, state_keys=keys, step_advantage_w=0.0
-    )
+    zero_w = compute_advantages("gigpo", batch, {"gigpo": {"step_advantage_w": 0.0}})
     close(zero_w.turn_advantages[0], [episode[0].item()] * 2)
 
 
@@ -119,3 +112,36 @@ def test_state_key_names_the_frame_not_the_turn_text():
     assert returned.text != obs.text
     assert state_key(returned.images, returned.text) == start
     assert state_key([], "a") == state_key([], "a") != state_key([], "b")
+
+
+def test_gigpo_reads_its_settings_under_the_config_key_names():
+    cfg = load_config(
+        None,
+        [
+            "trainer.algorithm.advantage_estimator=gigpo",
+            "trainer.algorithm.gigpo.gamma=0.5",
+            "trainer.algorithm.gigpo.step_advantage_w=2.0",
+            "trainer.algorithm.norm_adv_by_std_in_grpo=false",
+            "trainer.algorithm.drop_zero_spread_groups=true",
+        ],
+    )
+    rewards = t([1.0, 0.0, 1.0, 1.0])
+    turn_rewards = [t([0.0, 1.0]), t([0.0, 0.0]), t([1.0]), t([1.0])]
+    keys = [["s", "a"], ["s", "b"], ["s"], ["s"]]
+    batch = EstimatorBatch(rewards, [0, 0, 1, 1], turn_rewards=turn_rewards, state_keys=keys)
+    got = compute_advantages("gigpo", batch, cfg.trainer.algorithm.model_dump())
+    want = gigpo_advantages(
+        rewards,
+        [0, 0, 1, 1],
+        turn_rewards=turn_rewards,
+        state_keys=keys,
+        gamma=0.5,
+        step_advantage_w=2.0,
+        norm_adv_by_std_in_grpo=False,
+        drop_zero_spread=True,
+    )
+    assert got.keep.tolist() == want.keep.tolist() == [True, True, False, False]
+    for a, b in zip(got.turn_advantages, want.turn_advantages, strict=True):
+        torch.testing.assert_close(a, b)
+    default = compute_advantages("gigpo", batch, {})
+    assert not torch.equal(default.turn_advantages[0], got.turn_advantages[0])

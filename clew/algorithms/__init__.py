@@ -3,19 +3,30 @@
 Pure functions on torch tensors, independent of models, Ray and rollout code, so the
 numerics of training can be tested on CPU in milliseconds. Each family is a registry keyed by
 the config name (``grpo``, ``ppo_clip``, ``k3``, ...); add a variant with its ``register_*``
-decorator rather than a subclass.
+decorator rather than a subclass. An advantage estimator registered with
+:func:`register_estimator` also says what it needs from the rollouts (see
+``clew.algorithms.estimators``); register it before ``clew.config.load_config`` so the config
+accepts its name.
 """
 
 from clew.algorithms.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    AdvantageResult,
-    compute_advantages,
-    get_advantage_estimator,
     grpo_advantages,
-    register_advantage_estimator,
     rloo_advantages,
     token_advantages,
     turn_discounted_rewards,
+)
+from clew.algorithms.estimators import (
+    ADVANTAGE_ESTIMATORS,
+    ROLLOUT_NEEDS,
+    AdvantageResult,
+    EstimatorBatch,
+    EstimatorSettings,
+    EstimatorSpec,
+    compute_advantages,
+    estimator_names,
+    get_estimator,
+    register_estimator,
+    setting,
 )
 from clew.algorithms.kl import (
     KL_ESTIMATORS,
@@ -26,6 +37,7 @@ from clew.algorithms.kl import (
     register_kl_estimator,
 )
 from clew.algorithms.losses import (
+    LOG_RATIO_CLAMP,
     POLICY_LOSSES,
     REDUCTIONS,
     compute_policy_loss,
@@ -51,14 +63,20 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "KL_LOG_RATIO_CLAMP",
+    "LOG_RATIO_CLAMP",
     "POLICY_LOSSES",
     "REDUCTIONS",
+    "ROLLOUT_NEEDS",
     "AdvantageResult",
+    "EstimatorBatch",
+    "EstimatorSettings",
+    "EstimatorSpec",
     "compute_advantages",
     "compute_policy_loss",
     "discounted_returns",
     "entropy_from_logits",
-    "get_advantage_estimator",
+    "estimator_names",
+    "get_estimator",
     "get_kl_estimator",
     "get_policy_loss",
     "gigpo_advantages",
@@ -70,10 +88,11 @@ __all__ = [
     "masked_sum",
     "ppo_clip_loss",
     "reduce_loss",
-    "register_advantage_estimator",
+    "register_estimator",
     "register_kl_estimator",
     "register_policy_loss",
     "rloo_advantages",
+    "setting",
     "step_advantages",
     "token_advantages",
     "turn_discounted_rewards",

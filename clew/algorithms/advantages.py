@@ -18,45 +18,26 @@ An episode's reward says whether it solved the maze, not how directly: with
 in which every sample solved still ranks its samples (the shorter ones took fewer wrong
 turns) instead of having zero spread.
 
-Names follow SkyRL's ``trainer.algorithm.advantage_estimator``. Add one with
-``@register_advantage_estimator("name")``; it takes ``(rewards, group_ids, *,
-drop_zero_spread=False, **config)`` and returns an :class:`AdvantageResult`.
+The functions here take plain tensors and keywords; each is registered under SkyRL's
+``trainer.algorithm.advantage_estimator`` name through a thin adapter with the registry's
+uniform signature (``clew.algorithms.estimators``).
 """
 
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from clew.algorithms.estimators import (
+    AdvantageResult,
+    EstimatorBatch,
+    EstimatorSettings,
+    GroupIds,
+    register_estimator,
+    setting,
+)
 from clew.algorithms.stats import upcast_float
-from clew.registry import lookup, register
-
-GroupIds = Tensor | Sequence[Hashable]
-
-
-@dataclass(frozen=True)
-class AdvantageResult:
-    """What an estimator returns.
-
-    Attributes:
-        advantages: ``Float[N]`` one advantage per trajectory (exactly 0 in zero-spread groups).
-        keep: ``Bool[N]`` False for members of zero-spread groups when the caller asked for
-            ``drop_zero_spread=True``; all True otherwise.
-        num_groups: number of distinct group ids.
-        zero_spread_groups: how many of those groups had all rewards equal.
-        turn_advantages: per trajectory ``Float[T_i]``, one advantage per turn, from
-            estimators that assign credit within an episode (``gigpo``); None when every
-            turn shares its trajectory's advantage.
-        stats: estimator-specific statistics, logged as ``train/<name>``.
-    """
-
-    advantages: Tensor
-    keep: Tensor
-    num_groups: int
-    zero_spread_groups: int
-    turn_advantages: tuple[Tensor, ...] | None = None
-    stats: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -154,32 +135,6 @@ def _result(advantages: Tensor, groups: Groups, drop_zero_spread: bool) -> Advan
     )
 
 
-AdvantageEstimator = Callable[..., AdvantageResult]
-"""``fn(rewards, group_ids, *, drop_zero_spread=False, **config) -> AdvantageResult``."""
-
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
-
-
-def register_advantage_estimator(
-    name: str,
-) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator: add an estimator to :data:`ADVANTAGE_ESTIMATORS` under ``name``."""
-    return register(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
-
-
-def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """The estimator registered as ``name``; ``ValueError`` listing accepted names if none."""
-    return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
-
-
-def compute_advantages(
-    name: str, rewards: Tensor, group_ids: GroupIds, **kwargs
-) -> AdvantageResult:
-    """Look up estimator ``name`` and call it; ``kwargs`` go to the estimator."""
-    return get_advantage_estimator(name)(rewards, group_ids, **kwargs)
-
-
-@register_advantage_estimator("grpo")
 def grpo_advantages(
     rewards: Tensor,
     group_ids: GroupIds,
@@ -215,7 +170,6 @@ def grpo_advantages(
     return _result(centered, groups, drop_zero_spread)
 
 
-@register_advantage_estimator("rloo")
 def rloo_advantages(
     rewards: Tensor,
     group_ids: GroupIds,
@@ -237,6 +191,25 @@ def rloo_advantages(
     total = groups.sum(r)[groups.index]
     others = (groups.size[groups.index] - 1.0).clamp_min(1.0)
     return _result(r - (total - r) / others, groups, drop_zero_spread)
+
+
+@register_estimator("grpo", min_group_size=2)
+def _grpo(batch: EstimatorBatch, settings: EstimatorSettings) -> AdvantageResult:
+    return grpo_advantages(
+        batch.rewards,
+        batch.group_ids,
+        norm_adv_by_std_in_grpo=setting(settings, "norm_adv_by_std_in_grpo", True),
+        drop_zero_spread=setting(settings, "drop_zero_spread_groups", False),
+    )
+
+
+@register_estimator("rloo", min_group_size=2)
+def _rloo(batch: EstimatorBatch, settings: EstimatorSettings) -> AdvantageResult:
+    return rloo_advantages(
+        batch.rewards,
+        batch.group_ids,
+        drop_zero_spread=setting(settings, "drop_zero_spread_groups", False),
+    )
 
 
 def token_advantages(adv: Tensor, loss_mask: Tensor) -> Tensor:

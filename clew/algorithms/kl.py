@@ -22,11 +22,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from clew.algorithms.losses import reduce_loss
+from clew.algorithms.losses import LOG_RATIO_CLAMP, reduce_loss
 from clew.algorithms.stats import upcast_float
 from clew.registry import lookup, register
 
-KL_LOG_RATIO_CLAMP = 20.0
+KL_LOG_RATIO_CLAMP = LOG_RATIO_CLAMP
 
 KLEstimator = Callable[[Tensor], Tensor]
 """``fn(log_ratio: Float[N, T]) -> Float[N, T]`` with ``log_ratio = log p - log q``."""

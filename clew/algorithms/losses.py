@@ -31,6 +31,11 @@ from clew.registry import lookup, register
 
 REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
 
+# The PPO log-ratio is clamped to +-LOG_RATIO_CLAMP before exp, as SkyRL does: exp(20) is
+# finite in float32, so one stale or corrupted old log-prob cannot overflow the ratio to inf
+# (an inf loss, a NaN gradient); past the clamp the token gets no gradient.
+LOG_RATIO_CLAMP = 20.0
+
 
 def _check_2d(**tensors: Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
@@ -118,7 +123,8 @@ def ppo_clip_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate, with asymmetric clip range and optional dual clip.
 
-    Per token, with ``ratio = exp(logprobs - old_logprobs)`` and advantage ``A``::
+    Per token, with ``ratio = exp(clamp(logprobs - old_logprobs, -20, 20))`` (see
+    :data:`LOG_RATIO_CLAMP`) and advantage ``A``::
 
         loss = -min(ratio * A, clamp(ratio, 1 - eps_clip_low, 1 + eps_clip_high) * A)
         if clip_ratio_c is set and A < 0:  loss = min(loss, -clip_ratio_c * A)
@@ -154,9 +160,12 @@ def ppo_clip_loss(
         raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
 
     active = loss_mask != 0
-    # The log-ratio is zeroed off the mask before exp: padding with stale or -inf old
-    # log-probs would otherwise overflow to inf and turn the backward pass into NaN.
-    log_ratio = torch.where(active, upcast_float(logprobs) - upcast_float(old_logprobs), 0.0)
+    # The log-ratio is zeroed off the mask and clamped on it before exp: padding with -inf
+    # old log-probs, or one corrupted token, would otherwise overflow to inf and turn the
+    # backward pass into NaN.
+    log_ratio = upcast_float(logprobs) - upcast_float(old_logprobs)
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = torch.where(active, log_ratio, 0.0)
     ratio = torch.exp(log_ratio)
     adv = upcast_float(advantages)
 

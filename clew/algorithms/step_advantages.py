@@ -27,11 +27,14 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from clew.algorithms.advantages import (
+from clew.algorithms.advantages import grpo_advantages
+from clew.algorithms.estimators import (
     AdvantageResult,
+    EstimatorBatch,
+    EstimatorSettings,
     GroupIds,
-    grpo_advantages,
-    register_advantage_estimator,
+    register_estimator,
+    setting,
 )
 from clew.algorithms.stats import upcast_float
 
@@ -110,7 +113,6 @@ def step_advantages(
     return list(torch.split(result.advantages, lengths)), stats
 
 
-@register_advantage_estimator("gigpo")
 def gigpo_advantages(
     rewards: Tensor,
     group_ids: GroupIds,
@@ -163,6 +165,22 @@ def gigpo_advantages(
         zero_spread_groups=episode.zero_spread_groups,
         turn_advantages=combined,
         stats=stats,
+    )
+
+
+@register_estimator("gigpo", needs={"turn_rewards", "state_keys"}, min_group_size=2)
+def _gigpo(batch: EstimatorBatch, settings: EstimatorSettings) -> AdvantageResult:
+    if batch.turn_rewards is None or batch.state_keys is None:
+        raise ValueError("gigpo needs the batch's turn_rewards and state_keys")
+    return gigpo_advantages(
+        batch.rewards,
+        batch.group_ids,
+        turn_rewards=batch.turn_rewards,
+        state_keys=batch.state_keys,
+        gamma=setting(settings, "gigpo.gamma", 0.95),
+        step_advantage_w=setting(settings, "gigpo.step_advantage_w", 1.0),
+        norm_adv_by_std_in_grpo=setting(settings, "norm_adv_by_std_in_grpo", True),
+        drop_zero_spread=setting(settings, "drop_zero_spread_groups", False),
     )
 
 

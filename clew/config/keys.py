@@ -18,7 +18,16 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from clew.config.schema import ClewConfig
+from clew.config.schema import ENV_CLASS_ALIASES, ClewConfig
+
+# Other spellings of keys (SkyRL's older names): alias -> the key it stands for. Either may
+# be set, in a YAML file or an override; both set to different values is an error.
+KEY_ALIASES: dict[str, str] = {
+    "trainer.algorithm.grpo_norm_by_std": "trainer.algorithm.norm_adv_by_std_in_grpo",
+}
+
+# Other spellings of values, by key: alias value -> the value stored.
+VALUE_ALIASES: dict[str, dict[str, str]] = {"environment.env_class": ENV_CLASS_ALIASES}
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,15 @@ def key_table() -> dict[str, KeyInfo]:
 def all_keys() -> list[str]:
     """Every leaf key an override or a YAML file may set, in declaration order."""
     return [k for k, info in key_table().items() if not info.is_section]
+
+
+def canonical_key(key: str) -> str:
+    """``key`` with an alias (the whole key, or a section above it) spelt as the key it
+    stands for; any other key unchanged."""
+    for alias, target in KEY_ALIASES.items():
+        if key == alias or key.startswith(alias + "."):
+            return target + key[len(alias) :]
+    return key
 
 
 def lookup(key: str) -> KeyInfo | None:
@@ -167,4 +185,21 @@ def schema_markdown(ignored: dict[str, str] | None = None) -> str:
                 f"| `{_cell(default)}` | {_cell(desc)} |"
             )
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out + aliases_markdown())
+
+
+def aliases_markdown() -> list[str]:
+    """The "Aliases" section: every key alias and value alias, and what each stands for."""
+    out = [
+        "## Aliases",
+        "",
+        "Other spellings clew accepts, in YAML files and overrides alike (SkyRL's names). "
+        "Setting a key and its alias to different values is an error.",
+        "",
+        "| alias | stands for |",
+        "|---|---|",
+    ]
+    out += [f"| `{alias}` | `{key}` |" for alias, key in KEY_ALIASES.items()]
+    for key, values in VALUE_ALIASES.items():
+        out += [f"| `{key}: {alias}` | `{key}: {value}` |" for alias, value in values.items()]
+    return [*out, ""]

@@ -6,6 +6,11 @@ null, bools, ints, floats, ``[lists]``, ``{dicts}`` or strings; a field that onl
 keeps the text verbatim (``trainer.run_name=123`` is the string "123"). Unknown keys fail here,
 with the nearest known keys suggested, and pydantic's errors are turned into ``ConfigError``s
 that name the dotted key, the value and the expected type.
+
+Aliases (``keys.KEY_ALIASES``, e.g. SkyRL's older ``trainer.algorithm.grpo_norm_by_std``) are
+spelt as their keys before anything else: in a YAML mapping, and in each override. Within one
+source (a file, or the list of overrides) setting an alias and its key to different values is
+an error; an override of either replaces what the file gave either, as overrides do.
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from clew.config.keys import accepts_only_strings, key_table, lookup, type_name
+from clew.config.keys import (
+    KEY_ALIASES,
+    accepts_only_strings,
+    canonical_key,
+    key_table,
+    lookup,
+    type_name,
+)
 from clew.config.keys import unknown_key_message as _unknown
 from clew.config.schema import ClewConfig
 from clew.errors import ConfigError
@@ -113,19 +125,59 @@ def _set(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+_MISSING = object()
+
+
+def _pop(data: dict[str, Any], key: str) -> Any:
+    """Remove and return the value at dotted ``key`` of nested ``data``, or ``_MISSING``."""
+    *sections, last = key.split(".")
+    node: Any = data
+    for part in sections:
+        node = node.get(part) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or last not in node:
+        return _MISSING
+    return node.pop(last)
+
+
+def resolve_aliases(data: dict[str, Any]) -> dict[str, Any]:
+    """Move the value of each alias in nested ``data`` (in place) to the key it stands for.
+
+    Raises ``ConfigError`` when an alias and its key are both set, to different values.
+    """
+    for alias, key in KEY_ALIASES.items():
+        value = _pop(data, alias)
+        if value is _MISSING:
+            continue
+        current = _value_at(data, key, _MISSING)
+        if current is not _MISSING and current != value:
+            raise ConfigError(_conflict(alias, value, key, current, key))
+        _set(data, key, value)
+    return data
+
+
+def _conflict(first: str, first_value: Any, second: str, second_value: Any, key: str) -> str:
+    return (
+        f"{first}={first_value!r} and {second}={second_value!r} disagree, and one is an "
+        f"alias of the other (both set {key}); set only one of them"
+    )
+
+
 def apply_overrides(cfg_dict: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Return a copy of ``cfg_dict`` with each ``key=value`` override applied, in order.
 
-    A leading ``+`` or ``++`` (Hydra's "add key") is accepted and ignored.
+    A leading ``+`` or ``++`` (Hydra's "add key") is accepted and ignored. Aliases in
+    ``cfg_dict`` and in the overrides are spelt as their keys (see the module docstring).
     """
-    data = copy.deepcopy(cfg_dict)
+    data = resolve_aliases(copy.deepcopy(cfg_dict))
+    spelt: dict[str, tuple[str, Any]] = {}  # key -> (spelling, value) of its last override
     for override in overrides:
         raw_key, sep, text = override.partition("=")
-        key = raw_key.strip().lstrip("+")
-        if not sep or not key:
+        written = raw_key.strip().lstrip("+")
+        if not sep or not written:
             raise ConfigError(f"override {override!r} is not of the form key=value")
-        if key.startswith("~"):
+        if written.startswith("~"):
             raise ConfigError(f"override {override!r}: deleting keys (~key) is not supported")
+        key = canonical_key(written)
         info = lookup(key)
         if info is None:
             raise ConfigError(_unknown(key))
@@ -141,6 +193,10 @@ def apply_overrides(cfg_dict: dict[str, Any], overrides: list[str]) -> dict[str,
                 value = parse_value(text)
         except ValueError as exc:
             raise ConfigError(f"override {override!r}: cannot parse value: {exc}") from None
+        before, before_value = spelt.get(key, (written, value))
+        if before != written and before_value != value:
+            raise ConfigError(_conflict(before, before_value, written, value, key))
+        spelt[key] = (written, value)
         _set(data, key, value)
     return data
 
@@ -176,6 +232,7 @@ def build_config(data: dict[str, Any]) -> ClewConfig:
     """Validate nested ``data`` into a ``ClewConfig``; every failure is a ``ConfigError``."""
     if not isinstance(data, dict):
         raise ConfigError(f"a config must be a mapping of sections, got {type(data).__name__}")
+    data = resolve_aliases(copy.deepcopy(data))
     check_keys(data)
     try:
         return ClewConfig.model_validate(data)

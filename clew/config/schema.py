@@ -200,12 +200,13 @@ class GigpoConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage_estimator: Literal["grpo", "rloo", "gigpo"] = Field(
+    advantage_estimator: str = Field(
         "grpo",
-        description="How advantages are computed within a group: 'grpo' (reward minus group "
-        "mean), 'rloo' (reward minus the mean of the others) or 'gigpo' (GRPO per episode "
-        "plus a per-turn advantage among the group's turns taken from the same state; "
-        "clew.algorithms.step_advantages).",
+        description="How advantages are computed within a group, by registered name: 'grpo' "
+        "(reward minus group mean), 'rloo' (reward minus the mean of the others), 'gigpo' "
+        "(GRPO per episode plus a per-turn advantage among the group's turns taken from the "
+        "same state; clew.algorithms.step_advantages), or one registered with "
+        "clew.algorithms.register_estimator before the config is loaded.",
     )
     gigpo: GigpoConfig = Field(
         default_factory=GigpoConfig,

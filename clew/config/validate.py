@@ -20,6 +20,7 @@ value that would matter under SkyRL is named in one warning per process, saying 
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +78,26 @@ def get_key(cfg: Any, key: str) -> Any:
     for part in key.split("."):
         cfg = getattr(cfg, part)
     return cfg
+
+
+def _estimator(name: str, fail: Callable[[str, str], None]) -> Any:
+    """The registered estimator ``name`` (an ``EstimatorSpec``), or None after a failure
+    naming the registered ones and the nearest."""
+    # Imported here: the registry pulls in torch, which reading a config does not need.
+    from clew.algorithms.estimators import ADVANTAGE_ESTIMATORS
+
+    if name in ADVANTAGE_ESTIMATORS:
+        return ADVANTAGE_ESTIMATORS[name]
+    names = sorted(ADVANTAGE_ESTIMATORS)
+    near = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else "."
+    fail(
+        "advantage-estimator",
+        f"trainer.algorithm.advantage_estimator {name!r} is not a registered estimator "
+        f"(registered: {', '.join(repr(k) for k in names)}){hint} Register another with "
+        "clew.algorithms.register_estimator before loading the config.",
+    )
+    return None
 
 
 def _rules(cfg: ClewConfig) -> list[str]:
@@ -141,11 +162,13 @@ def _rules(cfg: ClewConfig) -> list[str]:
                 f"n_samples_per_prompt {n}) does not split into micro batches of {micro} "
                 f"on {gpus} GPUs ({micro * gpus} per pass)",
             )
-    if alg.advantage_estimator in ("grpo", "rloo", "gigpo") and n < 2:
+    estimator = _estimator(alg.advantage_estimator, fail)
+    if estimator is not None and n < estimator.min_group_size:
         fail(
             "group-size",
-            f"generator.n_samples_per_prompt must be >= 2 for {alg.advantage_estimator!r}, "
-            f"got {n}: a group of one has no reward spread, so every advantage would be zero",
+            f"generator.n_samples_per_prompt must be >= {estimator.min_group_size} for "
+            f"{alg.advantage_estimator!r}, got {n}: it compares a prompt's samples with each "
+            "other, and a smaller group has no reward spread, so every advantage would be zero",
         )
 
     # Sampling and engine.
