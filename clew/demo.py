@@ -7,10 +7,10 @@ The task is ``maze_2d/room`` (7x7 grid, open room, start and goal anywhere insid
 14 px cells and a Qwen3-VL policy whose vision patch is one cell (``patch_size=14``,
 ``merge_size=1``: one vision token per cell) and that sees the current frame only
 (``keep_last_k_images=1``, in SFT and GRPO alike). Why not ``maze_2d/easy``: learning
-mazes from pixels takes hundreds of thousands of samples (see NOTES), hours on two CPU
-cores, while the room keeps the visual skill (find yourself and the goal in the picture,
-move, reach the goal) and drops the path planning. The GPU recipe (BENCHMARKS.md) trains
-on ``maze_2d/easy`` itself.
+mazes from pixels takes hundreds of thousands of samples, hours on two CPU cores, while
+the room keeps the visual skill (find yourself and the goal in the picture, move, reach the
+goal) and drops the path planning. The GPU recipe (``recipes/easy-1gpu.yaml``) trains on
+``maze_2d/easy`` itself.
 
 The defaults are the measured recipe of BENCHMARKS.md ("The CPU main job"): a short SFT
 (150 steps) leaves a policy whose greedy play often loops into a wall while its sampled

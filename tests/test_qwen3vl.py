@@ -244,7 +244,7 @@ def test_init_model_refuses_unknown_or_inconsistent_fields(tmp_path, capsys, fla
 
 def _image_embedding_shares(path, border: int) -> tuple[float, float]:
     """(shared-vector share, frame-varying share) of the image embeddings' energy over 16
-    maze frames (one agent cell each), as ``experiments/frame_path_trace.py`` splits them."""
+    maze frames (one agent cell each)."""
     from clew.envs.maze.generate import generate_maze
     from clew.envs.maze.render import render_background, stamp_agent
 

@@ -17,10 +17,10 @@ each extra entry adds ``2 * hidden`` parameters, input and output embeddings, so
     deep    256 x 12 (4/2, 1024)                   128 x 8  (4)             14,146,816 (2.13M vision)
     base    768 x 12 (12/4, 3072)                  512 x 12 (8)            148,662,784 (44.2M vision)
 
-``tiny`` trains on a CPU (tests, the CPU main job); ``small`` is the size the NOTES probe
-showed learning mazes from pixels on one GPU; ``deep`` is ``small`` with twice the layers,
-for a policy that must plan further in one forward pass (the ``easy`` maze's first moves,
-``experiments/state_accuracy.py``); ``base`` is for multi-GPU runs.
+``tiny`` trains on a CPU (tests, the CPU main job); ``small`` learns mazes from pixels on
+one GPU (docs/learning-easy.md); ``deep`` is ``small`` with twice the layers, for a policy
+that must plan further in one forward pass (the ``easy`` maze's first moves); ``base`` is
+for multi-GPU runs.
 
 ``arch="qwen3_vl"`` builds ``Qwen3VLForConditionalGeneration`` from the same presets
 (``clew.models.qwen3`` says what differs: a learned, interpolated absolute position

@@ -1,9 +1,9 @@
 """Qwen-VL pixel patches for a batch of same-size images, in one vectorised pass.
 
-The Qwen2-VL image processor (the PIL one clew uses, see NOTES) encodes image by image in
-Python: about 0.6 ms per 126 px image, which made image encoding the largest host-side
-cost of an SFT step on the GPU (0.58 s of a 2.6 s step at 64 demonstrations, measured by
-``experiments/profile_sft.py``) and capped demonstration building at 40 per second. Maze
+The Qwen2-VL image processor (the PIL one: clew runs without torchvision) encodes image by
+image in Python: about 0.6 ms per 126 px image, which made image encoding the largest
+host-side cost of an SFT step on the GPU (0.58 s of a 2.6 s step at 64 demonstrations,
+profiled on an H200) and capped demonstration building at 40 per second. Maze
 frames are all the same size and already a multiple of the patch, so the processor's
 resize is the identity and what remains (rescale, normalise, cut into patches, repeat each
 patch over the temporal axis) is a table lookup and one copy over the whole stack. This module

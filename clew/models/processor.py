@@ -1,8 +1,8 @@
 """A Qwen2-VL processor that works without torchvision.
 
 transformers' ``Qwen2VLProcessor`` declares a video processor, and the video processor
-classes need torchvision. Without it (torchvision cannot be installed beside the CPU torch
-clew uses, see NOTES) both ``Qwen2VLProcessor(...)`` and ``AutoProcessor.from_pretrained``
+classes need torchvision. Without it (clew does not install torchvision beside its CPU
+torch) both ``Qwen2VLProcessor(...)`` and ``AutoProcessor.from_pretrained``
 fail inside transformers with ``VIDEO_PROCESSOR_MAPPING has no attribute '_extra_content'``,
 even when no video processor is passed. clew's agents only ever send images, so this
 subclass declares just an image processor and a tokenizer; everything else (image

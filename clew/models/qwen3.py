@@ -224,10 +224,9 @@ def init_position_table(model: torch.nn.Module, *, centered: bool = False) -> No
 
     ``centered``: the table less its mean over positions, scaled by ``CENTERED_SCALE``. The
     low-frequency cosines are near 1 at every position, so the plain table adds one vector
-    to every patch: measured on untrained `small` policies over maze frames
-    (``experiments/frame_path_trace.py``), 80% of the image embeddings' energy reaching the
-    language model was that shared vector and 3% varied with the frame; the language model
-    then sees nearly one input whatever the maze.
+    to every patch: measured on untrained `small` policies over maze frames, 80% of the
+    image embeddings' energy reaching the language model was that shared vector and 3%
+    varied with the frame; the language model then sees nearly one input whatever the maze.
     """
     embed = model.model.visual.pos_embed
     side = round(embed.num_embeddings**0.5)

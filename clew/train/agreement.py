@@ -4,8 +4,8 @@ Closed-loop pass@1 mixes reading the frame, planning and recovering from mistake
 64 mazes it moves in steps of 1.6 points. Agreement with the solver on the states of its
 optimal path, grouped by the agent's cell (corridor or junction) and by distance to the
 goal, tells those apart with one forward pass per maze: a policy that agrees near the goal
-and guesses far from it reads the frame but does not plan (BENCHMARKS.md, the third GPU
-attempt). ``clew sft`` reports it beside pass@1 at each evaluation.
+and guesses far from it reads the frame but does not plan. ``clew sft`` reports it beside
+pass@1 at each evaluation.
 
 A turn counts as agreeing when the policy's most likely action word, given the solver's
 episode so far, is one of the state's optimal moves (or ``stop`` on the goal). The word is

@@ -3,9 +3,10 @@
 Solver demonstrations only show states on (or one detour off) the solver's path, and the
 solver's next move there is readable from the frame alone. A state the policy reaches by
 its own misreading is never in them: after it bumps a wall the frame is unchanged and only
-the env's reply ("hit a wall moving right; you did not move") says what happened, and the
-SFT starts repeat 94-97% of their bumps (BENCHMARKS.md, "Twenty-first attempt"). DAgger
-(Ross et al., 2011) trains on the states the policy itself visits, labelled by the expert.
+the env's reply ("hit a wall moving right; you did not move") says what happened, and SFT
+policies repeat most of their bumps (docs/learning-easy.md, "DAgger beats plain SFT").
+DAgger (Ross et al., 2011) trains on the states the policy itself visits, labelled by the
+expert.
 
 Each round plays the current policy on training rows (``clew.rollout.loop.play_model``, the engine
 the evaluations use) and turns every episode that went wrong into one *branch

@@ -10,8 +10,9 @@ precomputed mask, so a frame costs one array copy: rendering never limits rollou
 maze. Half a cell (7 px at 14 px cells) matters for a policy trained from scratch whose
 vision patch is one cell: without it the patch grid runs along the cells' edges, so no
 patch holds any part of the agent's neighbours and the vision tower must learn attention to
-fixed offsets before the policy can see a wall next to it, which our small towers did not
-learn in thousands of steps (BENCHMARKS.md, "Eighth attempt"). Shifted by half a cell, the
+fixed offsets before the policy can see a wall next to it, which small towers trained from
+scratch do not learn in thousands of steps (docs/learning-easy.md, "The policy must see its
+walls"). Shifted by half a cell, the
 four patches around the agent's centre each hold a quarter of the agent and of two of its
 neighbours, and a linear probe reads the open move off them at once.
 """
