@@ -4,8 +4,9 @@
 format reward enters it. With n > 1 samples a maze (``eval_n_samples_per_prompt``) it is
 the mean over all samples, the unbiased estimate of one attempt's success, and
 ``eval/all/pass_at_<n>`` is the share of mazes that at least one of their n samples solved.
-The solvable ceiling (the share of mazes whose optimal play fits in the turn budget) is
-reported beside it so a solve rate can be read against its limit.
+The solvable ceiling (the share of rows whose expert play fits in the turn budget; rows
+of an env without an expert count as solvable) is reported beside it so a solve rate can
+be read against its limit.
 Every trajectory is dumped as JSONL and a few as GIFs.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from clew.data.rows import MazeRow
+from clew.data.rows import Row
 from clew.envs.media import replay, write_episode
 from clew.inference.engine import InferenceEngine
 from clew.rollout.loop import RolloutSettings, event_shares, play
@@ -25,11 +26,11 @@ from clew.rollout.trajectory import Trajectory
 
 
 def eval_metrics(
-    trajs: Sequence[Trajectory], rows: Sequence[MazeRow], max_turns: int
+    trajs: Sequence[Trajectory], rows: Sequence[Row], max_turns: int
 ) -> dict[str, float]:
     n = max(len(trajs), 1)
     turns = max(sum(t.turns for t in trajs), 1)
-    ceiling = sum(r.turns_needed <= min(r.max_turns, max_turns) for r in rows) / max(len(rows), 1)
+    ceiling = sum(r.solvable_within(max_turns) for r in rows) / max(len(rows), 1)
     return {
         "eval/all/pass_at_1": sum(t.success for t in trajs) / n,
         **pass_at_n(trajs),
@@ -56,7 +57,7 @@ def pass_at_n(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 def evaluate(
     engine: InferenceEngine,
-    rows: Sequence[MazeRow],
+    rows: Sequence[Row],
     settings: RolloutSettings,
     *,
     output_dir: str | Path | None = None,

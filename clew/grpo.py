@@ -21,7 +21,7 @@ import torch
 from clew.algorithms import EstimatorBatch, compute_advantages, get_estimator
 from clew.cluster.group import WorkerGroup
 from clew.config import ClewConfig
-from clew.data.rows import MazeRow
+from clew.data.rows import Row
 from clew.data.sampler import ResumableSampler
 from clew.errors import ClewError
 from clew.evaluation import dump_eval, eval_metrics
@@ -96,8 +96,8 @@ class GRPOTrainer:
         self,
         cfg: ClewConfig,
         group: WorkerGroup,
-        train_rows: Sequence[MazeRow],
-        eval_rows: Sequence[MazeRow],
+        train_rows: Sequence[Row],
+        eval_rows: Sequence[Row],
         loggers: Any,
         run_dir: Path,
         checkpointer: Any | None = None,
@@ -181,7 +181,7 @@ class GRPOTrainer:
 
     # -- the phases -----------------------------------------------------------------
     def generate(
-        self, rows: Sequence[MazeRow], step: int, more: Iterator[list[MazeRow]] | None = None
+        self, rows: Sequence[Row], step: int, more: Iterator[list[Row]] | None = None
     ) -> tuple[list, list]:
         """The step's trajectories to learn from, and every trajectory played for them.
 
@@ -199,7 +199,7 @@ class GRPOTrainer:
                 played = self.group.generate(rows, self.train_settings, seed=self._seed(step))
                 return played, played
 
-            def draw() -> list[MazeRow] | None:  # the next batch, unless the limit or data is out
+            def draw() -> list[Row] | None:  # the next batch, unless the limit or data is out
                 return None if 0 < limit <= drawn else next(more, None)
 
             first, drawn = list(rows), 1

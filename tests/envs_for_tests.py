@@ -1,4 +1,8 @@
-"""Small environments for tests of the training machinery, registered on import."""
+"""Small environments for tests of the training machinery, registered on import.
+
+``test/line`` comes with its expert, registered beside it the way any project outside
+clew would register its own env: SFT, DAgger and agreement need nothing else.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import json
 
 from PIL import Image
 
-from clew.data.rows import MazeRow
+from clew.data.rows import Row
 from clew.envs import register
 from clew.envs.base import Observation, spec
 from clew.errors import EnvError
@@ -64,36 +68,85 @@ class WalkEnv:
         return self._obs(f"turn {self.turn}"), reward, self.done, {"done_reason": "stop"}
 
 
-for _name, _cls, _text in (
-    ("test/digits", DigitsEnv, "digits bandit"),
-    ("test/walk", WalkEnv, "a walk on a line"),
+class LineEnv:
+    """Walk along a line of five cells to cell 3: reply ``right`` or ``left`` (anything else
+    is unreadable and stays); reward 1 on reaching cell 3, within five turns. The frame's
+    colour is the cell. Episodes may start on any cell (``start_cells``)."""
+
+    max_turns = 5
+    goal = 3
+    cells = 5
+
+    def __init__(self, **options):
+        self.cell, self.turn, self.done = 0, 0, True
+
+    def _obs(self, text):
+        return Observation([Image.new("RGB", (28, 28), (50 * self.cell, 90, 0))], text)
+
+    def reset(self, seed, start=None):
+        self.cell, self.turn, self.done = (0 if start is None else int(start)), 0, False
+        return self._obs("Reach cell 3: answer right or left.")
+
+    def start_cells(self):
+        return [c for c in range(self.cells) if c != self.goal]
+
+    def action_names(self):
+        return {"right": "right", "left": "left"}
+
+    def step(self, text):
+        self.turn += 1
+        word = text.strip().lower()
+        step = {"right": 1, "left": -1}.get(word, 0)
+        self.cell = min(max(self.cell + step, 0), self.cells - 1)
+        reward = float(self.cell == self.goal)
+        self.done = reward > 0 or self.turn >= self.max_turns
+        note = f"at cell {self.cell}" if step else f"unreadable {word!r}"
+        return self._obs(note), reward, self.done, {"done_reason": "stop"}
+
+
+class LineExpert:
+    """``LineEnv``'s solver: step toward cell 3; its detour is the step away, where the
+    turns left still reach the goal after it."""
+
+    def best_actions(self, env):
+        if env.cell == env.goal:
+            return []
+        return ["right" if env.cell < env.goal else "left"]
+
+    def turns_to_finish(self, env):
+        return abs(env.goal - env.cell)
+
+    def detour_actions(self, env):
+        away = "left" if env.cell < env.goal else "right"
+        after = env.cell - 1 if away == "left" else env.cell + 1
+        if not 0 <= after < env.cells:
+            return []
+        fits = env.max_turns - env.turn - 1 >= abs(env.goal - after)
+        return [away] if fits else []
+
+    def state_groups(self, env):
+        return ["near" if abs(env.goal - env.cell) <= 1 else "far"]
+
+
+for _name, _cls, _text, _expert in (
+    ("test/digits", DigitsEnv, "digits bandit", None),
+    ("test/walk", WalkEnv, "a walk on a line", None),
+    ("test/line", LineEnv, "a line of five cells, with its expert", LineExpert()),
 ):
     try:
         spec(_name)
     except EnvError:
-        register(_name, _cls, accepted_options=set(), description=_text)
+        register(_name, _cls, accepted_options=set(), description=_text, expert=_expert)
 
 
-def walk_rows(n: int, split: str = "train") -> list[MazeRow]:
+def walk_rows(n: int, split: str = "train") -> list[Row]:
+    facts = {"turns_needed": 3, "solvable": True}
+    return [Row("test/walk", json.dumps({}), seed, split, "Walk.", 3, facts) for seed in range(n)]
+
+
+def digits_rows(n: int, split: str = "train") -> list[Row]:
+    facts = {"turns_needed": 1, "solvable": True}
     return [
-        MazeRow("test/walk", json.dumps({}), seed, split, "Walk.", 0, 3, 3, True, f"{split}{seed}")
-        for seed in range(n)
-    ]
-
-
-def digits_rows(n: int, split: str = "train") -> list[MazeRow]:
-    return [
-        MazeRow(
-            "test/digits",
-            json.dumps({}),
-            seed,
-            split,
-            "Write digits.",
-            0,
-            1,
-            1,
-            True,
-            f"{split}{seed}",
-        )
+        Row("test/digits", json.dumps({}), seed, split, "Write digits.", 1, facts)
         for seed in range(n)
     ]

@@ -1,4 +1,5 @@
-"""Datasets of seeded mazes, their statistics, and episode pictures, through the CLI too."""
+"""Datasets of seeded episodes (mazes here), their statistics, and episode pictures, through
+the CLI too; reading the parquet files of the maze-only rows that came before."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pytest
 from PIL import Image
 
 from clew.cli import main
-from clew.data.rows import dataset_stats, generate_rows, read_rows, split_of_layout, write_rows
+from clew.data.rows import Row, dataset_stats, generate_rows, read_rows, write_rows
 from clew.envs import make
+from clew.envs.maze.dataset import split_of_layout
 from clew.envs.maze.solver import shortest_actions
 from clew.errors import DataError
 
@@ -21,15 +23,22 @@ def test_dataset_round_trip_keeps_every_field(tmp_path):
     row = rows[0]
     env = make(row.env_id, **row.options())
     env.reset(row.seed)
-    assert env.prompt == row.prompt and env.optimal_path_length() == row.optimal_path_length
+    assert env.prompt == row.prompt
+    assert row.facts() == {
+        "optimal_path_length": env.optimal_path_length(),
+        "turns_needed": env.turns_needed(),
+        "solvable": env.turns_needed() <= env.max_turns,
+        "layout_key": env.maze.layout_key(),
+    }
     assert row.options()["action_format"] == "keyword"
 
 
 def test_train_and_eval_never_share_a_maze_even_from_the_same_seeds():
     train = generate_rows("maze_2d/small", 300, "train", seed_start=0)
     evals = generate_rows("maze_2d/small", 30, "eval", seed_start=0)
-    assert {r.layout_key for r in train}.isdisjoint({r.layout_key for r in evals})
-    assert all(split_of_layout(r.layout_key) == "eval" for r in evals)
+    keys = {r.facts()["layout_key"] for r in train}
+    assert keys.isdisjoint({r.facts()["layout_key"] for r in evals})
+    assert all(split_of_layout(r.facts()["layout_key"]) == "eval" for r in evals)
     default_eval = generate_rows("maze_2d/easy", 64, "eval")
     assert min(r.seed for r in default_eval) >= 1_000_000_000
 
@@ -39,9 +48,37 @@ def test_stats_count_path_lengths_and_the_solvable_share():
     stats = dataset_stats(rows)
     assert sum(stats["path_length_histogram"].values()) == 64
     # With 13 turns only the 12-move mazes (12 moves + stop) are solvable.
-    expected = sum(1 for r in rows if r.optimal_path_length <= 12) / 64
+    expected = sum(1 for r in rows if r.facts()["optimal_path_length"] <= 12) / 64
     assert stats["solvable_share"] == pytest.approx(expected)
     assert 0 < expected < 1
+
+
+def test_parquet_of_the_earlier_maze_rows_reads_into_metadata(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = generate_rows("maze_2d/tiny", 3)
+    old = [
+        {
+            "env_id": r.env_id, "env_options": r.env_options, "seed": r.seed, "split": r.split,
+            "prompt": r.prompt, "max_turns": r.max_turns, **r.facts(),
+        }
+        for r in rows
+    ]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(old), tmp_path / "old.parquet")
+    assert read_rows(tmp_path / "old.parquet") == rows
+    assert all(r.solvable and r.turns_needed == r.facts()["turns_needed"] for r in rows)
+    pq.write_table(pa.Table.from_pylist([{"env_id": "x", "seed": 1}]), tmp_path / "other.parquet")
+    with pytest.raises(DataError, match="lacks the column"):
+        read_rows(tmp_path / "other.parquet")
+
+
+def test_a_row_takes_its_options_and_metadata_as_dicts_or_json():
+    as_dict = Row("maze_2d/tiny", {"b": 1, "a": 2}, 0, "train", "p", 10, {"solvable": False})
+    as_json = Row("maze_2d/tiny", '{"a": 2, "b": 1}', 0, "train", "p", 10, '{"solvable": false}')
+    assert as_dict == as_json and hash(as_dict) == hash(as_json)
+    assert not as_dict.solvable and as_dict.turns_needed is None
+    assert Row("maze_2d/tiny", "{}", 0, "train", "p", 10).solvable  # no claim: solvable
 
 
 def test_dataset_command_writes_and_prints_stats(tmp_path, capsys):

@@ -296,7 +296,7 @@ def test_eval_sets_hold_distinct_mazes():
     from clew.data.rows import generate_rows
 
     rows = generate_rows("maze_2d/room", 64, "eval")
-    assert len({r.layout_key for r in rows}) == 64
+    assert len({r.facts()["layout_key"] for r in rows}) == 64
 
 
 def test_start_anywhere_moves_a_seeded_share_of_starts_to_solvable_open_cells():

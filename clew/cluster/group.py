@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from clew.algorithms.step_advantages import turn_token_advantages
-from clew.data.rows import MazeRow
+from clew.data.rows import Row
 from clew.inference.engine import InferenceEngine
 from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
@@ -45,7 +45,7 @@ class WorkerGroup(Protocol):
     world_size: int
 
     def generate(
-        self, rows: Sequence[MazeRow], settings: RolloutSettings, seed: int
+        self, rows: Sequence[Row], settings: RolloutSettings, seed: int
     ) -> list[Trajectory]: ...
 
     def update(
@@ -77,7 +77,7 @@ class LocalWorkerGroup:
                     engine.allowed_ids(tuple(sp.allowed_tokens))
 
     def generate(
-        self, rows: Sequence[MazeRow], settings: RolloutSettings, seed: int, progress=None
+        self, rows: Sequence[Row], settings: RolloutSettings, seed: int, progress=None
     ) -> list[Trajectory]:
         self.worker.model.eval()
         # A LoRA policy samples with its adapter merged: one matmul a layer, not three

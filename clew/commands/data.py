@@ -1,4 +1,9 @@
-"""Commands on environments and data: envs, dataset, render."""
+"""Commands on environments and data: envs, dataset, render.
+
+They reach an env only through the registry and its protocols: ``dataset`` through
+``clew.data.rows`` (the env's dataset hooks), ``render --solve`` through the env's expert
+and ``render --actions`` through the names the env gives its actions.
+"""
 
 from __future__ import annotations
 
@@ -21,14 +26,18 @@ def _envs(p: argparse.ArgumentParser) -> Handler:
     return run
 
 
-@command("dataset", "write a parquet dataset of seeded mazes, or print a dataset's statistics")
+@command("dataset", "write a parquet dataset of seeded episodes, or print a dataset's statistics")
 def _dataset(p: argparse.ArgumentParser) -> Handler:
     _add_env_args(p)
-    p.add_argument("--num-rows", type=positive_int, default=256, help="mazes to write")
+    p.add_argument("--num-rows", type=positive_int, default=256, help="rows (episodes) to write")
     p.add_argument("--output-dir", help="folder for SPLIT.parquet")
     p.add_argument("--split", choices=["train", "eval"], default="train")
     p.add_argument("--seed-start", type=int, default=None, help="first seed to try")
-    p.add_argument("--stats", action="store_true", help="print path lengths and the solvable share")
+    p.add_argument(
+        "--stats",
+        action="store_true",
+        help="print the solvable share and the env's own statistics (a maze's path lengths)",
+    )
     p.add_argument("--input", help="with --stats: read this parquet instead of generating")
 
     def run(args: argparse.Namespace) -> int:
@@ -62,17 +71,15 @@ def _render(p: argparse.ArgumentParser) -> Handler:
     _add_env_args(p)
     p.add_argument("--seed", type=int, default=0)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--actions", help="comma-separated right/up/left/down/stop")
-    src.add_argument("--solve", action="store_true", help="play the solver's optimal path")
+    src.add_argument(
+        "--actions", help="comma-separated action names (a maze's: right/up/left/down/stop)"
+    )
+    src.add_argument("--solve", action="store_true", help="play the env's expert")
     src.add_argument("--trajectory", help="a trajectories JSONL file (from `clew eval`)")
     p.add_argument("--index", type=int, default=0, help="with --trajectory: which line")
     p.add_argument("--output", required=True, help="path stem: writes STEM.gif and STEM.png")
 
     def run(args: argparse.Namespace) -> int:
-        from clew.envs import make
-        from clew.envs.maze.actions import Action, format_action
-        from clew.envs.maze.generate import DIRECTION_NAMES
-        from clew.envs.maze.solver import shortest_actions
         from clew.envs.media import replay, write_episode
 
         env_id, seed, options = args.env_id, args.seed, _env_options(args)
@@ -86,28 +93,47 @@ def _render(p: argparse.ArgumentParser) -> Handler:
                 rec["env_options"],
                 rec["actions"],
             )
+        elif args.solve:
+            texts = _expert_replies(env_id, seed, options)
         else:
-            env = make(env_id, **options)
-            env.reset(seed)
-            if args.solve:
-                moves = [Action("move", d) for d in shortest_actions(env.maze, start=env.agent)] + [
-                    Action("stop")
-                ]
-            else:
-                words = [w.strip().lower() for w in args.actions.split(",") if w.strip()]
-                bad = [w for w in words if w not in (*DIRECTION_NAMES, "stop")]
-                if bad:
-                    raise ClewError(
-                        f"unknown action(s) {', '.join(bad)}; use right, up, left, down, stop"
-                    )
-                moves = [
-                    Action("stop") if w == "stop" else Action("move", DIRECTION_NAMES.index(w))
-                    for w in words
-                ]
-            texts = [format_action(m, env.action_format) for m in moves]
+            texts = _named_replies(env_id, options, args.actions)
         result = replay(env_id, seed, texts, options)
         gif, png = write_episode(result, args.output)
         print(f"wrote {gif} and {png} ({len(result.frames) - 1} turns, reward {result.reward})")
         return 0
 
     return run
+
+
+def _expert_replies(env_id: str, seed: int, options: dict) -> list[str]:
+    """The replies of the env's expert playing ``seed`` to the end (its first best reply
+    each turn)."""
+    from clew.envs import expert_for, make
+
+    expert = expert_for(env_id)
+    env = make(env_id, **options)
+    env.reset(seed)
+    texts: list[str] = []
+    done = False
+    while not done and len(texts) < env.max_turns:
+        best = expert.best_actions(env)
+        if not best:
+            break
+        texts.append(best[0])
+        done = env.step(best[0])[2]
+    return texts
+
+
+def _named_replies(env_id: str, options: dict, actions: str) -> list[str]:
+    """The replies of the comma-separated action names in ``actions``."""
+    from clew.envs import NamedActions, make
+
+    env = make(env_id, **options)
+    if not isinstance(env, NamedActions):
+        raise ClewError(f"{env_id} does not name its actions; use --solve or --trajectory")
+    names = env.action_names()
+    words = [w.strip().lower() for w in actions.split(",") if w.strip()]
+    bad = [w for w in words if w not in names]
+    if bad:
+        raise ClewError(f"unknown action(s) {', '.join(bad)}; use {', '.join(names)}")
+    return [names[w] for w in words]

@@ -1,17 +1,28 @@
-"""Dataset rows: one maze per row, written to and read from parquet.
+"""Dataset rows: one episode of a registered env per row, written to and read from parquet.
 
-Every row carries its seed, so all samples of a GRPO group play the same maze. Train and
-eval rows never share a maze: each layout (walls, start, goal) falls in exactly one split
-by a digest of the layout itself, so the two sets stay disjoint whatever seed ranges or
-row counts are asked for. Options are stored as a JSON string so a row is self-contained
-(the env is rebuilt from the row alone, even if a default changes later).
+A ``Row`` is generic: the env id and its resolved options, the seed, the split, the first
+prompt, the turn budget, and free ``metadata`` of env-specific facts. Every row carries its
+seed, so all samples of a GRPO group play the same episode. Options and metadata are
+stored as JSON strings so a row is self-contained (the env is rebuilt from the row alone,
+even if a default changes later).
+
+``generate_rows`` works for any registered env. It walks seeds from the split's first seed
+and asks the env's dataset hooks (``clew.envs.DatasetHooks.row_facts``) which split each
+seed's episode belongs to, what makes it a distinct task and what to record; an env
+without hooks gives every seed of the walk. Where the env has an expert, each row also
+records ``turns_needed`` (the expert's turns from the start) and ``solvable`` (they fit in
+the turn budget), whatever the env. The maze registers hooks that split by layout digest,
+so train and eval never share a maze, and record the path length and the digest.
+
+Files written before rows were generic held the maze's facts as columns
+(``optimal_path_length``, ``turns_needed``, ``solvable``, ``layout_key``); ``read_rows``
+reads them into metadata, so those datasets keep working.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -19,35 +30,64 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from clew.envs import make, spec
+from clew.envs import DatasetHooks, RowFacts, make, spec
 from clew.errors import DataError
 
 SPLITS = ("train", "eval")
-EVAL_BUCKETS = 8  # one layout in eight belongs to eval
 DEFAULT_SEED_START = {"train": 0, "eval": 1_000_000_000}
+# Columns of the maze-only rows that came before ``metadata``; read into it.
+LEGACY_COLUMNS = ("optimal_path_length", "turns_needed", "solvable", "layout_key")
+
+
+def _json(value: str | dict[str, Any]) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
 @dataclass(frozen=True)
-class MazeRow:
-    """One dataset row: the env id and options, the seed, and facts about its maze."""
+class Row:
+    """One dataset row: which env, which seed, and what the env said about the episode.
+
+    ``env_options`` and ``metadata`` are JSON objects; a dict given for either is stored as
+    its JSON text (sorted keys), so rows stay hashable and compare by content.
+    """
 
     env_id: str
     env_options: str  # JSON object of the resolved env options
     seed: int
     split: str
     prompt: str
-    optimal_path_length: int
-    turns_needed: int
     max_turns: int
-    solvable: bool  # the optimal play fits in the turn budget
-    layout_key: str
+    metadata: str = "{}"  # JSON object of env-specific facts (see the module docstring)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "env_options", _json(self.env_options))
+        object.__setattr__(self, "metadata", _json(self.metadata))
 
     def options(self) -> dict[str, Any]:
         return json.loads(self.env_options)
 
+    def facts(self) -> dict[str, Any]:
+        """The metadata as a dict."""
+        return json.loads(self.metadata)
 
-def split_of_layout(layout_key: str) -> str:
-    return "eval" if int(layout_key[:8], 16) % EVAL_BUCKETS == 0 else "train"
+    @property
+    def turns_needed(self) -> int | None:
+        """Turns the expert's play takes from the start; None where the row does not say."""
+        needed = self.facts().get("turns_needed")
+        return None if needed is None else int(needed)
+
+    @property
+    def solvable(self) -> bool:
+        """Whether the expert finishes within the turn budget (True where the row does not
+        say: an env without an expert makes no claim)."""
+        return bool(self.facts().get("solvable", True))
+
+    def solvable_within(self, max_turns: int) -> bool:
+        """Whether the expert finishes within ``max_turns`` and the row's own budget."""
+        needed = self.turns_needed
+        if needed is None:
+            return self.solvable
+        return needed <= min(self.max_turns, max_turns)
 
 
 def generate_rows(
@@ -57,53 +97,52 @@ def generate_rows(
     seed_start: int | None = None,
     env_options: dict[str, Any] | None = None,
     distinct: bool | None = None,
-) -> list[MazeRow]:
-    """``num_rows`` rows of ``split``, from consecutive seeds whose layouts fall in it.
+) -> list[Row]:
+    """``num_rows`` rows of ``split``, from consecutive seeds whose episodes fall in it.
 
-    ``distinct`` (default: True for eval, False for train) skips seeds whose layout is
-    already in the set, so an eval set of N rows is N different mazes.
+    ``distinct`` (default: True for eval, False for train) skips seeds whose task (the
+    key of the env's ``row_facts``) is already in the set, so an eval set of N rows is N
+    different tasks.
     """
     distinct = split == "eval" if distinct is None else distinct
-    seen: set[str] = set()
     if split not in SPLITS:
         raise DataError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if not isinstance(num_rows, int) or num_rows <= 0:
         raise DataError(f"the number of rows must be a positive integer, got {num_rows!r}")
-    options = spec(env_id).resolve_options(dict(env_options or {}))
+    env_spec = spec(env_id)
+    options = env_spec.resolve_options(dict(env_options or {}))
+    options_json = json.dumps(options, sort_keys=True)
     env = make(env_id, **options)
+    row_facts = env_spec.dataset.row_facts
+    expert = env_spec.expert
     seed = DEFAULT_SEED_START[split] if seed_start is None else int(seed_start)
-    rows: list[MazeRow] = []
+    seen: set[str] = set()
+    rows: list[Row] = []
     tried = 0
     while len(rows) < num_rows:
-        env.reset(seed)
-        key = env.maze.layout_key()
-        if split_of_layout(key) == split and not (distinct and key in seen):
+        obs = env.reset(seed)
+        facts = row_facts(env) if row_facts is not None else RowFacts()
+        key = str(seed) if facts.key is None else facts.key
+        if facts.split in (None, split) and not (distinct and key in seen):
             seen.add(key)
-            rows.append(
-                MazeRow(
-                    env_id=env_id,
-                    env_options=json.dumps(options, sort_keys=True),
-                    seed=seed,
-                    split=split,
-                    prompt=env.prompt,
-                    optimal_path_length=env.optimal_path_length(),
-                    turns_needed=env.turns_needed(),
-                    max_turns=env.max_turns,
-                    solvable=env.turns_needed() <= env.max_turns,
-                    layout_key=key,
-                )
-            )
+            metadata = dict(facts.metadata)
+            if expert is not None:
+                needed = expert.turns_to_finish(env)
+                metadata["turns_needed"] = needed
+                metadata["solvable"] = needed is not None and needed <= env.max_turns
+            rows.append(Row(env_id, options_json, seed, split, obs.text, env.max_turns, metadata))
         seed += 1
         tried += 1
         if tried > 100 * num_rows + 10_000:
             raise DataError(
-                f"found only {len(rows)} {split} mazes of {env_id} in {tried} seeds: this size "
-                "has too few distinct layouts for a split; use a larger grid_size"
+                f"found only {len(rows)} {split} rows of {env_id} in {tried} seeds: it has too "
+                "few distinct tasks for a split of this size (a larger size of the task may "
+                "have more)"
             )
     return rows
 
 
-def write_rows(rows: list[MazeRow], path: str | os.PathLike) -> Path:
+def write_rows(rows: list[Row], path: str | os.PathLike) -> Path:
     """Write ``rows`` to a parquet file, creating its folder; clear errors when unwritable."""
     path = Path(path)
     try:
@@ -117,8 +156,9 @@ def write_rows(rows: list[MazeRow], path: str | os.PathLike) -> Path:
     return path
 
 
-def read_rows(path: str | os.PathLike) -> list[MazeRow]:
-    """Rows of a parquet file written by ``write_rows``; clear errors for other files."""
+def read_rows(path: str | os.PathLike) -> list[Row]:
+    """Rows of a parquet file written by ``write_rows`` (or by clew before rows were
+    generic); clear errors for other files."""
     path = Path(path)
     if not path.is_file():
         raise DataError(
@@ -131,39 +171,66 @@ def read_rows(path: str | os.PathLike) -> list[MazeRow]:
     return _rows_of(table, path)
 
 
-def _rows_of(table: pa.Table, path: object) -> list[MazeRow]:
-    expected = set(MazeRow.__dataclass_fields__)
-    missing = expected - set(table.column_names)
+def _rows_of(table: pa.Table, path: object) -> list[Row]:
+    columns = set(table.column_names)
+    fields = list(Row.__dataclass_fields__)
+    legacy = "metadata" not in columns and columns.issuperset(LEGACY_COLUMNS)
+    expected = set(fields) - {"metadata"} if legacy else set(fields)
+    missing = expected - columns
     if missing:
         raise DataError(
-            f"{path} lacks the column(s) {', '.join(sorted(missing))} of a clew dataset"
+            f"{path} lacks the column(s) {', '.join(sorted(missing))} of a clew dataset "
+            f"(expected {', '.join(fields)})"
         )
-    return [MazeRow(**{k: r[k] for k in expected}) for r in table.to_pylist()]
+    out = []
+    for r in table.to_pylist():
+        values = {k: r[k] for k in expected}
+        if legacy:
+            values["metadata"] = {k: r[k] for k in LEGACY_COLUMNS}
+        try:
+            out.append(Row(**values))
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"{path} holds a row that is not a clew row: {exc}") from None
+    return out
 
 
-def dataset_stats(rows: list[MazeRow]) -> dict[str, Any]:
-    """Distribution of optimal path lengths and the share solvable within the turn budget."""
-    lengths = Counter(r.optimal_path_length for r in rows)
+def dataset_stats(rows: list[Row]) -> dict[str, Any]:
+    """How many rows, the share the expert solves within the turn budget (None where no
+    row says), and the env's own statistics (its ``DatasetHooks.stats``) where all rows
+    are of envs that share them."""
     n = len(rows)
-    return {
+    known = [r for r in rows if "solvable" in r.facts()]
+    stats: dict[str, Any] = {
         "rows": n,
-        "distinct_mazes": len({r.layout_key for r in rows}),
-        "path_length_histogram": dict(sorted(lengths.items())),
-        "mean_path_length": sum(r.optimal_path_length for r in rows) / n if n else 0.0,
-        "solvable_share": sum(r.solvable for r in rows) / n if n else 0.0,
+        "env_ids": sorted({r.env_id for r in rows}),
+        "solvable_share": sum(r.solvable for r in known) / len(known) if known else None,
     }
+    hooks = _shared_hooks(stats["env_ids"])
+    if hooks is not None and hooks.stats is not None:
+        stats |= hooks.stats(rows)
+    return stats
+
+
+def _shared_hooks(env_ids: list[str]) -> DatasetHooks | None:
+    """The dataset hooks every one of ``env_ids`` is registered with, if they share them."""
+    hooks = {id(h): h for h in (spec(i).dataset for i in env_ids)}
+    return next(iter(hooks.values())) if len(hooks) == 1 else None
 
 
 def format_stats(stats: dict[str, Any]) -> str:
+    """``dataset_stats`` as lines to print."""
+    envs = ", ".join(stats["env_ids"]) or "no env"
+    share = stats["solvable_share"]
     lines = [
-        f"rows: {stats['rows']}  distinct mazes: {stats['distinct_mazes']}",
-        f"mean optimal path length: {stats['mean_path_length']:.2f} moves",
-        f"solvable within the turn budget: {stats['solvable_share']:.1%} "
-        "(the ceiling of any solve rate on these rows)",
-        "optimal path length  rows",
+        f"rows: {stats['rows']} of {envs}",
+        (
+            f"solvable within the turn budget: {share:.1%} (the ceiling of any solve rate on "
+            "these rows)"
+            if share is not None
+            else "solvable within the turn budget: not known (the env has no expert)"
+        ),
     ]
-    total = max(stats["rows"], 1)
-    for length, count in stats["path_length_histogram"].items():
-        bar = "#" * max(1, round(40 * count / total))
-        lines.append(f"{length:>19}  {count:>4}  {bar}")
+    hooks = _shared_hooks(stats["env_ids"])
+    if hooks is not None and hooks.describe is not None and hooks.stats is not None:
+        lines += hooks.describe(stats)
     return "\n".join(lines)

@@ -1,16 +1,31 @@
-"""The environment protocol and the registry of environment ids.
+"""The environment protocol, the expert protocol, and the registry of environment ids.
 
 An environment is plain Python (no Ray): ``reset(seed) -> Observation`` and
 ``step(action_text) -> (Observation, reward, done, info)``. Observations carry images and
 text, because the policies clew trains read both. Environments are created by id through
 ``make``; ids are registered with their default options so other sizes or rule variants
 are one ``register`` call, not a subclass.
+
+An id may be registered with two optional companions, and everything in clew that goes
+beyond playing episodes reaches an env through them, never through its module:
+
+* an ``Expert``: a solver that labels the env's current state with its best replies and
+  says how many turns it needs to finish from there. SFT plays it for demonstrations,
+  DAgger asks it which of a policy's turns were mistakes, and the SFT evaluation measures
+  how often the policy agrees with it. Optional methods add to what it can do:
+  ``detour_actions`` (deliberate wrong turns for demonstrations, ``DetourExpert``) and
+  ``state_groups`` (how agreement is broken down, ``GroupingExpert``); an env may offer
+  ``start_cells`` (``StartsAnywhere``) for demonstrations that start off the usual start,
+  and ``action_names`` (``NamedActions``) for the replies of every action.
+* ``DatasetHooks``: what a dataset row of the env records (``row_facts``: the split of a
+  seed, a key of its task for distinct sets, env-specific metadata) and the env's own
+  dataset statistics. Without them every seed of a split's seed range is a row.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,15 +53,102 @@ class Env(Protocol):
     def step(self, action_text: str) -> tuple[Observation, float, bool, dict[str, Any]]: ...
 
 
+@runtime_checkable
+class Expert(Protocol):
+    """A solver of an env: the best replies from the env's current state (after ``reset``
+    and any steps), in the env's own action format.
+
+    ``turns_to_finish`` is the number of turns its own play needs from that state to earn
+    the success reward (a final ``stop`` counted where the env needs one), whatever turns
+    are left; None where it cannot succeed at all. It must fall by one with each optimal
+    turn: that is how DAgger tells an optimal turn of a policy from a mistake, and the
+    dataset's ``solvable`` (its play fits in the turn budget) is read off it at reset.
+    """
+
+    def best_actions(self, env: Any) -> list[str]: ...
+
+    def turns_to_finish(self, env: Any) -> int | None: ...
+
+
+@runtime_checkable
+class DetourExpert(Expert, Protocol):
+    """An expert that also offers wrong turns it can recover from (SFT's ``detour_prob``)."""
+
+    def detour_actions(self, env: Any) -> list[str]:
+        """Replies that are not optimal here and after which the expert still finishes
+        within the turns left."""
+        ...
+
+
+@runtime_checkable
+class GroupingExpert(Expert, Protocol):
+    """An expert that names groups of states, by which agreement with it is reported."""
+
+    def state_groups(self, env: Any) -> list[str]:
+        """The groups the env's current state belongs to (names usable in metric keys)."""
+        ...
+
+
+@runtime_checkable
+class StartsAnywhere(Protocol):
+    """An env whose episodes can start elsewhere than the seed's own start (SFT's
+    ``start_anywhere``): ``reset(seed, start=s)`` for any ``s`` of ``start_cells()``."""
+
+    def start_cells(self) -> list[Any]:
+        """Where an episode of the current seed may start, the goal still within the budget."""
+        ...
+
+    def reset(self, seed: int, start: Any = None) -> Observation: ...
+
+
+@runtime_checkable
+class NamedActions(Protocol):
+    """An env that names its actions: ``{name: reply text}`` for every distinct action in
+    its current action format (``clew render --actions``, agreement with the expert)."""
+
+    def action_names(self) -> dict[str, str]: ...
+
+
+@dataclass(frozen=True)
+class RowFacts:
+    """What an env says about the episode of one seed, for its dataset row.
+
+    ``split``: the split this episode belongs to (None: whichever split's seeds are being
+    walked); ``key``: what makes two episodes the same task, for a set of distinct ones
+    (None: the seed); ``metadata``: JSON-serialisable facts stored with the row.
+    """
+
+    split: str | None = None
+    key: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DatasetHooks:
+    """How ``clew dataset`` makes and describes rows of an env (``clew.data.rows``).
+
+    ``row_facts(env)`` runs right after ``env.reset(seed)``. ``stats(rows)`` adds the env's
+    own statistics of a list of rows to the generic ones, and ``describe(stats)`` gives
+    the lines that print them.
+    """
+
+    row_facts: Callable[[Any], RowFacts] | None = None
+    stats: Callable[[Sequence[Any]], dict[str, Any]] | None = None
+    describe: Callable[[dict[str, Any]], list[str]] | None = None
+
+
 @dataclass(frozen=True)
 class EnvSpec:
-    """A registered environment id: how to build it and its default options."""
+    """A registered environment id: how to build it, its default options, and its optional
+    expert and dataset hooks."""
 
     env_id: str
     factory: Callable[..., Env]
     defaults: dict[str, Any] = field(default_factory=dict)
     description: str = ""
     accepted_options: frozenset[str] = frozenset()
+    expert: Expert | None = None
+    dataset: DatasetHooks = field(default_factory=DatasetHooks)
 
     def resolve_options(self, options: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(options) - self.accepted_options)
@@ -72,12 +174,30 @@ def register(
     defaults: dict[str, Any] | None = None,
     accepted_options: set[str] | frozenset[str],
     description: str = "",
+    expert: Expert | None = None,
+    dataset: DatasetHooks | None = None,
 ) -> None:
-    """Register ``env_id``; ``factory(**options)`` builds the env from its resolved options."""
+    """Register ``env_id``; ``factory(**options)`` builds the env from its resolved options.
+
+    ``expert`` solves the env's states (SFT demonstrations, DAgger, agreement); ``dataset``
+    says what its dataset rows record. Both are optional: without an expert the env can be
+    played and trained on with GRPO, not imitated.
+    """
     if env_id in _REGISTRY:
         raise ValueError(f"environment id {env_id!r} is already registered")
+    if expert is not None and not isinstance(expert, Expert):
+        raise TypeError(
+            f"the expert of {env_id!r} must have best_actions(env) and turns_to_finish(env), "
+            f"got {type(expert).__name__}"
+        )
     _REGISTRY[env_id] = EnvSpec(
-        env_id, factory, dict(defaults or {}), description, frozenset(accepted_options)
+        env_id,
+        factory,
+        dict(defaults or {}),
+        description,
+        frozenset(accepted_options),
+        expert,
+        dataset or DatasetHooks(),
     )
 
 
@@ -97,6 +217,17 @@ def make(env_id: str, **options: Any) -> Env:
     """Build the environment registered as ``env_id`` with ``options`` over its defaults."""
     s = spec(env_id)
     return s.factory(**s.resolve_options(options))
+
+
+def expert_for(env_id: str) -> Expert:
+    """The expert registered with ``env_id``; an env without one fails with what needs it."""
+    expert = spec(env_id).expert
+    if expert is None:
+        raise EnvError(
+            f"environment {env_id!r} has no expert: SFT demonstrations, DAgger and agreement "
+            "need one (register the env with expert=...)"
+        )
+    return expert
 
 
 def list_envs() -> list[EnvSpec]:

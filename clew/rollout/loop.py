@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from clew.data.rows import MazeRow
+from clew.data.rows import Row
 from clew.envs import make
 from clew.errors import ConfigError
 from clew.inference.engine import InferenceEngine
@@ -58,7 +58,7 @@ class _Episode:
 
 
 def _start(
-    row: MazeRow, group: int, sample: int, env_factory: Callable[..., Any]
+    row: Row, group: int, sample: int, env_factory: Callable[..., Any]
 ) -> tuple[_Episode, Any]:
     options = row.options()
     traj = Trajectory(row.env_id, options, int(row.seed), group, sample)
@@ -69,7 +69,7 @@ def _start(
 
 def play(
     engine: InferenceEngine,
-    rows: Sequence[MazeRow],
+    rows: Sequence[Row],
     settings: RolloutSettings,
     *,
     seed: int = 0,
@@ -187,7 +187,7 @@ def play(
 def play_model(
     model: Any,
     chat: Any,
-    rows: Sequence[MazeRow],
+    rows: Sequence[Row],
     settings: RolloutSettings,
     *,
     seed: int = 0,

@@ -1,17 +1,19 @@
-"""How often the policy picks the solver's move along the solver's own path (teacher forced).
+"""How often the policy picks the expert's reply along the expert's own path (teacher forced).
 
 Closed-loop pass@1 mixes reading the frame, planning and recovering from mistakes, and on
-64 mazes it moves in steps of 1.6 points. Agreement with the solver on the states of its
-optimal path, grouped by the agent's cell (corridor or junction) and by distance to the
-goal, tells those apart with one forward pass per maze: a policy that agrees near the goal
-and guesses far from it reads the frame but does not plan. ``clew sft`` reports it beside
-pass@1 at each evaluation.
+64 mazes it moves in steps of 1.6 points. Agreement with the env's expert
+(``clew.envs.Expert``) on the states of its own episode needs one forward pass per row,
+and where the expert names groups of states (``GroupingExpert.state_groups``) it is also
+reported per group. The maze's groups are the agent's cell (corridor, junction, ...) and
+its distance to the goal: a policy that agrees near the goal and guesses far from it reads
+the frame but does not plan. ``clew sft`` reports it beside pass@1 at each evaluation.
 
-A turn counts as agreeing when the policy's most likely action word, given the solver's
-episode so far, is one of the state's optimal moves (or ``stop`` on the goal). The word is
-read at the first reply token where the actions' replies differ, so the action format
-must give every action a distinct token there (``keyword`` does: ``<action>up</action>``);
-for a format that does not, there is nothing to report and the result is empty.
+A turn counts as agreeing when the policy's most likely action, given the expert's
+episode so far, is one of the expert's best replies there. The action is read at the
+first reply token where the replies of the env's actions (``NamedActions.action_names``)
+differ, so the action format must give every action a distinct token there (the maze's
+``keyword`` does: ``<action>up</action>``); for an env that does not name its actions or a
+format without such a token, there is nothing to report and the result is empty.
 """
 
 from __future__ import annotations
@@ -23,11 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from clew.data.rows import MazeRow
-from clew.envs import make
-from clew.envs.maze.actions import Action, format_action
-from clew.envs.maze.generate import DIRECTIONS
-from clew.envs.maze.solver import distances_to
+from clew.data.rows import Row
+from clew.envs import GroupingExpert, NamedActions, expert_for, make
 from clew.models.chat import ChatFormat
 from clew.models.logit_masks import banned_token_ids, mask_banned
 from clew.models.precision import bf16_autocast
@@ -40,13 +39,9 @@ __all__ = ["TurnPrediction", "decision_tokens", "solver_agreement", "solver_pred
 PREFIX = "eval/agreement/"
 
 
-def decision_tokens(chat: ChatFormat, action_format: str) -> tuple[int, dict[int, str]] | None:
-    """Where the actions' replies first differ, and the action each token there names."""
-    actions = [Action("stop")] + [Action("move", d) for d in range(len(DIRECTIONS))]
-    replies = {
-        format_action(a, action_format): chat.reply_tokens(format_action(a, action_format))
-        for a in actions
-    }
+def decision_tokens(chat: ChatFormat, actions: Sequence[str]) -> tuple[int, dict[int, str]] | None:
+    """Where the replies ``actions`` first differ, and the reply each token there names."""
+    replies = {text: chat.reply_tokens(text) for text in actions}
     for i in range(min(len(r) for r in replies.values())):
         tokens = {text: r[i] for text, r in replies.items()}
         if len(set(tokens.values())) > 1:
@@ -56,40 +51,31 @@ def decision_tokens(chat: ChatFormat, action_format: str) -> tuple[int, dict[int
     return None
 
 
-def _turn_groups(row: MazeRow, demo: Demonstration) -> tuple[str, list[tuple[set[str], list[str]]]]:
-    """The row's action format and, per turn, the state's optimal replies and its groups."""
+def _turn_labels(
+    row: Row, demo: Demonstration
+) -> tuple[tuple[str, ...], list[tuple[set[str], list[str]]]]:
+    """The replies of the env's actions (empty if it names none) and, per turn of ``demo``,
+    the expert's best replies and the state's groups."""
+    expert = expert_for(row.env_id)
     env = make(row.env_id, **row.options())
     env.reset(int(row.seed))
-    dist = distances_to(env.maze, env.maze.goal)
+    actions = tuple(env.action_names().values()) if isinstance(env, NamedActions) else ()
+    grouped = isinstance(expert, GroupingExpert)
     out = []
     for action in demo.actions:
-        agent = env.agent
-        if agent == env.maze.goal:
-            good = {format_action(Action("stop"), env.action_format)}
-            kind = "goal"
-        else:
-            good, opened = set(), 0
-            for d, (dr, dc) in enumerate(DIRECTIONS):
-                cell = (agent[0] + dr, agent[1] + dc)
-                if env.maze.is_open(cell):
-                    opened += 1
-                    if dist[cell] == dist[agent] - 1:
-                        good.add(format_action(Action("move", d), env.action_format))
-            kind = {1: "dead_end", 2: "corridor"}.get(opened, "junction")
-        far = int(dist[agent])
-        band = "dist_12_plus" if far >= 12 else f"dist_{far // 4 * 4}_{far // 4 * 4 + 3}"
-        out.append((good, ["all", kind, band]))
+        groups = ["all", *(expert.state_groups(env) if grouped else [])]
+        out.append((set(expert.best_actions(env)), groups))
         env.step(action)
-    return env.action_format, out
+    return actions, out
 
 
 @dataclass
 class TurnPrediction:
-    """One turn of a solver episode: what the policy would say, and what was optimal."""
+    """One turn of an expert episode: what the policy would say, and what was optimal."""
 
     row: int  # index into the rows given
     turn: int
-    predicted: str | None  # the reply the policy's most likely action word names
+    predicted: str | None  # the reply the policy's most likely action token names
     logprob: float  # of that word (the policy's confidence in it)
     optimal: set[str]
     groups: list[str]
@@ -99,29 +85,30 @@ class TurnPrediction:
 def solver_predictions(
     model: torch.nn.Module,
     chat: ChatFormat,
-    rows: Sequence[MazeRow],
+    rows: Sequence[Row],
     *,
     image_window: int | None = None,
     autocast: bool = False,
     batch_size: int = 16,
 ) -> list[TurnPrediction]:
-    """Every turn of the solver's episode of each row, teacher forced (see the module docstring).
+    """Every turn of the expert's episode of each row, teacher forced (see the module
+    docstring).
 
-    Rows whose optimal play exceeds their turn budget are left out, and so are rows whose
-    action format has no single decision token.
+    Rows whose expert play exceeds their turn budget are left out, and so are rows whose
+    env names no actions or whose action format has no single decision token.
     """
-    decisions: dict[str, tuple[int, dict[int, str]] | None] = {}
+    decisions: dict[tuple[str, ...], tuple[int, dict[int, str]] | None] = {}
     played = []
     for index, row in enumerate(rows):
         demo = play_demonstration(row, chat, random.Random(0))
         if demo is None:
             continue
-        action_format, groups = _turn_groups(row, demo)
-        if action_format not in decisions:
-            decisions[action_format] = decision_tokens(chat, action_format)
-        if decisions[action_format] is not None:
+        actions, groups = _turn_labels(row, demo)
+        if actions not in decisions:
+            decisions[actions] = decision_tokens(chat, actions) if actions else None
+        if decisions[actions] is not None:
             demo.image_window = image_window
-            played.append((index, demo, groups, decisions[action_format]))
+            played.append((index, demo, groups, decisions[actions]))
     device = next(model.parameters()).device
     banned = banned_token_ids(chat).to(device)
     dtype = torch.bfloat16 if autocast else next(model.parameters()).dtype
@@ -160,7 +147,7 @@ def solver_predictions(
 def solver_agreement(
     model: torch.nn.Module,
     chat: ChatFormat,
-    rows: Sequence[MazeRow],
+    rows: Sequence[Row],
     *,
     image_window: int | None = None,
     autocast: bool = False,
@@ -168,9 +155,9 @@ def solver_agreement(
 ) -> dict[str, float]:
     """``eval/agreement/<group>``: the share of agreeing turns in each group.
 
-    Groups: ``all``, the agent's cell (``corridor``, ``junction``, ``dead_end``, ``goal``)
-    and its distance to the goal (``dist_0_3``, ``dist_4_7``, ``dist_8_11``,
-    ``dist_12_plus``).
+    Groups: ``all``, and those the expert names (``GroupingExpert``; the maze's: the
+    agent's cell, ``corridor``, ``junction``, ``dead_end``, ``goal``, and its distance to
+    the goal, ``dist_0_3``, ``dist_4_7``, ``dist_8_11``, ``dist_12_plus``).
     """
     hits: dict[str, list[int]] = defaultdict(list)
     for p in solver_predictions(

@@ -1,27 +1,28 @@
-"""DAgger for SFT: the policy plays, the solver labels the states where it went wrong.
+"""DAgger for SFT: the policy plays, the env's expert labels the states where it went wrong.
 
-Solver demonstrations only show states on (or one detour off) the solver's path, and the
-solver's next move there is readable from the frame alone. A state the policy reaches by
-its own misreading is never in them: after it bumps a wall the frame is unchanged and only
-the env's reply ("hit a wall moving right; you did not move") says what happened, and SFT
-policies repeat most of their bumps (docs/learning-easy.md, "DAgger beats plain SFT").
-DAgger (Ross et al., 2011) trains on the states the policy itself visits, labelled by the
-expert.
+Works for any env registered with an expert (``clew.envs.Expert``). Expert demonstrations
+only show states on (or one detour off) the expert's path. A state the policy reaches by
+its own misreading is never in them: in a maze, after it bumps a wall the frame is
+unchanged and only the env's reply ("hit a wall moving right; you did not move") says what
+happened, and SFT policies repeat most of their bumps (docs/learning-easy.md, "DAgger
+beats plain SFT"). DAgger (Ross et al., 2011) trains on the states the policy itself
+visits, labelled by the expert.
 
 Each round plays the current policy on training rows (``clew.rollout.loop.play_model``, the engine
 the evaluations use) and turns every episode that went wrong into one *branch
-demonstration*: the policy's own turns up to one of its mistakes (a move that did not bring
-it closer to the goal, a wall bump, an unreadable reply) are the context, out of the loss,
-and from that very state the solver plays to the goal, in the loss. The first solver turn
-is the label on the state the policy got wrong, with the history it got there by.
+demonstration*: the policy's own turns up to one of its mistakes (a turn that left the
+expert no fewer turns to finish: in a maze a move that did not bring it closer to the goal,
+a wall bump, an unreadable reply) are the context, out of the loss, and from that very
+state the expert plays to the end, in the loss. The first expert turn is the label on the
+state the policy got wrong, with the history it got there by.
 The branch demonstrations of the latest ``keep_rounds`` rounds (all of them with 0: the
 dataset aggregation of DAgger proper) fill a share of every SFT batch until the next round.
 The default keeps the latest round only: a demonstration holds its frames as images, 1-2 MB
-(a solver demonstration of an easy maze in 140 px frames: 1.2 MB on average), and a round
+(an expert demonstration of an easy maze in 140 px frames: 1.2 MB on average), and a round
 gives one per episode that went wrong, so a pool of every round grows by a few hundred MB a
 round at the GPU recipe's 384 rows. The policy plays the rows as they are: from their own
 starts, or from anywhere where the rows carry the env's ``start_anywhere`` option (``clew
-dataset --option``); SFT's own ``start_anywhere`` moves only the solver's demonstrations. No
+dataset --option``); SFT's own ``start_anywhere`` moves only the expert's demonstrations. No
 library does this for multi-turn VLM SFT (TRL's SFTTrainer trains on a fixed dataset;
 imitation libraries such as ``imitation`` drive gym policies, not chat models), so it is
 written here on clew's own rollout loop and demonstration player.
@@ -37,9 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from clew.data.rows import MazeRow
-from clew.envs import make
-from clew.envs.maze.solver import distances_to
+from clew.data.rows import Row
+from clew.envs import expert_for, make
 from clew.errors import ConfigError
 from clew.models.chat import ChatFormat
 from clew.train.demonstrations import Demonstration, play_demonstration
@@ -73,25 +73,24 @@ class DaggerSettings:
             )
 
 
-def branch_points(row: MazeRow, actions: Sequence[str]) -> list[int]:
+def branch_points(row: Row, actions: Sequence[str]) -> list[int]:
     """The turns of an episode of ``row`` where the played action was not optimal.
 
-    Only turns from which the solver can still finish within the turn budget count: a
-    branch there must end on the goal.
+    A turn is optimal when it earns the success reward or leaves the expert fewer turns to
+    finish than before it (``Expert.turns_to_finish``). Only turns from which the expert
+    can still finish within the turn budget count: a branch there must succeed.
     """
+    expert = expert_for(row.env_id)
     env = make(row.env_id, **row.options())
     env.reset(int(row.seed))
-    dist = distances_to(env.maze, env.maze.goal)
-    stop_cost = 0 if env.success_on_reach else 1
     out = []
     for turn, action in enumerate(actions):
-        here = env.agent
-        before = int(dist[here])
-        _, reward, done, info = env.step(action)
-        optimal = (info["event"] == "moved" and int(dist[env.agent]) < before) or (
-            done and reward > 0
-        )
-        if not optimal and env.max_turns - turn >= before + stop_cost:
+        before = expert.turns_to_finish(env)
+        _, reward, done, _ = env.step(action)
+        after = expert.turns_to_finish(env)
+        progressed = before is not None and after is not None and after < before
+        optimal = progressed or (done and reward > 0)
+        if not optimal and before is not None and env.max_turns - turn >= before:
             out.append(turn)
         if done:
             break
@@ -99,7 +98,7 @@ def branch_points(row: MazeRow, actions: Sequence[str]) -> list[int]:
 
 
 def branch_demonstrations(
-    rows: Sequence[MazeRow],
+    rows: Sequence[Row],
     played: Sequence[Sequence[str]],
     chat: ChatFormat,
     rng: random.Random,
@@ -125,7 +124,7 @@ def branch_demonstrations(
 def dagger_round(
     model: torch.nn.Module,
     chat: ChatFormat,
-    rows: Sequence[MazeRow],
+    rows: Sequence[Row],
     settings: DaggerSettings,
     rng: random.Random,
     *,

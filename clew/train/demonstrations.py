@@ -1,16 +1,22 @@
-"""Solver demonstrations: maze episodes played by the BFS solver, as SFT's training sequences.
+"""Expert demonstrations: episodes played by the env's expert, as SFT's training sequences.
+
+Any env registered with an expert (``clew.envs.Expert``) can be imitated: each turn the
+expert names the state's best replies and one of them is played, drawn at random where
+several are optimal (a fixed tie-break makes long runs of one action, and a policy
+imitating them learns to repeat its last move instead of reading the picture).
 
 Demonstrations are played in the real env and tokenized through ``ChatFormat`` exactly as
 the rollout engine builds an episode (first turn ``first=True``, later turns after a reply
 that ended with ``<|im_end|>``), so SFT trains on the very sequences the policy will later
-extend. With ``detour_prob`` > 0 some turns take a wrong move on purpose (an open cell off
-the shortest path, or a bump into a wall) and the solver recovers from there, as VisGym
-pads its demonstrations: the policy then sees states off the optimal path and how to come
-back from them. Detour replies are in the context but out of the loss by default
-(``train_on_detours``), so the policy learns to recover without learning to stray. With
-``start_anywhere`` > 0 that share of demonstrations starts on a random open cell (one
-the budget still reaches the goal from) instead of the maze's start: the solver's move from
-every part of the maze, as the planning probes learn it (BENCHMARKS.md, "Tenth attempt").
+extend. With ``detour_prob`` > 0 some turns take one of the expert's detours on purpose
+(``DetourExpert.detour_actions``: for the maze an open cell off the shortest path, or a
+bump into a wall) and the expert recovers from there, as VisGym pads its demonstrations:
+the policy then sees states off the optimal path and how to come back from them. Detour
+replies are in the context but out of the loss by default (``train_on_detours``), so the
+policy learns to recover without learning to stray. With ``start_anywhere`` > 0 that share
+of demonstrations starts on a random start the env offers (``StartsAnywhere.start_cells``:
+for the maze, an open cell the budget still reaches the goal from) instead of the seed's
+own: the expert's move from every part of the task.
 """
 
 from __future__ import annotations
@@ -20,13 +26,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from clew.data.rows import MazeRow
-from clew.envs import make
-from clew.envs.maze.actions import Action, format_action
-from clew.envs.maze.generate import DIRECTIONS
-from clew.envs.maze.solver import distances_to, shortest_actions
+from clew.data.rows import Row
+from clew.envs import DetourExpert, Expert, StartsAnywhere, expert_for, make
 from clew.errors import ConfigError, DataError
 from clew.models.chat import ChatFormat
 from clew.train.batch import Sample
@@ -34,10 +35,10 @@ from clew.train.batch import Sample
 
 @dataclass
 class Demonstration(Sample):
-    """One solver episode as a training sequence, with what was played."""
+    """One expert episode as a training sequence, with what was played."""
 
     actions: list[str] = field(default_factory=list)
-    # 0-based turns out of the solver's path: detours, and a DAgger branch's policy turns
+    # 0-based turns out of the expert's path: detours, and a DAgger branch's policy turns
     detour_turns: list[int] = field(default_factory=list)
     reward: float = 0.0
     row_seed: int = 0
@@ -48,50 +49,37 @@ class Demonstration(Sample):
 
 
 def _next_action(
-    env: Any, dist: np.ndarray, rng: random.Random, detour_prob: float
-) -> tuple[Action, bool]:
-    """The solver's action, or with probability ``detour_prob`` an affordable wrong one."""
-    maze, agent = env.maze, env.agent
-    stop_cost = 0 if env.success_on_reach else 1
-    if agent == maze.goal and not env.success_on_reach:
-        best = Action("stop")
-    else:
-        # Where several moves are optimal (open rooms), pick one at random: a fixed
-        # tie-break makes long runs of one action, and a policy imitating them learns to
-        # repeat its last move instead of reading the picture.
-        optimal = [
-            d
-            for d, (dr, dc) in enumerate(DIRECTIONS)
-            if maze.is_open((agent[0] + dr, agent[1] + dc))
-            and dist[agent[0] + dr, agent[1] + dc] == dist[agent] - 1
-        ]
-        best = Action(
-            "move", rng.choice(optimal) if optimal else shortest_actions(maze, start=agent)[0]
-        )
+    env: Any, expert: Expert, rng: random.Random, detour_prob: float
+) -> tuple[str | None, bool]:
+    """The expert's reply, or with probability ``detour_prob`` an affordable wrong one;
+    None where the expert has no reply."""
+    best = expert.best_actions(env)
+    if not best:
+        return None, False
+    choice = rng.choice(best)
     if detour_prob <= 0 or rng.random() >= detour_prob:
-        return best, False
-    remaining = env.max_turns - env.turn
-    choices = []
-    for d, (dr, dc) in enumerate(DIRECTIONS):
-        target = (agent[0] + dr, agent[1] + dc)
-        # A detour leads away from the goal (or bumps a wall and stays): never a move that
-        # is itself on a shortest path.
-        if maze.is_open(target):
-            if dist[target] < dist[agent]:
-                continue
-            needed_after = int(dist[target]) + stop_cost
-        else:
-            needed_after = int(dist[agent]) + stop_cost
-        # The wrong turn uses one turn; the solver must still finish inside the budget.
-        if remaining - 1 >= needed_after:
-            choices.append(d)
-    if not choices:
-        return best, False
-    return Action("move", rng.choice(choices)), True
+        return choice, False
+    detours = expert.detour_actions(env) if isinstance(expert, DetourExpert) else []
+    if not detours:
+        return choice, False
+    return rng.choice(detours), True
+
+
+def _check_extras(env_id: str, env: Any, expert: Expert, detour: float, anywhere: float) -> None:
+    if detour > 0 and not isinstance(expert, DetourExpert):
+        raise ConfigError(
+            f"detour_prob={detour} needs an expert that offers detours (detour_actions); the "
+            f"expert of {env_id} does not: set it to 0"
+        )
+    if anywhere > 0 and not isinstance(env, StartsAnywhere):
+        raise ConfigError(
+            f"start_anywhere={anywhere} needs an env that offers starts (start_cells); "
+            f"{env_id} does not: set it to 0"
+        )
 
 
 def play_demonstration(
-    row: MazeRow,
+    row: Row,
     chat: ChatFormat,
     rng: random.Random,
     detour_prob: float = 0.0,
@@ -99,16 +87,19 @@ def play_demonstration(
     start_anywhere: float = 0.0,
     prefix: Sequence[str] = (),
 ) -> Demonstration | None:
-    """Play ``row`` with the solver; None if the optimal play does not fit its turn budget.
+    """Play ``row`` with its env's expert; None if the expert's play does not fit the turn
+    budget (or it has no reply on the way).
 
     ``prefix``: replies played first, as given and out of the loss (the policy's own turns
-    of a DAgger branch, ``clew.train.dagger``); the solver plays on from where they lead.
+    of a DAgger branch, ``clew.train.dagger``); the expert plays on from where they lead.
     """
+    expert = expert_for(row.env_id)
     env = make(row.env_id, **row.options())
     obs = env.reset(int(row.seed))
-    if env.turns_needed() > env.max_turns:
+    _check_extras(row.env_id, env, expert, detour_prob, start_anywhere)
+    needed = expert.turns_to_finish(env)
+    if needed is None or needed > env.max_turns:
         return None
-    dist = distances_to(env.maze, env.maze.goal)
     if start_anywhere > 0 and not prefix and rng.random() < start_anywhere:
         obs = env.reset(int(row.seed), start=rng.choice(env.start_cells()))
     demo = Demonstration([], [], [], row_seed=int(row.seed))
@@ -124,8 +115,10 @@ def play_demonstration(
         if turn < len(prefix):
             text, detour = prefix[turn], True
         else:
-            action, detour = _next_action(env, dist, rng, detour_prob)
-            text = format_action(action, env.action_format)
+            chosen, detour = _next_action(env, expert, rng, detour_prob)
+            if chosen is None:
+                return None
+            text = chosen
         reply = chat.reply_tokens(text)
         demo.token_ids += reply
         in_loss = not detour or (train_on_detours and turn >= len(prefix))
@@ -141,14 +134,14 @@ def play_demonstration(
 
 
 def demonstrations(
-    rows: Sequence[MazeRow],
+    rows: Sequence[Row],
     chat: ChatFormat,
     detour_prob: float = 0.0,
     seed: int = 0,
     train_on_detours: bool = False,
     start_anywhere: float = 0.0,
 ) -> list[Demonstration]:
-    """Solver episodes for ``rows`` (rows whose optimal play exceeds max_turns are skipped).
+    """Expert episodes for ``rows`` (rows whose expert play exceeds max_turns are skipped).
 
     Each row's detours and start depend only on ``seed`` and the row's seed, not on the
     row order.
@@ -171,7 +164,7 @@ def check_shares(detour_prob: float, start_anywhere: float) -> None:
 
 
 def demonstration_batches(
-    rows: Sequence[MazeRow],
+    rows: Sequence[Row],
     chat: ChatFormat,
     batch_size: int,
     detour_prob: float = 0.0,
@@ -199,7 +192,7 @@ def demonstration_batches(
 
 
 def _batches(
-    rows: list[MazeRow],
+    rows: list[Row],
     chat: ChatFormat,
     batch_size: int,
     detour_prob: float,
@@ -208,7 +201,7 @@ def _batches(
     start_anywhere: float,
 ) -> Iterator[list[Demonstration]]:
     rng = random.Random(seed)
-    queue: list[MazeRow] = []
+    queue: list[Row] = []
     passes = played = 0
     while True:
         batch: list[Demonstration] = []

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from clew.data.rows import MazeRow
+from clew.data.rows import Row
 from clew.errors import ClewError, ConfigError, DataError
 from clew.models.chat import ChatFormat
 from clew.stopping import GracefulStop
@@ -62,7 +62,7 @@ def _save_best(worker: PolicyWorker, directory: Path, step: int, value: float) -
 
 def run_sft(
     model_dir: str | Path,
-    train_rows: Sequence[MazeRow],
+    train_rows: Sequence[Row],
     output_dir: str | Path,
     *,
     steps: int,

@@ -14,7 +14,13 @@ from typing import Any
 import numpy as np
 
 from clew.envs.base import Observation
-from clew.envs.maze.actions import ACTION_FORMATS, Action, format_help, parse_action
+from clew.envs.maze.actions import (
+    ACTION_FORMATS,
+    Action,
+    format_action,
+    format_help,
+    parse_action,
+)
 from clew.envs.maze.generate import (
     DIRECTION_NAMES,
     DIRECTIONS,
@@ -150,6 +156,20 @@ class MazeEnv:
         stop_cost = 0 if self.success_on_reach else 1
         rows, cols = np.nonzero((self._dist > 0) & (self._dist + stop_cost <= self.max_turns))
         return [(int(r), int(c)) for r, c in zip(rows, cols, strict=True)]
+
+    def distances(self) -> np.ndarray:
+        """Moves from every cell to this maze's goal, -1 on walls (after ``reset``)."""
+        assert self._dist is not None, "call reset() first"
+        return self._dist
+
+    def action_names(self) -> dict[str, str]:
+        """``{"right": reply, "up": ..., "left": ..., "down": ..., "stop": ...}`` in this env's
+        action format."""
+        actions = [Action("move", d) for d in range(len(DIRECTIONS))] + [Action("stop")]
+        names = [*DIRECTION_NAMES, "stop"]
+        return {
+            n: format_action(a, self.action_format) for n, a in zip(names, actions, strict=True)
+        }
 
     def _anywhere(self, seed: int) -> Cell | None:
         """The random start of ``seed`` under ``start_anywhere``, or None (the maze's own)."""
