@@ -38,6 +38,8 @@ from clew.rollout.loop import RolloutSettings, rollout_metrics
 from clew.rollout.trajectory import Trajectory
 from clew.stopping import GracefulStop
 from clew.train.optim import MAX_DROPPED_STEPS
+from clew.train.settings import PPOSettings
+from clew.train.training_batch import TrainingBatch
 
 
 @dataclass
@@ -83,6 +85,29 @@ def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
     )
 
 
+def ppo_settings(cfg: ClewConfig) -> PPOSettings:
+    """The update's loss and geometry; the mini-batch counts the group's trajectories."""
+    a, t, g = cfg.trainer.algorithm, cfg.trainer, cfg.generator
+    temperature = g.sampling_params.temperature
+    return PPOSettings(
+        eps_clip_low=a.eps_clip_low,
+        eps_clip_high=a.eps_clip_high,
+        clip_ratio_c=a.clip_ratio_c,
+        loss_reduction=a.loss_reduction,
+        max_seq_len=g.max_input_length,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
+        kl_estimator=a.kl_estimator_type,
+        entropy_loss_coef=a.entropy_loss_coef if a.use_entropy_loss else 0.0,
+        temperature=temperature if temperature > 0 else 1.0,
+        allowed_tokens=tuple(g.sampling_params.allowed_tokens or ()),
+        mini_batch_size=t.policy_mini_batch_size * g.n_samples_per_prompt,
+        micro_batch_size=t.micro_train_batch_size_per_gpu,
+        forward_micro_batch_size=t.micro_forward_batch_size_per_gpu,
+        epochs=t.update_epochs_per_batch,
+    )
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -117,6 +142,7 @@ class GRPOTrainer:
         self.metrics = MetricsCollector()
         self.train_settings = rollout_settings(cfg, evaluation=False)
         self.eval_settings = rollout_settings(cfg, evaluation=True)
+        self.ppo_settings = ppo_settings(cfg)
 
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -274,7 +300,8 @@ class GRPOTrainer:
         if not trajs:
             return
         with self.metrics.timer("update"):
-            stats = self.group.update(trajs, advantages, self.cfg)
+            batch = TrainingBatch.from_trajectories(trajs, advantages)
+            stats = self.group.update(batch, self.ppo_settings)
         self.metrics.add_many(stats)
         steps, dropped = (
             stats.get("policy/optimizer_steps", 0),

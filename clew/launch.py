@@ -63,11 +63,12 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> LocalWorkerGroup
     worker = PolicyWorker.from_pretrained(t.policy.model.path, settings, dtype=dtype, device=device)
     ie = cfg.generator.inference_engine
     budget = cache_budget_bytes(device, ie.gpu_memory_utilization, ie.max_cache_mb)
-    return LocalWorkerGroup(
-        worker,
-        InferenceEngine(worker.model, worker.chat, max_cache_bytes=budget, autocast=autocast),
-        cfg,
-    )
+    engine = InferenceEngine(worker.model, worker.chat, max_cache_bytes=budget, autocast=autocast)
+    # A token text that is not one token fails here, before any rollout.
+    for sp in (cfg.generator.sampling_params, cfg.generator.eval_sampling_params):
+        if sp.allowed_tokens:
+            engine.allowed_ids(tuple(sp.allowed_tokens))
+    return LocalWorkerGroup(worker, engine)
 
 
 def run_grpo(cfg: ClewConfig) -> dict[str, float]:

@@ -103,6 +103,16 @@ SHELL_VARS = {
 }
 
 
+# The seed trains on 3 nodes x 2 GPUs; clew runs one worker, so the seed's command is
+# loaded on one device.
+ONE_DEVICE = [
+    "trainer.placement.policy_num_nodes=1",
+    "trainer.placement.policy_num_gpus_per_node=1",
+    "trainer.placement.ref_num_nodes=1",
+    "trainer.placement.ref_num_gpus_per_node=1",
+]
+
+
 def _load_quiet(overrides: list[str]) -> ClewConfig:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IgnoredKeyWarning)
@@ -110,7 +120,7 @@ def _load_quiet(overrides: list[str]) -> ClewConfig:
 
 
 def test_seed_skyrl_command_parses_to_typed_values() -> None:
-    cfg = _load_quiet(SEED_ARGS)
+    cfg = _load_quiet([*SEED_ARGS, *ONE_DEVICE])
     assert cfg.data.train_data == ["/data/maze/train.parquet"]
     assert cfg.data.val_data == ["/data/maze_eval/train.parquet"]
     tr, gen = cfg.trainer, cfg.generator
@@ -118,7 +128,7 @@ def test_seed_skyrl_command_parses_to_typed_values() -> None:
     assert tr.policy.model.path == "/ckpts/sft"
     assert tr.policy.model.lora.rank == 32 and tr.policy.model.lora.alpha == 32.0
     assert tr.policy.model.lora.lora_sync_path == "/shared/lora"
-    assert tr.placement.colocate_all is True and tr.placement.num_gpus == 6
+    assert tr.placement.colocate_all is True and tr.placement.num_gpus == 1
     assert tr.ref.fsdp_config.cpu_offload is False
     assert gen.inference_engine.num_engines == 6
     assert gen.inference_engine.gpu_memory_utilization == 0.45
@@ -145,7 +155,16 @@ def test_seed_command_through_shell_quoting_gives_the_same_config() -> None:
     text = SEED_SHELL
     for var, value in SHELL_VARS.items():
         text = text.replace(var, value)
-    assert _load_quiet(shlex.split(text)) == _load_quiet(SEED_ARGS)
+    assert _load_quiet([*shlex.split(text), *ONE_DEVICE]) == _load_quiet([*SEED_ARGS, *ONE_DEVICE])
+
+
+def test_the_seeds_six_gpu_placement_is_refused_before_any_work_naming_the_rule() -> None:
+    with pytest.raises(ConfigError) as err:
+        _load_quiet(SEED_ARGS)
+    message = str(err.value)
+    assert "[one-device]" in message
+    assert "policy_num_nodes (3)" in message and "policy_num_gpus_per_node (2)" in message
+    assert "one worker per run" in message and "Ray" in message
 
 
 def test_unknown_key_errors_and_suggests_the_nearest_key() -> None:
@@ -212,6 +231,8 @@ def test_section_given_a_scalar_is_a_config_error_not_a_pydantic_one(tmp_path: P
         (["generator.inference_engine.engine_init_kwargs.max_model_len=4096"], "max-model-len"),
         (["trainer.logger=[console,nope]"], "logger"),
         (["generator.eval_n_samples_per_prompt=4"], "eval-samples-greedy"),
+        (["trainer.placement.policy_num_gpus_per_node=2"], "one-device"),
+        (["trainer.placement.policy_num_nodes=2"], "one-device"),
     ],
 )
 def test_each_validation_rule_rejects_a_bad_value(overrides: list[str], rule: str) -> None:
@@ -223,8 +244,7 @@ def test_each_validation_rule_rejects_a_bad_value(overrides: list[str], rule: st
 
 
 def test_allowed_tokens_reach_the_rollouts_and_the_update_but_not_evaluation() -> None:
-    from clew.cluster.group import ppo_settings
-    from clew.grpo import rollout_settings
+    from clew.grpo import ppo_settings, rollout_settings
 
     cfg = load_config(None, ["generator.sampling_params.allowed_tokens=[up,down,left,right,stop]"])
     words = ("up", "down", "left", "right", "stop")
@@ -260,8 +280,8 @@ def test_ignored_keys_warn_exactly_once_per_process() -> None:
     reset_ignored_warnings()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        load_config(None, SEED_ARGS)
-        load_config(None, SEED_ARGS)
+        load_config(None, [*SEED_ARGS, *ONE_DEVICE])
+        load_config(None, [*SEED_ARGS, *ONE_DEVICE])
     messages = [str(w.message) for w in caught if issubclass(w.category, IgnoredKeyWarning)]
     warned = sorted(
         k for k in IGNORED_KEYS if any(m.startswith(f"config key {k}=") for m in messages)
@@ -282,6 +302,16 @@ def test_ignored_keys_left_at_harmless_values_do_not_warn() -> None:
     assert not [w for w in caught if issubclass(w.category, IgnoredKeyWarning)]
 
 
+def test_a_reference_placement_is_accepted_with_a_warning_that_it_shares_the_policys_device():
+    reset_ignored_warnings()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(None, ["trainer.placement.ref_num_gpus_per_node=2"])
+    assert cfg.trainer.placement.num_gpus == 1
+    (message,) = [str(w.message) for w in caught if issubclass(w.category, IgnoredKeyWarning)]
+    assert "ref_num_gpus_per_node=2" in message and "the policy's device" in message
+
+
 def test_every_ignored_key_is_a_real_key() -> None:
     assert set(IGNORED_KEYS) <= set(all_keys())
 
@@ -290,6 +320,7 @@ def test_save_and_load_round_trip_is_exact(tmp_path: Path) -> None:
     cfg = _load_quiet(
         [
             *SEED_ARGS,
+            *ONE_DEVICE,
             "trainer.run_name='1e5'",
             "trainer.project_name='null'",
             "generator.sampling_params.stop=['</answer>', 'a,b']",

@@ -61,8 +61,8 @@ class _Group:
                 out.append(t)
         return out
 
-    def update(self, trajs, advantages, cfg):
-        self.updated.append(list(trajs))
+    def update(self, batch, settings):
+        self.updated.append(list(batch.sequences))
         return {}
 
 
@@ -175,9 +175,9 @@ class _SolvingGroup(_Group):
             t.reward, t.turns = 1.0, 5 + 4 * t.sample_index
         return out
 
-    def update(self, trajs, advantages, cfg):
-        self.advantages.append(advantages)
-        return super().update(trajs, advantages, cfg)
+    def update(self, batch, settings):
+        self.advantages.append(batch.advantages)
+        return super().update(batch, settings)
 
 
 def test_the_update_learns_from_turn_discounted_rewards_while_metrics_keep_the_envs(tmp_path):

@@ -19,6 +19,7 @@ from clew.rollout.trajectory import Trajectory
 from clew.train import worker as worker_module
 from clew.train.batch import Sample, collate, micro_batches, target_values
 from clew.train.lora import merged_for_rollouts
+from clew.train.training_batch import TrainingBatch
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
@@ -57,11 +58,9 @@ def sum_logprob(worker: PolicyWorker, seq, **kwargs) -> float:
     return float(masked(worker.compute_logprobs([seq], **kwargs)[0], seq).sum())
 
 
-def token_advantages(seqs, values: list[float]) -> list[torch.Tensor]:
-    return [
-        v * torch.tensor(s.loss_mask, dtype=torch.float32)
-        for s, v in zip(seqs, values, strict=True)
-    ]
+def batch_of(seqs, advantages: list[float]) -> TrainingBatch:
+    """``seqs`` with the logprobs they were sampled with and one advantage each."""
+    return TrainingBatch.from_trajectories(seqs, torch.tensor(advantages))
 
 
 def max_diff(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
@@ -83,6 +82,37 @@ def test_collate_right_pads_and_shifts_targets_by_one(model_dir):
     assert micro_batches(list(range(5)), 2) == [[0, 1], [2, 3], [4]]
     with pytest.raises(ValueError, match="one per token"):
         target_values([1.0, 2.0], 5)
+
+
+def test_a_training_batch_spreads_sequence_and_turn_advantages_onto_reply_tokens():
+    a = Sample([1, 2, 3, 4, 5, 6], [0, 1, 1, 0, 1, 0])  # two turns: tokens 1-2 and 4
+    b = Sample([1, 2, 3], [0, 1, 1])
+    old = [torch.zeros(6), torch.zeros(3)]
+    per_sequence = TrainingBatch([a, b], torch.tensor([2.0, -1.0]), old).token_advantages()
+    assert [t.tolist() for t in per_sequence] == [[0, 2, 2, 0, 2, 0], [0, -1, -1]]
+    turns = [torch.tensor([0.5, -3.0]), torch.tensor([4.0])]
+    per_turn = TrainingBatch([a, b], turns, old).token_advantages()
+    assert [t.tolist() for t in per_turn] == [[0, 0.5, 0.5, 0, -3, 0], [0, 4, 4]]
+    with pytest.raises(ValueError, match="2 sequences has 1 old_logprobs"):
+        TrainingBatch([a, b], torch.tensor([2.0, -1.0]), old[:1])
+    with pytest.raises(ValueError, match="2 replies for 1 turn advantages"):
+        TrainingBatch([a], [torch.tensor([1.0])], old[:1]).token_advantages()
+
+
+def test_a_split_gives_each_worker_its_share_of_every_mini_batch():
+    seqs = [Sample([1, i], [0, 1]) for i in range(8)]
+    batch = TrainingBatch(seqs, torch.arange(8.0), [torch.zeros(2)] * 8)
+    shares = batch.split(2, mini_batch_size=4)
+    assert [s.advantages.tolist() for s in shares] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert [[q.token_ids[1] for q in s.sequences] for s in shares] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    (whole,) = batch.split(1)
+    assert whole.advantages.tolist() == batch.advantages.tolist()
+    turns = TrainingBatch(
+        seqs[:2], [torch.tensor([1.0]), torch.tensor([2.0])], [torch.zeros(2)] * 2
+    )
+    assert [s.advantages[0].item() for s in turns.split(2)] == [1.0, 2.0]
+    with pytest.raises(ValueError, match="mini-batch of 4 sequences does not split into 3"):
+        batch.split(3, mini_batch_size=4)
 
 
 def test_collate_rejects_placeholders_without_images(model_dir):
@@ -134,15 +164,12 @@ def test_allowed_tokens_are_all_that_is_sampled_and_the_worker_scores_them_as_sa
     assert all((masked(f, t) < e).all() for t, f, e in zip(trajs, full, engine_lp, strict=True))
     # a step against the sampled tokens lowers their logprobs within the allowed set
     seqs = trajs[:2]
-    stats = worker.ppo_update(
-        seqs,
-        [torch.tensor(t.logprobs) for t in seqs],
-        token_advantages(seqs, [-1.0, -1.0]),
-        None,
+    stats = worker.train_batch(
+        batch_of(seqs, [-1.0, -1.0]),
         # with an entropy bonus, which now ranges over the five words only
-        PPOSettings(temperature=1.5, allowed_tokens=ACTIONS, entropy_loss_coef=0.01),
-        mini_batch_size=2,
-        micro_batch_size=2,
+        PPOSettings(
+            temperature=1.5, allowed_tokens=ACTIONS, entropy_loss_coef=0.01, micro_batch_size=2
+        ),
     )
     assert 0 < stats["policy/entropy"] <= math.log(len(ACTIONS)) + 1e-6
     after = worker.compute_logprobs(seqs, temperature=1.5, allowed=ACTIONS)
@@ -186,19 +213,13 @@ def test_lora_on_vision_and_language_also_adapts_the_vision_tower(model_dir):
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_ppo_update_moves_logprob_in_the_direction_of_the_advantage(model_dir, trajectories, sign):
+def test_a_ppo_update_moves_logprob_in_the_direction_of_the_advantage(
+    model_dir, trajectories, sign
+):
     worker = make_worker(model_dir, lr=1e-3)
     seq = trajectories[0]
     before = sum_logprob(worker, seq)
-    stats = worker.ppo_update(
-        [seq],
-        [torch.tensor(seq.logprobs)],
-        token_advantages([seq], [sign]),
-        None,
-        PPOSettings(),
-        mini_batch_size=1,
-        micro_batch_size=1,
-    )
+    stats = worker.train_batch(batch_of([seq], [sign]), PPOSettings())
     after = sum_logprob(worker, seq)
     assert sign * (after - before) > 0.1, (before, after)
     assert stats["policy/optimizer_steps"] == 1
@@ -214,10 +235,8 @@ def test_entropy_bonus_alone_gives_a_finite_update(model_dir, trajectories):
     worker = make_worker(model_dir, lr=1e-3)
     before = [p.detach().clone() for p in worker.model.parameters()]
     # Zero advantages: the bonus is the whole gradient.
-    args = ([torch.tensor(s.logprobs) for s in seqs], token_advantages(seqs, [0.0, 0.0]), None)
-    stats = worker.ppo_update(
-        seqs, *args, PPOSettings(entropy_loss_coef=1.0), mini_batch_size=2, micro_batch_size=2
-    )
+    settings = PPOSettings(entropy_loss_coef=1.0, micro_batch_size=2)
+    stats = worker.train_batch(batch_of(seqs, [0.0, 0.0]), settings)
     assert stats["policy/skipped_steps"] == 0
     assert 0 < stats["policy/grad_norm"] < float("inf")
     after = list(worker.model.parameters())
@@ -238,15 +257,7 @@ def test_a_non_finite_gradient_is_dropped_leaving_weights_and_schedule_alone(
         real_backward(self * float("nan"), *a, **k)
 
     monkeypatch.setattr(torch.Tensor, "backward", nan_backward)
-    stats = worker.ppo_update(
-        [seq],
-        [torch.tensor(seq.logprobs)],
-        token_advantages([seq], [1.0]),
-        None,
-        PPOSettings(),
-        mini_batch_size=1,
-        micro_batch_size=1,
-    )
+    stats = worker.train_batch(batch_of([seq], [1.0]), PPOSettings())
     monkeypatch.undo()
     assert stats["policy/skipped_steps"] == 1 and stats["policy/optimizer_steps"] == 1
     for n, p in worker.model.named_parameters():
@@ -255,15 +266,23 @@ def test_a_non_finite_gradient_is_dropped_leaving_weights_and_schedule_alone(
     assert worker.optimizer.param_groups[0]["lr"] == lr  # the warmup did not advance
 
 
-def test_lora_reference_is_the_base_model_with_the_adapter_off(model_dir, trajectories):
+def test_lora_reference_is_the_base_model_with_the_adapter_off(
+    model_dir, trajectories, monkeypatch
+):
     base = make_worker(model_dir).compute_logprobs(trajectories)
     worker = make_worker(model_dir, lora_rank=4, lr=1e-2)
-    ref = worker.compute_logprobs(trajectories, adapter_enabled=False)
-    settings = PPOSettings(kl_loss_coef=0.1)
-    adv = token_advantages(trajectories, [1.0, -1.0, 0.5, -0.5])
-    old = [torch.tensor(t.logprobs) for t in trajectories]
-    stats = worker.ppo_update(trajectories, old, adv, ref, settings, 2, 1, epochs=2)
+    scored: list[bool] = []  # adapter_enabled of each scoring pass the update makes
+    score = worker.compute_logprobs
+    monkeypatch.setattr(
+        worker,
+        "compute_logprobs",
+        lambda *a, **k: scored.append(k["adapter_enabled"]) or score(*a, **k),
+    )
+    settings = PPOSettings(use_kl_loss=True, kl_loss_coef=0.1, mini_batch_size=2, epochs=2)
+    stats = worker.train_batch(batch_of(trajectories, [1.0, -1.0, 0.5, -0.5]), settings)
     assert stats["policy/optimizer_steps"] == 4 and stats["policy/kl_loss"] > 0
+    assert scored == [False]  # the reference is scored once for all four steps
+    monkeypatch.undo()
     on = worker.compute_logprobs(trajectories)
     off = worker.compute_logprobs(trajectories, adapter_enabled=False)
     assert max_diff(on, base) > 1e-3
@@ -331,15 +350,7 @@ def test_full_finetuning_reference_is_a_frozen_copy_of_the_initial_weights(model
     base = make_worker(model_dir).compute_logprobs(trajectories)
     worker = make_worker(model_dir, lr=1e-3, kl_reference=True)
     seqs = trajectories[:2]
-    worker.ppo_update(
-        seqs,
-        [torch.tensor(t.logprobs) for t in seqs],
-        token_advantages(seqs, [1.0, -1.0]),
-        None,
-        PPOSettings(),
-        2,
-        2,
-    )
+    worker.train_batch(batch_of(seqs, [1.0, -1.0]), PPOSettings(micro_batch_size=2))
     off = worker.compute_logprobs(trajectories, adapter_enabled=False)
     assert max_diff(off, base) < 1e-5
     late = make_worker(model_dir, lr=1e-3)
@@ -352,11 +363,11 @@ def test_full_finetuning_reference_is_a_frozen_copy_of_the_initial_weights(model
 def test_micro_batches_accumulate_to_the_full_batch_gradient(model_dir, trajectories, reduction):
     worker = make_worker(model_dir)
     old = [lp - 0.05 * i for i, lp in enumerate(worker.compute_logprobs(trajectories))]
-    adv = token_advantages(trajectories, [1.0, -0.5, 2.0, -1.5])
-    settings = PPOSettings(loss_reduction=reduction)
+    batch = TrainingBatch(trajectories, torch.tensor([1.0, -0.5, 2.0, -1.5]), old)
     grads = []
     for micro in (len(trajectories), 1):
-        stats = worker.accumulate_gradients(trajectories, old, adv, None, settings, micro)
+        settings = PPOSettings(loss_reduction=reduction, micro_batch_size=micro)
+        stats = worker.accumulate_gradients(batch, settings)
         grads.append(torch.cat([p.grad.flatten() for p in worker.model.parameters()]))
         assert stats is not None and stats["loss"] != 0
     scale = grads[0].abs().max().item()
@@ -367,11 +378,10 @@ def test_state_dict_round_trip_restores_logprobs_and_optimizer(model_dir, trajec
     settings = dict(
         lora_rank=4, lr=1e-2, scheduler="cosine", num_warmup_steps=1, num_training_steps=10
     )
-    seqs, old = trajectories[:2], [torch.tensor(t.logprobs) for t in trajectories[:2]]
-    adv = token_advantages(seqs, [1.0, -1.0])
+    batch = batch_of(trajectories[:2], [1.0, -1.0])
 
     def update(w: PolicyWorker) -> dict[str, float]:
-        return w.ppo_update(seqs, old, adv, None, PPOSettings(), 1, 1)
+        return w.train_batch(batch, PPOSettings(mini_batch_size=1))
 
     a = make_worker(model_dir, **settings)
     update(a)
@@ -406,14 +416,8 @@ def test_mixed_precision_keeps_float32_weights_and_moves_them_by_small_steps(mod
     assert max(diffs) < 0.1, f"max |worker - engine| logprob difference: {max(diffs):.3g}"
     before = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
     assert all(p.dtype == torch.float32 for p in before.values())
-    worker.ppo_update(
-        trajs,
-        [torch.tensor(t.logprobs) for t in trajs],
-        token_advantages(trajs, [1.0, -1.0] * (len(trajs) // 2)),
-        None,
-        PPOSettings(),
-        mini_batch_size=len(trajs),
-        micro_batch_size=2,
+    worker.train_batch(
+        batch_of(trajs, [1.0, -1.0] * (len(trajs) // 2)), PPOSettings(micro_batch_size=2)
     )
     norm = before["model.language_model.norm.weight"]
     moved = (worker.model.get_parameter("model.language_model.norm.weight") - norm).abs()

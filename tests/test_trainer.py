@@ -15,6 +15,8 @@ from clew.grpo import GRPOTrainer
 from clew.launch import run_grpo
 from clew.models import build_model
 from clew.rollout.trajectory import Trajectory
+from clew.train.settings import PPOSettings
+from clew.train.training_batch import TrainingBatch
 
 
 def _tiny_run(tmp_path, rows, corpus: str, run: str, *overrides: str) -> list[dict]:
@@ -114,6 +116,23 @@ def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch
     assert asked[-1] == ("32-true", False)
 
 
+def test_an_allowed_token_of_several_tokens_fails_while_the_worker_group_is_built(tmp_path):
+    import clew.launch
+
+    model_dir = tmp_path / "tiny"
+    build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28, overwrite=True)
+    cfg = load_config(
+        None,
+        [
+            f"trainer.policy.model.path={model_dir}",
+            "trainer.device=cpu",
+            "generator.eval_sampling_params.allowed_tokens=['1', '23 45']",
+        ],
+    )
+    with pytest.raises(ClewError, match="'23 45' is .* tokens"):
+        clew.launch.build_worker_group(cfg, num_train_rows=8)
+
+
 class _DroppingGroup:
     """A worker group whose update number ``n`` (from 1) reports ``dropped[n - 1]`` of its
     two optimizer steps dropped for a non-finite gradient (0 past the list's end)."""
@@ -132,7 +151,7 @@ class _DroppingGroup:
                 out.append(t)
         return out
 
-    def update(self, trajs, advantages, cfg):
+    def update(self, batch, settings):
         self.updates += 1
         n = self.updates - 1
         dropped = self.dropped[n] if n < len(self.dropped) else 0.0
@@ -162,6 +181,22 @@ def _fit(tmp_path, group, *overrides: str, eval_rows=0, loggers=None) -> GRPOTra
     trainer = GRPOTrainer(cfg, group, rows, rows[:eval_rows], loggers or _Loggers(), tmp_path)
     trainer.fit()
     return trainer
+
+
+def test_the_group_is_handed_a_training_batch_and_settings_mapped_from_the_config(tmp_path):
+    class Recording(_DroppingGroup):
+        def update(self, batch, settings):
+            self.seen = (batch, settings)
+            return super().update(batch, settings)
+
+    group = Recording([])
+    overrides = ("trainer.max_steps=1", "trainer.micro_train_batch_size_per_gpu=2")
+    _fit(tmp_path, group, *overrides, "trainer.update_epochs_per_batch=3")
+    batch, settings = group.seen
+    assert isinstance(batch, TrainingBatch) and isinstance(settings, PPOSettings)
+    assert len(batch) == 4 and batch.advantages.shape == (4,)  # 2 prompts x 2 samples
+    # policy_mini_batch_size=1 prompt of 2 samples a step, counted over the whole group
+    assert (settings.mini_batch_size, settings.micro_batch_size, settings.epochs) == (2, 2, 3)
 
 
 def test_three_updates_in_a_row_with_every_step_dropped_stop_the_run_with_a_clear_error(tmp_path):

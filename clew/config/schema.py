@@ -315,8 +315,15 @@ class RefConfig(Section):
 
 class PlacementConfig(Section):
     colocate_all: bool = Field(True, description="Run generation and training on the same GPUs.")
-    policy_num_nodes: int = Field(1, description="Nodes that train the policy.")
-    policy_num_gpus_per_node: int = Field(1, description="GPUs per node that train the policy.")
+    policy_num_nodes: int = Field(
+        1,
+        description="Nodes that train the policy; 1 until workers on Ray exist (one-device rule).",
+    )
+    policy_num_gpus_per_node: int = Field(
+        1,
+        description="GPUs per node that train the policy; 1 until workers on Ray exist "
+        "(one-device rule).",
+    )
     ref_num_nodes: int = Field(1, description="SkyRL: nodes for the reference model.")
     ref_num_gpus_per_node: int = Field(1, description="SkyRL: GPUs per node for the reference.")
 

@@ -11,7 +11,9 @@ in prompts, and each prompt yields ``n_samples_per_prompt`` trajectories; micro 
 in trajectories per GPU. So one optimizer step sees ``policy_mini_batch_size *
 n_samples_per_prompt`` trajectories, which must split evenly into micro batches of
 ``micro_train_batch_size_per_gpu`` on each of the ``policy_num_nodes *
-policy_num_gpus_per_node`` GPUs.
+policy_num_gpus_per_node`` GPUs. Today that is one: clew runs one policy worker per run, and
+a placement asking for more devices is refused until workers on Ray exist, rather than
+trained on one device as if it had been granted.
 
 Ignored keys: SkyRL scripts set keys that have no meaning for clew's single-process,
 weight-sharing engine. They are accepted so the scripts run unchanged, and each one set to a
@@ -136,6 +138,16 @@ def _rules(cfg: ClewConfig) -> list[str]:
             "adam-betas",
             "trainer.policy.optimizer_config.adam_betas must be two numbers in [0, 1), "
             f"got {opt.adam_betas}",
+        )
+
+    pl = tr.placement
+    if pl.num_gpus > 1:
+        fail(
+            "one-device",
+            f"trainer.placement.policy_num_nodes ({pl.policy_num_nodes}) x "
+            f"trainer.placement.policy_num_gpus_per_node ({pl.policy_num_gpus_per_node}) = "
+            f"{pl.num_gpus} devices, but clew runs one worker per run today: set both to 1. "
+            "Placement over several devices comes with workers on Ray",
         )
 
     # Batch arithmetic, checked once the counts are positive.
@@ -274,16 +286,21 @@ def _not(default: Any) -> Callable[[ClewConfig, Any], bool]:
     return lambda cfg, value: value != default
 
 
-_REF_WHY = "the reference model lives on the policy's GPUs, per trainer.placement.policy_*"
+_REF_WHY = (
+    "the KL reference (the base model with the LoRA adapter off, or a frozen copy) lives on "
+    "the policy's device"
+)
 
 # The registry: key -> why clew ignores it, and the values that earn a warning.
 IGNORED_KEYS: dict[str, IgnoredKey] = {
     "trainer.strategy": IgnoredKey(
-        "clew shards the policy itself from trainer.placement; there is no strategy to pick",
+        "clew trains the policy in one worker on one device; there is no distributed "
+        "strategy to pick",
         _not("fsdp"),
     ),
     "trainer.remove_microbatch_padding": IgnoredKey(
-        "clew pads each micro batch to its longest trajectory; packing is not implemented",
+        "clew pads each PPO micro batch to its longest trajectory; only SFT packs its "
+        "batches (sft.pack_sequences)",
         _not(False),
     ),
     "trainer.policy.model.lora.lora_sync_path": IgnoredKey(
@@ -299,16 +316,12 @@ IGNORED_KEYS: dict[str, IgnoredKey] = {
         _not(False),
     ),
     "trainer.placement.colocate_all": IgnoredKey(
-        "clew always generates and trains in the same process on the same GPUs", _not(True)
+        "clew always generates and trains in the same process on the same device", _not(True)
     ),
-    "trainer.placement.ref_num_nodes": IgnoredKey(
-        _REF_WHY, lambda cfg, v: v != cfg.trainer.placement.policy_num_nodes
-    ),
-    "trainer.placement.ref_num_gpus_per_node": IgnoredKey(
-        _REF_WHY, lambda cfg, v: v != cfg.trainer.placement.policy_num_gpus_per_node
-    ),
+    "trainer.placement.ref_num_nodes": IgnoredKey(_REF_WHY, _not(1)),
+    "trainer.placement.ref_num_gpus_per_node": IgnoredKey(_REF_WHY, _not(1)),
     "generator.inference_engine.num_engines": IgnoredKey(
-        "clew runs one in-process engine per policy GPU, sharing the policy's weights",
+        "clew runs one engine, in the trainer's process, sampling from the policy's own weights",
         _not(1),
     ),
     "generator.inference_engine.tensor_parallel_size": IgnoredKey(

@@ -1,7 +1,8 @@
 """Training: the policy worker (forward, PPO and SFT steps, optimizer state) and SFT warm-up.
 
-``PolicyWorker`` is a plain class, so it runs in tests and single-process jobs as is; the
-distributed trainer wraps it in a Ray actor with the same methods.
+``PolicyWorker`` is a plain class, so it runs in tests and single-process jobs as is; it
+learns from a ``TrainingBatch`` (data) under ``PPOSettings``, so a Ray actor can wrap it
+with the same methods.
 """
 
 from clew.train.batch import ModelBatch, Sample, collate, micro_batches, target_values
@@ -9,6 +10,7 @@ from clew.train.demonstrations import Demonstration, demonstrations
 from clew.train.lora import apply_lora
 from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.sft import SFTResult, run_sft
+from clew.train.training_batch import TrainingBatch
 from clew.train.worker import PolicyWorker
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "PolicyWorker",
     "SFTResult",
     "Sample",
+    "TrainingBatch",
     "WorkerSettings",
     "apply_lora",
     "collate",

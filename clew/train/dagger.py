@@ -132,8 +132,7 @@ def dagger_round(
     autocast: bool = False,
 ) -> tuple[list[Demonstration], dict[str, float]]:
     """The current policy plays ``settings.rows`` of ``rows``; its branch demonstrations."""
-    from clew.inference.sampling import SamplingParams
-    from clew.rollout.loop import RolloutSettings, play_model
+    from clew.rollout import RolloutSettings, SamplingParams, play_model
 
     begun = time.monotonic()
     picked = rng.sample(list(rows), min(settings.rows, len(rows)))

@@ -46,11 +46,17 @@ class WorkerSettings:
 
 @dataclass(frozen=True)
 class PPOSettings:
-    """Loss settings of one PPO update (``trainer.algorithm.*``).
+    """One PPO update: its loss (``trainer.algorithm.*``) and its geometry (``trainer.*``).
 
     ``policy_loss`` is a name in ``clew.algorithms.POLICY_LOSSES`` (the config's "regular"
-    is "ppo_clip"). The KL term is added when the update is given reference logprobs;
-    ``temperature`` and ``allowed_tokens`` must be the rollout's sampling ones.
+    is "ppo_clip"). ``temperature`` and ``allowed_tokens`` must be the rollout's sampling
+    ones. ``use_kl_loss``: the worker scores the batch under the KL reference (in micro
+    batches of ``forward_micro_batch_size``) and adds ``kl_loss_coef`` times the KL term.
+
+    The geometry: ``epochs`` passes over the batch, one optimizer step per mini-batch of
+    ``mini_batch_size`` trajectories (None: the whole batch), each accumulated over micro
+    batches of ``micro_batch_size`` trajectories. ``mini_batch_size`` counts the whole
+    worker group's trajectories; a group of several workers hands each its share.
     """
 
     policy_loss: str = "ppo_clip"
@@ -59,8 +65,13 @@ class PPOSettings:
     clip_ratio_c: float | None = None
     loss_reduction: str = "token_mean"
     max_seq_len: int | None = None
+    use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_loss_coef: float = 0.0
     temperature: float = 1.0
     allowed_tokens: tuple[str, ...] = ()
+    mini_batch_size: int | None = None
+    micro_batch_size: int = 1
+    forward_micro_batch_size: int = 8
+    epochs: int = 1

@@ -46,8 +46,9 @@ from clew.train.lora import apply_lora, is_lora
 from clew.train.objectives import Objective, TargetOutputs, ppo_objective, sft_objective
 from clew.train.optim import build_optimizer, clipped_step, to_cpu
 from clew.train.settings import PPOSettings, WorkerSettings
+from clew.train.training_batch import TrainingBatch
 
-__all__ = ["PPOSettings", "PolicyWorker", "WorkerSettings", "apply_lora"]
+__all__ = ["PPOSettings", "PolicyWorker", "TrainingBatch", "WorkerSettings", "apply_lora"]
 
 # Whether the model's forward takes a boolean [B, L] ``logits_to_keep`` (transformers >= 5.2x).
 BOOLEAN_LOGITS_TO_KEEP = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
@@ -296,81 +297,61 @@ class PolicyWorker:
         self.optimizer_steps += 1
         return stats
 
-    def _ppo_values(
-        self,
-        seqs: Sequence[SequenceLike],
-        old_logprobs: Sequence[Tensor],
-        advantages: Sequence[Tensor],
-        ref_logprobs: Sequence[Tensor] | None,
-    ) -> dict[str, Sequence[Tensor]]:
+    def _ppo_inputs(
+        self, batch: TrainingBatch, settings: PPOSettings
+    ) -> tuple[dict[str, Sequence[Tensor]], list[Vision]]:
+        """The per-token values of ``batch`` the PPO objective reads, and its images; with
+        ``use_kl_loss`` the reference's logprobs too (see the module docstring)."""
         values: dict[str, Sequence[Tensor]] = {
-            "old_logprobs": old_logprobs,
-            "advantages": advantages,
+            "old_logprobs": batch.old_logprobs,
+            "advantages": batch.token_advantages(),
         }
-        if ref_logprobs is not None:
-            values["ref_logprobs"] = ref_logprobs
-        for name, v in values.items():
-            if len(v) != len(seqs):
-                raise ValueError(f"{len(seqs)} sequences but {len(v)} entries of {name}")
-        return values
+        if settings.use_kl_loss:
+            values["ref_logprobs"] = self.compute_logprobs(
+                batch.sequences,
+                settings.temperature,
+                settings.forward_micro_batch_size,
+                adapter_enabled=False,
+                allowed=settings.allowed_tokens,
+            )
+        return values, self._vision(batch.sequences)
 
-    def accumulate_gradients(
+    def _ppo_accumulate(
         self,
-        seqs: Sequence[SequenceLike],
-        old_logprobs: Sequence[Tensor],
-        advantages: Sequence[Tensor],
-        ref_logprobs: Sequence[Tensor] | None,
+        batch: TrainingBatch,
+        indices: Sequence[int],
+        inputs: tuple[dict[str, Sequence[Tensor]], list[Vision]],
         settings: PPOSettings,
-        micro_batch_size: int,
     ) -> dict[str, float] | None:
-        """The PPO gradient of all ``seqs`` as one mini-batch, left in ``.grad`` (no step)."""
-        values = self._ppo_values(seqs, old_logprobs, advantages, ref_logprobs)
+        values, vision = inputs
         return self._accumulate(
-            seqs,
-            range(len(seqs)),
-            self._vision(seqs),
+            batch.sequences,
+            indices,
+            vision,
             values,
-            micro_batch_size,
+            settings.micro_batch_size,
             ppo_objective(settings),
             settings.temperature,
             settings.loss_reduction == "token_mean",
             allowed=settings.allowed_tokens,
         )
 
-    def ppo_update(
-        self,
-        seqs: Sequence[SequenceLike],
-        old_logprobs: Sequence[Tensor],
-        advantages: Sequence[Tensor],
-        ref_logprobs: Sequence[Tensor] | None,
-        settings: PPOSettings,
-        mini_batch_size: int,
-        micro_batch_size: int,
-        epochs: int = 1,
-    ) -> dict[str, float]:
-        """PPO over ``epochs`` passes, one optimizer step per mini-batch of sequences.
+    def accumulate_gradients(
+        self, batch: TrainingBatch, settings: PPOSettings
+    ) -> dict[str, float] | None:
+        """The PPO gradient of the whole ``batch`` as one mini-batch, left in ``.grad`` (no step)."""
+        inputs = self._ppo_inputs(batch, settings)
+        return self._ppo_accumulate(batch, range(len(batch)), inputs, settings)
 
-        Per-token inputs are per sequence, token- or target-aligned (see
-        ``clew.train.batch.target_values``); advantages are 0 off the loss mask. KL is added
-        when ``ref_logprobs`` is given. Returns means over the optimizer steps.
-        """
-        values = self._ppo_values(seqs, old_logprobs, advantages, ref_logprobs)
-        vision = self._vision(seqs)
-        objective = ppo_objective(settings)
+    def train_batch(self, batch: TrainingBatch, settings: PPOSettings) -> dict[str, float]:
+        """PPO on ``batch`` as ``settings`` say: ``epochs`` passes, one optimizer step per
+        mini-batch. Returns ``policy/*`` metrics, means over the optimizer steps."""
+        inputs = self._ppo_inputs(batch, settings)
+        mini = settings.mini_batch_size or len(batch)
         steps: list[dict[str, float]] = []
-        for _ in range(epochs):
-            for indices in chunked(list(range(len(seqs))), mini_batch_size):
-                stats = self._accumulate(
-                    seqs,
-                    indices,
-                    vision,
-                    values,
-                    micro_batch_size,
-                    objective,
-                    settings.temperature,
-                    settings.loss_reduction == "token_mean",
-                    allowed=settings.allowed_tokens,
-                )
+        for _ in range(settings.epochs):
+            for indices in chunked(list(range(len(batch))), mini):
+                stats = self._ppo_accumulate(batch, indices, inputs, settings)
                 if stats is not None:
                     steps.append(stats | self._optimizer_step())
         keys = ("loss", "clip_fraction", "approx_kl", "kl_loss", "entropy", "grad_norm", "lr")
