@@ -1,7 +1,7 @@
 """Checkpoint cost: save and load time of a full training checkpoint, by preset.
 
 clew's checkpoint (``Checkpointer.save``: trainable weights, AdamW state, scheduler, RNG,
-sampler, config, then a manifest with sha256 of every file and an atomic rename) is timed
+sampler position, config, then a manifest with sha256 of every file and an atomic rename) is timed
 beside the baseline a user would write: one ``torch.save`` of the same state to a single
 file, with no manifest, checksum or atomic commit. Loading is timed the same way
 (``maybe_resume``: checksum verification, then ``torch.load`` and restore).
@@ -16,7 +16,6 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -53,24 +52,16 @@ def main() -> None:
                 "trainer.resume_mode=latest",
             ],
         )
-        group = SimpleNamespace(
-            state_dict=worker.state_dict, load_state_dict=worker.load_state_dict
-        )
-        trainer = SimpleNamespace(
-            group=group,
-            state=SimpleNamespace(global_step=1),
-            sampler=ResumableSampler(list(range(8)), 4),
-            cfg=cfg,
-        )
+        objects = {"group": worker, "sampler": ResumableSampler(list(range(8)), 4)}
         ckpt = Checkpointer(cfg, tmp / "run")
         t0 = time.perf_counter()
-        ckpt.save(trainer)
+        ckpt.save(1, objects)
         save_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         torch.save({"group": worker.state_dict()}, tmp / "baseline.pt")
         base_save_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ckpt.maybe_resume(trainer)
+        Checkpointer(cfg, tmp / "run").maybe_resume(objects)
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         worker.load_state_dict(torch.load(tmp / "baseline.pt", weights_only=False)["group"])

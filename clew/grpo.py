@@ -147,7 +147,7 @@ class GRPOTrainer:
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         if self.checkpointer is not None:
-            self.checkpointer.maybe_resume(self)
+            self.checkpointer.maybe_resume(self.checkpointed())
         with GracefulStop("training") as stop:
             last_eval = self._loop(stop)
             if self.checkpointer is not None:
@@ -155,8 +155,8 @@ class GRPOTrainer:
                 # it reached is saved, so resume_mode=latest goes on from it, and exported.
                 saved = self.state.global_step <= self._saved_step
                 if self.cfg.trainer.ckpt_interval > 0 and not saved:
-                    self.checkpointer.save(self)
-                self.checkpointer.export(self)
+                    self.checkpointer.save(self.state.global_step, self.checkpointed())
+                self.checkpointer.export(self.group.export, self.state.global_step)
         return last_eval
 
     def _loop(self, stop: GracefulStop) -> dict[str, float]:
@@ -190,11 +190,11 @@ class GRPOTrainer:
             self.log(step)
             if self._due(t.ckpt_interval, step) and self.checkpointer is not None:
                 with self.metrics.timer("checkpoint"):
-                    self.checkpointer.save(self)
+                    self.checkpointer.save(step, self.checkpointed())
                 self._saved_step = step
             if self._due(t.hf_save_interval, step) and self.checkpointer is not None:
                 with self.metrics.timer("export"):
-                    self.checkpointer.export(self)
+                    self.checkpointer.export(self.group.export, step)
         if stop.requested:
             print(f"stopped by {stop.signal_name} after step {self.state.global_step}", flush=True)
         elif t.eval_interval > 0 and self.eval_rows and evaluated < self.state.global_step:
@@ -347,10 +347,22 @@ class GRPOTrainer:
         self.state.best_eval, self.state.best_step = value, self.state.global_step
         if self.cfg.trainer.export_best and self.checkpointer is not None:
             with self.metrics.timer("export"):
-                self.checkpointer.export_best(self, value)
+                self.checkpointer.export_best(self.group.export, self.state.global_step, value)
 
     def log(self, step: int) -> None:
         self.loggers.log(self.metrics.flush(step), step)
+
+    # -- state ----------------------------------------------------------------------
+    def checkpointed(self) -> dict[str, Any]:
+        """What a checkpoint saves and a resume restores, by name."""
+        return {"trainer": self, "sampler": self.sampler, "group": self.group}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's own state (``LoopState``); the sampler and group keep theirs."""
+        return dict(vars(self.state))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = LoopState(**state)
 
     # -- helpers --------------------------------------------------------------------
     def _seed(self, step: int) -> int:

@@ -3,6 +3,8 @@
 ``run_grpo(cfg)`` is what ``clew train`` runs. The run folder is ``trainer.log_path /
 trainer.run_name``: the resolved ``config.yaml``, ``metrics.jsonl``, TensorBoard events
 and, unless ``trainer.export_path`` says otherwise, checkpoints and exports.
+``run_sft_stage(cfg)`` is what ``clew sft`` runs, the same way, in ``trainer.log_path /
+sft.run_name``.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ from clew.cluster.group import LocalWorkerGroup
 from clew.config import ClewConfig, save_config
 from clew.data.rows import read_rows
 from clew.errors import ConfigError
+from clew.evaluation import eval_metrics
 from clew.grpo import GRPOTrainer, seed_everything
 from clew.inference.engine import InferenceEngine, cache_budget_bytes
 from clew.inference.runtime import limit_host_threads, pick_device
+from clew.inference.sampling import SamplingParams
 from clew.metrics import make_loggers
 from clew.models.precision import policy_precision
+from clew.rollout.loop import RolloutSettings, play_model
+from clew.train.agreement import solver_agreement
+from clew.train.sft import EvalFn, SFTResult, SFTTrainer
 from clew.train.worker import PolicyWorker, WorkerSettings
 
 
@@ -93,6 +100,102 @@ def run_grpo(cfg: ClewConfig) -> dict[str, float]:
     checkpointer = Checkpointer(cfg, run_dir)
     trainer = GRPOTrainer(cfg, group, train_rows, eval_rows, loggers, run_dir, checkpointer)
     try:
+        return trainer.fit()
+    finally:
+        loggers.close()
+
+
+def sft_run_dir(cfg: ClewConfig) -> Path:
+    return Path(cfg.trainer.log_path) / cfg.sft.run_name
+
+
+def sft_eval_fn(rows: list, keep_last_k_images: int | None, autocast: bool) -> EvalFn:
+    """SFT's evaluation: greedy pass@1 on ``rows`` and the policy's agreement with the
+    expert on the expert's own path (``clew.train.agreement``)."""
+    turns = max(r.max_turns for r in rows)
+    settings = RolloutSettings(
+        1,
+        turns,
+        8192,
+        SamplingParams(temperature=0.0, max_tokens=16),
+        keep_last_k_images=keep_last_k_images,
+    )
+
+    def eval_fn(model, chat, step: int) -> dict[str, float]:
+        trajs = play_model(model, chat, rows, settings, autocast=autocast)
+        agreement = solver_agreement(
+            model, chat, rows, image_window=keep_last_k_images, autocast=autocast
+        )
+        return eval_metrics(trajs, rows, turns) | agreement
+
+    return eval_fn
+
+
+def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResult:
+    """Run SFT as configured (``clew sft``); where the final policy went and how it evaluated.
+
+    The run folder is ``trainer.log_path / sft.run_name``: ``config.yaml``, ``metrics.jsonl``,
+    ``ckpts/`` and, unless ``sft.export_path`` says otherwise, ``exports/`` (``final/policy``,
+    ``global_step_N/policy``, ``best/``). ``trainer.resume_mode=latest`` goes on from the
+    run's newest checkpoint; one of another run (another model, data, adapter shape, batch
+    size, seed or environment) is refused, listing what differs, before anything is written.
+    ``eval_fn`` replaces the evaluation on ``data.val_data``.
+    """
+    s = cfg.sft
+    if not s.model_path:
+        raise ConfigError(
+            "sft.model_path is required: the starting checkpoint directory (`clew init-model` "
+            "output or a Qwen2-VL, Qwen2.5-VL or Qwen3-VL checkpoint)"
+        )
+    if not cfg.data.train_data:
+        raise ConfigError(
+            "data.train_data is empty: give one or more parquet files from `clew dataset`"
+        )
+    evaluated = eval_fn is not None or bool(cfg.data.val_data)
+    wanted = {"sft.stop_at_pass": s.stop_at_pass is not None, "sft.export_best": s.export_best}
+    for key, on in wanted.items():
+        if on and not evaluated:
+            raise ConfigError(f"{key} needs an evaluation: set data.val_data")
+    train_rows = [r for p in cfg.data.train_data for r in read_rows(p)]
+    eval_rows = [r for p in cfg.data.val_data for r in read_rows(p)]
+    run_dir = sft_run_dir(cfg)
+    checkpointer = Checkpointer(cfg, run_dir, stage="sft")
+    checkpointer.resume_point()  # another run's checkpoint fails here, before any write
+    save_config(cfg, run_dir)
+    device = pick_device(cfg.trainer.device)
+    limit_host_threads(device)
+    dtype, autocast = policy_precision(device, s.precision, s.lora.rank > 0)
+    seed_everything(s.seed)
+    opt, lora = s.optimizer_config, s.lora
+    settings = WorkerSettings(
+        lr=opt.lr,
+        adam_betas=tuple(opt.adam_betas),
+        weight_decay=opt.weight_decay,
+        max_grad_norm=opt.max_grad_norm,
+        scheduler=opt.scheduler,
+        num_warmup_steps=opt.num_warmup_steps,
+        num_training_steps=s.steps,
+        lora_rank=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        lora_target_modules=lora.target_modules,
+        autocast_bf16=autocast,
+        pack_sequences=s.pack_sequences,
+    )
+    worker = PolicyWorker.from_pretrained(s.model_path, settings, dtype=dtype, device=device)
+    if eval_fn is None and eval_rows:
+        eval_fn = sft_eval_fn(eval_rows, cfg.generator.keep_last_k_images, autocast)
+    loggers = make_loggers(
+        cfg.trainer.logger,
+        run_dir,
+        cfg.trainer.project_name,
+        s.run_name,
+        config=cfg.model_dump(mode="json"),
+    )
+    try:
+        trainer = SFTTrainer(
+            cfg, worker, train_rows, checkpointer, loggers, eval_fn=eval_fn, autocast=autocast
+        )
         return trainer.fit()
     finally:
         loggers.close()

@@ -201,7 +201,7 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(setup):
         None,
     )
     with pytest.warns(UserWarning, match=f"global_step_{STEPS}"):
-        step = Checkpointer(cfg, setup / "runs" / "corrupt").maybe_resume(trainer)
+        step = Checkpointer(cfg, setup / "runs" / "corrupt").maybe_resume(trainer.checkpointed())
     assert step == STEPS - 2
 
 
@@ -291,7 +291,11 @@ def test_best_evaluation_is_exported_with_its_step_and_value(setup):
     state = torch.load(
         setup / "ckpts" / "best" / f"global_step_{STEPS}" / "trainer_state.pt", weights_only=False
     )
-    assert state["loop"]["best_step"] == first_top  # a resumed run keeps comparing to it
+    # Each stateful object's state under its name; the loop's holds the best step, so a
+    # resumed run keeps comparing to it.
+    assert sorted(state["objects"]) == ["group", "sampler", "trainer"]
+    assert state["objects"]["trainer"]["best_step"] == first_top
+    assert state["objects"]["sampler"] == {"epoch": 1, "position": 0}
 
 
 def test_export_best_off_writes_no_best_policy(setup):
@@ -304,3 +308,32 @@ def test_export_best_off_writes_no_best_policy(setup):
     )
     run_grpo(cfg)
     assert not (setup / "runs" / "nobest" / "exports" / "best").exists()
+
+
+class _Counter:
+    """A stateful object the checkpointer knows nothing about."""
+
+    def __init__(self, value: int = 0) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def test_checkpointer_saves_and_restores_any_named_stateful_objects(tmp_path):
+    from clew.checkpoint.state import Checkpointer
+
+    cfg = load_config(None, [f"trainer.log_path={tmp_path}", "trainer.resume_mode=latest"])
+    run_dir = tmp_path / "run"
+    Checkpointer(cfg, run_dir).save(7, {"loop": _Counter(3), "data": _Counter(5)})
+    loop, data = _Counter(), _Counter()
+    assert Checkpointer(cfg, run_dir).maybe_resume({"loop": loop, "data": data}) == 7
+    assert (loop.value, data.value) == (3, 5)
+    with pytest.raises(CheckpointError, match=r"holds the states of \['data', 'loop'\]"):
+        Checkpointer(cfg, run_dir).maybe_resume({"loop": _Counter()})
+    # A checkpoint of the other stage in the same folder is refused, not half-restored.
+    with pytest.raises(CheckpointError, match="of the grpo stage, not sft"):
+        Checkpointer(cfg, run_dir, stage="sft").maybe_resume({"loop": loop, "data": data})

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 
 from clew.cli import main
+from clew.config import load_config
 from clew.data.rows import generate_rows, write_rows
 from clew.envs import make
 from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.generate import DIRECTIONS
 from clew.envs.maze.solver import shortest_actions
 from clew.errors import ConfigError
+from clew.launch import run_sft_stage
+from clew.metrics import read_history
 from clew.train.dagger import (
     BranchPool,
     DaggerSettings,
@@ -22,7 +24,6 @@ from clew.train.dagger import (
     mix_in,
 )
 from clew.train.demonstrations import Demonstration, play_demonstration
-from clew.train.sft import run_sft
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
@@ -103,18 +104,19 @@ def test_bad_dagger_settings_are_refused_with_the_rule(kwargs, message):
 
 
 def test_sft_with_dagger_rounds_plays_the_policy_and_trains_on_its_branches(model_dir, tmp_path):
-    rows = generate_rows("maze_2d/tiny", 8, env_options=OPTIONS)
-    logged: dict[int, dict[str, float]] = {}
-    run_sft(
-        model_dir,
-        rows,
-        tmp_path / "sft",
-        steps=5,
-        batch_size=4,
-        lr=3e-3,
-        dagger=DaggerSettings(interval=2, rows=4, share=0.5, keep_rounds=0, max_generate_length=8),
-        log=lambda step, stats: logged.__setitem__(step, stats),
-    )
+    data = tmp_path / "train.parquet"
+    write_rows(generate_rows("maze_2d/tiny", 8, env_options=OPTIONS), data)
+    cfg = load_config(
+        None,
+        [
+            f"sft.model_path={model_dir}", f"data.train_data=['{data}']",
+            f"trainer.log_path={tmp_path / 'runs'}", "trainer.logger=jsonl",
+            "sft.steps=5", "sft.batch_size=4", "sft.optimizer_config.lr=3e-3",
+            "sft.dagger.interval=2", "sft.dagger.rows=4", "sft.dagger.share=0.5",
+            "sft.dagger.keep_rounds=0",
+        ],
+    )  # fmt: skip
+    logged = {r["step"]: r for r in read_history(run_sft_stage(cfg).run_dir)}
     rounds = [s for s, m in logged.items() if "sft/dagger_solve_rate" in m]
     assert rounds == [3, 5]  # after 2 and 4 steps
     for s in rounds:
@@ -142,30 +144,30 @@ def test_branch_pool_keeps_the_latest_rounds_or_every_round():
 def test_sft_command_refuses_a_bad_dagger_share_before_any_work(model_dir, tmp_path, capsys):
     data = tmp_path / "train.parquet"
     write_rows(generate_rows("maze_2d/tiny", 2, env_options=OPTIONS), data)
-    out = tmp_path / "sft"
-    code = main(["sft", "--model", str(model_dir), "--data", str(data), "--output", str(out),
-                 "--dagger-interval", "5", "--dagger-share", "1.5"])  # fmt: skip
-    assert code != 0
-    assert "dagger share is a share of each batch in (0, 1], got 1.5" in capsys.readouterr().err
-    assert not out.exists()
+    code = main(["sft", "--model", str(model_dir), "--data", str(data),
+                 f"trainer.log_path={tmp_path / 'runs'}",
+                 "sft.dagger.interval=5", "sft.dagger.share=1.5"])  # fmt: skip
+    assert code == 2
+    assert "sft.dagger.share is a share of each batch in (0, 1], got 1.5" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_sft_command_decays_the_learning_rate_on_the_chosen_schedule(model_dir, tmp_path):
     data = tmp_path / "train.parquet"
     write_rows(generate_rows("maze_2d/tiny", 2, env_options=OPTIONS), data)
-    metrics = tmp_path / "sft.jsonl"
-    code = main(["sft", "--model", str(model_dir), "--data", str(data), "--output",
-                 str(tmp_path / "sft"), "--steps", "4", "--batch-size", "2", "--lr", "1e-3",
-                 "--warmup-steps", "0", "--scheduler", "linear", "--metrics", str(metrics)])  # fmt: skip
+    code = main(["sft", "--model", str(model_dir), "--data", str(data), "--steps", "4",
+                 "--batch-size", "2", "--lr", "1e-3", f"trainer.log_path={tmp_path / 'runs'}",
+                 "sft.optimizer_config.num_warmup_steps=0",
+                 "sft.optimizer_config.scheduler=linear"])  # fmt: skip
     assert code == 0
-    lrs = [json.loads(line)["sft/lr"] for line in metrics.read_text().splitlines()]
+    lrs = [r["sft/lr"] for r in read_history(tmp_path / "runs" / "sft")]
     # Each step logs the rate it stepped with: 1e-3, then a quarter less each step.
     assert lrs == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
 
 
 def test_sft_command_names_the_schedules_it_accepts(model_dir, tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        main(["sft", "--model", str(model_dir), "--data", "x", "--output", "y",
-              "--scheduler", "cosin"])  # fmt: skip
+    code = main(["sft", "--model", str(model_dir), "--data", "x",
+                 "sft.optimizer_config.scheduler=cosin"])  # fmt: skip
     err = capsys.readouterr().err
-    assert "invalid choice: 'cosin'" in err and "'cosine'" in err
+    assert code == 2 and "sft.optimizer_config.scheduler" in err
+    assert "got 'cosin'" in err and "'cosine'" in err

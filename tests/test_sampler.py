@@ -26,3 +26,14 @@ def test_checkpoint_on_an_epoch_boundary_resumes_into_the_next_epoch():
     rest = list(r)
     assert len(rest) == 6
     assert first_epoch + rest == list(ResumableSampler(rows, 3, seed=1, epochs=3))
+
+
+def test_state_dict_round_trips_through_a_checkpoint():
+    rows = list(range(10))
+    s = ResumableSampler(rows, 2, seed=3, epochs=2)
+    it = iter(s)
+    taken = [next(it) for _ in range(7)]  # into the second epoch
+    assert s.state_dict() == {"epoch": 1, "position": 2}
+    resumed = ResumableSampler(rows, 2, seed=3, epochs=2)
+    resumed.load_state_dict(s.state_dict())
+    assert taken + list(resumed) == list(ResumableSampler(rows, 2, seed=3, epochs=2))

@@ -1,4 +1,5 @@
-"""Tests for clew.train.sft's supervised warm-up run (demonstrations: test_sft_demonstrations)."""
+"""The SFT stage (clew.train.sft, clew.launch.run_sft_stage); demonstrations:
+test_sft_demonstrations; the command and resuming: test_sft_resume."""
 
 from __future__ import annotations
 
@@ -6,18 +7,22 @@ import json
 import os
 import random
 import signal
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from clew.data.rows import generate_rows
+from clew.config import load_config
+from clew.data.rows import generate_rows, write_rows
 from clew.errors import ClewError, ConfigError
+from clew.launch import run_sft_stage
+from clew.metrics import read_history
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.train.batch import collate
 from clew.train.demonstrations import demonstrations, play_demonstration
-from clew.train.sft import run_sft
+from clew.train.sft import DemonstrationStream
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
@@ -30,72 +35,111 @@ def rows():
     return generate_rows("maze_2d/tiny", 12, env_options=OPTIONS)
 
 
-def test_short_sft_run_lowers_the_loss_and_saves_a_loadable_policy(model_dir, rows, tmp_path):
+@pytest.fixture(scope="module")
+def data(rows, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "train.parquet"
+    write_rows(rows, path)
+    return path
+
+
+def sft_config(model_dir, data, tmp_path, *overrides: str):
+    """A config for an SFT run in ``tmp_path/runs/sft``; ``overrides`` on top."""
+    return load_config(
+        None,
+        [
+            f"sft.model_path={model_dir}",
+            f"data.train_data=['{data}']",
+            f"trainer.log_path={tmp_path / 'runs'}",
+            "trainer.logger=jsonl",
+            "sft.batch_size=1",
+            *overrides,
+        ],
+    )
+
+
+def history(result) -> dict[int, dict[str, float]]:
+    return {r["step"]: r for r in read_history(result.run_dir)}
+
+
+def test_short_sft_run_lowers_the_loss_and_exports_a_loadable_policy(
+    model_dir, rows, data, tmp_path
+):
     evals: list[int] = []
 
     def eval_fn(model, chat, step):
         evals.append(step)
-        return {"eval/calls": float(len(evals))}
+        return {"eval/all/pass_at_1": 0.1 * len(evals)}
 
-    result = run_sft(
-        model_dir,
-        rows,
-        tmp_path / "sft",
-        steps=30,
-        batch_size=4,
-        lr=3e-3,
-        eval_fn=eval_fn,
-        eval_interval=10,
-    )
-    first, last = result.losses[0], sum(result.losses[-5:]) / 5
-    assert last < 0.25 * first, result.losses
+    cfg = sft_config(
+        model_dir, data, tmp_path,
+        "sft.steps=30", "sft.batch_size=4", "sft.optimizer_config.lr=3e-3", "sft.eval_interval=10",
+    )  # fmt: skip
+    result = run_sft_stage(cfg, eval_fn=eval_fn)
+    losses = [r["sft/loss"] for r in history(result).values()]
+    first, last = losses[0], sum(losses[-5:]) / 5
+    assert len(losses) == 30 and last < 0.25 * first, losses
     assert evals == [10, 20, 30] and result.num_demonstrations == len(rows)
-    model, processor = load_policy(result.output_dir)
+    assert result.first_eval == {"eval/all/pass_at_1": pytest.approx(0.1)}
+    assert result.last_eval == {"eval/all/pass_at_1": pytest.approx(0.3)}
+    assert result.final_policy == str(tmp_path / "runs" / "sft" / "exports" / "final" / "policy")
+    model, processor = load_policy(result.final_policy)
     assert model.config.model_type == "qwen2_vl"
     assert (
         processor.tokenizer.convert_tokens_to_ids("<|im_end|>") == ChatFormat(processor).im_end_id
     )
 
 
-def test_lora_sft_saves_merged_full_weights(model_dir, rows, tmp_path):
-    result = run_sft(
-        model_dir, rows[:4], tmp_path / "lora", steps=3, batch_size=2, lr=1e-2, lora_rank=4
-    )
-    assert not (result.output_dir / "adapter_config.json").exists()
-    assert json.loads((result.output_dir / "config.json").read_text())["model_type"] == "qwen2_vl"
-    before, after = (
-        load_file(model_dir / "model.safetensors"),
-        load_file(result.output_dir / "model.safetensors"),
-    )
+def _changed(model_dir, policy) -> set[str]:
+    before = load_file(Path(model_dir) / "model.safetensors")
+    after = load_file(Path(policy) / "model.safetensors")
     assert before.keys() == after.keys()
-    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    return {k for k in before if not torch.equal(before[k], after[k])}
+
+
+def test_lora_sft_exports_merged_full_weights(model_dir, data, tmp_path):
+    cfg = sft_config(
+        model_dir, data, tmp_path,
+        "sft.steps=3", "sft.batch_size=2", "sft.optimizer_config.lr=1e-2", "sft.lora.rank=4",
+    )  # fmt: skip
+    policy = Path(run_sft_stage(cfg).final_policy)
+    assert not (policy / "adapter_config.json").exists()
+    assert json.loads((policy / "config.json").read_text())["model_type"] == "qwen2_vl"
+    changed = _changed(model_dir, policy)
     # Only the language model's projections carry adapters (on disk the language model's
     # keys read "model.layers.N..." and the vision tower's "visual...").
     assert changed and all(k.endswith("_proj.weight") and "visual" not in k for k in changed)
-    load_policy(result.output_dir)
+    load_policy(policy)
 
 
-def test_lora_sft_on_vision_and_language_changes_the_vision_tower_too(model_dir, rows, tmp_path):
-    result = run_sft(
-        model_dir,
-        rows[:4],
-        tmp_path / "lora_vl",
-        steps=3,
-        batch_size=2,
-        lr=1e-2,
-        lora_rank=4,
-        lora_target_modules="vision_and_language",
-    )
-    before, after = (
-        load_file(model_dir / "model.safetensors"),
-        load_file(result.output_dir / "model.safetensors"),
-    )
-    changed = {k for k in before if not torch.equal(before[k], after[k])}
+def test_lora_sft_on_vision_and_language_changes_the_vision_tower_too(model_dir, data, tmp_path):
+    cfg = sft_config(
+        model_dir, data, tmp_path,
+        "sft.steps=3", "sft.batch_size=2", "sft.optimizer_config.lr=1e-2", "sft.lora.rank=4",
+        "sft.lora.target_modules=vision_and_language",
+    )  # fmt: skip
+    changed = _changed(model_dir, run_sft_stage(cfg).final_policy)
     assert any("visual" in k for k in changed) and any("visual" not in k for k in changed)
 
 
+def test_demonstration_batches_are_a_function_of_the_seed_and_the_step(rows, chat):
+    stream = DemonstrationStream(rows[:5], chat, 3, seed=4, detour_prob=0.3, image_window=1)
+    again = DemonstrationStream(rows[:5], chat, 3, seed=4, detour_prob=0.3, image_window=1)
+    batches = [stream.batch(k) for k in range(4)]  # 12 rows: two passes and a bit
+    assert [d.token_ids for d in again.batch(2)] == [d.token_ids for d in batches[2]]
+    walk = [d for b in batches for d in b]
+    seeds = [d.row_seed for d in walk]
+    assert sorted(seeds[:5]) == sorted(seeds[5:10]) == sorted(r.seed for r in rows[:5])
+    assert seeds[:5] != seeds[5:10]  # each pass in its own order
+    assert all(d.image_window == 1 for d in walk)
+    # A demonstration is what `demonstrations` plays for its row with its pass's seed.
+    by_seed = {r.seed: r for r in rows[:5]}
+    for k, demo in enumerate(walk):
+        expected = demonstrations([by_seed[demo.row_seed]], chat, 0.3, 4 + k // 5)[0]
+        assert demo.token_ids == expected.token_ids
+
+
 def test_sft_with_an_image_window_hides_old_images_and_stops_on_its_time_budget(
-    model_dir, chat, rows, tmp_path
+    model_dir, chat, rows, data, tmp_path
 ):
     demos = demonstrations(rows[:2], chat)
     for demo in demos:
@@ -111,26 +155,20 @@ def test_sft_with_an_image_window_hides_old_images_and_stops_on_its_time_budget(
     seen = batch.visibility[longest, 0, last, image_cols]
     assert not seen[0] and seen[-1]
 
-    result = run_sft(
-        model_dir,
-        rows,
-        tmp_path / "timed",
-        steps=1000,
-        batch_size=2,
-        lr=1e-3,
-        keep_last_k_images=1,
-        max_seconds=0.0,
-    )
-    assert len(result.losses) == 1
-    load_policy(result.output_dir)
-    with pytest.raises(ConfigError, match="keep_last_k_images"):
-        run_sft(
-            model_dir, rows, tmp_path / "bad", steps=1, batch_size=1, lr=1e-3, keep_last_k_images=0
-        )
+    cfg = sft_config(
+        model_dir, data, tmp_path,
+        "sft.steps=1000", "sft.batch_size=2", "generator.keep_last_k_images=1",
+        "sft.max_minutes=1e-9",
+    )  # fmt: skip
+    result = run_sft_stage(cfg)
+    assert result.step == 1 and list(history(result)) == [1]
+    load_policy(result.final_policy)
+    with pytest.raises(ConfigError, match="keep_last_k_images must be >= 1"):
+        sft_config(model_dir, data, tmp_path, "generator.keep_last_k_images=0")
 
 
 def test_sft_stops_at_the_first_evaluation_that_reaches_the_target_pass_rate(
-    model_dir, rows, tmp_path
+    model_dir, data, tmp_path
 ):
     seen: list[int] = []
 
@@ -138,108 +176,111 @@ def test_sft_stops_at_the_first_evaluation_that_reaches_the_target_pass_rate(
         seen.append(step)
         return {"eval/all/pass_at_1": 0.2 * len(seen)}
 
-    result = run_sft(
-        model_dir,
-        rows,
-        tmp_path / "band",
-        steps=50,
-        batch_size=1,
-        lr=1e-3,
-        eval_fn=eval_fn,
-        eval_interval=2,
-        stop_at_pass=0.5,
+    cfg = sft_config(
+        model_dir, data, tmp_path, "sft.steps=50", "sft.eval_interval=2", "sft.stop_at_pass=0.5"
     )
-    assert seen == [2, 4, 6] and len(result.losses) == 6  # 0.2, 0.4, then 0.6 >= 0.5
-    load_policy(result.output_dir)
-    with pytest.raises(ConfigError, match=r"in \(0, 1\], got 50"):
-        run_sft(
-            model_dir,
-            rows,
-            tmp_path / "x",
-            steps=1,
-            batch_size=1,
-            lr=1e-3,
-            eval_fn=eval_fn,
-            stop_at_pass=50,
-        )
-    with pytest.raises(ConfigError, match="needs an evaluation"):
-        run_sft(model_dir, rows, tmp_path / "y", steps=1, batch_size=1, lr=1e-3, stop_at_pass=0.5)
+    result = run_sft_stage(cfg, eval_fn=eval_fn)
+    assert seen == [2, 4, 6] and result.step == 6  # 0.2, 0.4, then 0.6 >= 0.5
+    load_policy(result.final_policy)
+    # The run is over: running it again resumes at its end and trains no further.
+    again = run_sft_stage(cfg, eval_fn=eval_fn)
+    assert again.step == 6 and seen == [2, 4, 6] and list(history(again)) == list(range(1, 7))
+    with pytest.raises(ConfigError, match=r"sft.stop_at_pass is a solve rate in \(0, 1\]"):
+        sft_config(model_dir, data, tmp_path, "sft.stop_at_pass=50")
+    with pytest.raises(ConfigError, match="sft.stop_at_pass needs an evaluation"):
+        run_sft_stage(sft_config(model_dir, data, tmp_path / "y", "sft.stop_at_pass=0.5"))
 
 
-def test_sft_saves_a_policy_every_save_interval_steps_besides_the_final_one(
-    model_dir, rows, tmp_path
+def test_sft_exports_a_policy_every_hf_save_interval_steps_besides_the_final_one(
+    model_dir, data, tmp_path
 ):
-    out = tmp_path / "curve"
-    run_sft(model_dir, rows, out, steps=5, batch_size=1, lr=3e-3, save_interval=2)
-    assert sorted(p.name for p in out.glob("step_*")) == ["step_2", "step_4"]
-    early, final = load_policy(out / "step_2")[0], load_policy(out)[0]
+    cfg = sft_config(
+        model_dir, data, tmp_path,
+        "sft.steps=5", "sft.optimizer_config.lr=3e-3", "sft.hf_save_interval=2",
+    )  # fmt: skip
+    result = run_sft_stage(cfg)
+    exports = tmp_path / "runs" / "sft" / "exports"
+    assert sorted(p.name for p in exports.glob("global_step_*")) == [
+        "global_step_2",
+        "global_step_4",
+    ]
+    early = load_policy(exports / "global_step_2" / "policy")[0]
+    final = load_policy(result.final_policy)[0]
     differ = [
         not torch.equal(a, b) for a, b in zip(early.parameters(), final.parameters(), strict=True)
     ]
     assert any(differ)  # a snapshot of step 2, not a copy of the final weights
-    with pytest.raises(ConfigError, match="save_interval"):
-        run_sft(model_dir, rows, tmp_path / "z", steps=1, batch_size=1, lr=1e-3, save_interval=-1)
+    with pytest.raises(ConfigError, match="sft.hf_save_interval must be >= 1, or -1"):
+        sft_config(model_dir, data, tmp_path, "sft.hf_save_interval=0")
 
 
-def test_sft_keeps_the_best_evaluated_policy_with_its_step(model_dir, rows, tmp_path):
+def test_sft_keeps_the_best_evaluated_policy_with_its_step(model_dir, data, tmp_path):
     scores = {1: 0.2, 2: 0.5, 3: 0.5, 4: 0.3}  # the tie at step 3 keeps step 2
 
     def eval_fn(model, chat, step):
         return {"eval/all/pass_at_1": scores[step]}
 
-    out = tmp_path / "best_run"
-    run_sft(
-        model_dir, rows, out, steps=4, batch_size=1, lr=3e-3,
-        eval_fn=eval_fn, eval_interval=1, save_interval=1, save_best=True,
+    cfg = sft_config(
+        model_dir, data, tmp_path,
+        "sft.steps=4", "sft.optimizer_config.lr=3e-3", "sft.eval_interval=1",
+        "sft.hf_save_interval=1", "sft.export_best=true",
     )  # fmt: skip
-    record = json.loads((out / "best" / "best.json").read_text())
-    assert record == {"step": 2, "eval/all/pass_at_1": 0.5}
-    best, step2, final = (load_policy(d)[0] for d in (out / "best" / "policy", out / "step_2", out))
+    result = run_sft_stage(cfg, eval_fn=eval_fn)
+    exports = tmp_path / "runs" / "sft" / "exports"
+    record = json.loads((exports / "best" / "best.json").read_text())
+    assert record["step"] == 2 and record["eval/all/pass_at_1"] == 0.5
+    assert record["policy"] == str(exports / "best" / "policy")
+    best, step2, final = (
+        load_policy(d)[0]
+        for d in (
+            exports / "best" / "policy",
+            exports / "global_step_2" / "policy",
+            result.final_policy,
+        )
+    )
     assert all(
         torch.equal(a, b) for a, b in zip(best.parameters(), step2.parameters(), strict=True)
     )
     assert any(
         not torch.equal(a, b) for a, b in zip(best.parameters(), final.parameters(), strict=True)
     )
-    with pytest.raises(ConfigError, match="save_best .--save-best. keeps the best evaluation"):
-        run_sft(model_dir, rows, tmp_path / "n", steps=1, batch_size=1, lr=1e-3, save_best=True)
+    with pytest.raises(ConfigError, match="sft.export_best needs an evaluation"):
+        run_sft_stage(sft_config(model_dir, data, tmp_path / "n", "sft.export_best=true"))
 
 
-def test_sigterm_ends_sft_at_that_step_evaluated_and_saved(model_dir, rows, tmp_path):
+def test_sigterm_ends_sft_at_that_step_evaluated_saved_and_exported(model_dir, data, tmp_path):
     seen: list[int] = []
-
-    def log(step, stats):
-        if step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
 
     def eval_fn(model, chat, step):
         seen.append(step)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
         return {"eval/all/pass_at_1": 0.0}
 
-    result = run_sft(
-        model_dir,
-        rows,
-        tmp_path / "stopped",
-        steps=50,
-        batch_size=1,
-        lr=1e-3,
-        eval_fn=eval_fn,
-        log=log,
-    )
-    # The signal came in step 2's log call: step 3 is the one it ends, evaluated as a last step.
-    assert len(result.losses) == 3 and seen == [3]
-    load_policy(result.output_dir)
+    cfg = sft_config(model_dir, data, tmp_path, "sft.steps=5", "sft.eval_interval=2")
+    result = run_sft_stage(cfg, eval_fn=eval_fn)
+    # The signal came in step 2's evaluation: step 3 is the one it ends, evaluated as a last step.
+    assert result.step == 3 and seen == [2, 3] and list(history(result)) == [1, 2, 3]
+    assert (tmp_path / "runs" / "sft" / "ckpts" / "global_step_3").is_dir()
+    load_policy(result.final_policy)
+    # The same command goes on from there to the end.
+    again = run_sft_stage(cfg, eval_fn=eval_fn)
+    assert again.step == 5 and seen == [2, 3, 4, 5]
+    assert list(history(again)) == [1, 2, 3, 4, 5]
 
 
-def test_teacher_forced_first_turn_is_what_the_greedy_policy_plays(model_dir, rows, tmp_path):
+def test_teacher_forced_first_turn_is_what_the_greedy_policy_plays(model_dir, rows, data, tmp_path):
     from clew.inference.engine import InferenceEngine
     from clew.inference.sampling import SamplingParams
     from clew.rollout.loop import RolloutSettings, play
     from clew.train.agreement import solver_agreement, solver_predictions
 
     # A little SFT first, so that the greedy policy writes actions in the format.
-    trained = run_sft(model_dir, rows, tmp_path / "sft", steps=25, batch_size=4, lr=3e-3)
-    model, processor = load_policy(trained.output_dir)
+    cfg = sft_config(
+        model_dir, data, tmp_path,
+        "sft.steps=25", "sft.batch_size=4", "sft.optimizer_config.lr=3e-3",
+    )  # fmt: skip
+    model, processor = load_policy(run_sft_stage(cfg).final_policy)
     chat = ChatFormat(processor)
     predictions = solver_predictions(model, chat, rows, image_window=1, batch_size=5)
     # The first turn's context is the same whether the solver or the policy has played:
@@ -276,7 +317,7 @@ def test_teacher_forced_first_turn_is_what_the_greedy_policy_plays(model_dir, ro
 
 
 def test_sft_whose_gradient_stays_non_finite_stops_and_keeps_the_last_good_policy(
-    model_dir, rows, tmp_path, monkeypatch
+    model_dir, data, tmp_path, monkeypatch
 ):
     real_backward = torch.Tensor.backward
     calls = {"n": 0}
@@ -286,34 +327,27 @@ def test_sft_whose_gradient_stays_non_finite_stops_and_keeps_the_last_good_polic
         real_backward(self * float("nan") if calls["n"] > 2 else self, *a, **k)
 
     monkeypatch.setattr(torch.Tensor, "backward", backward_nan_after_two)
-    logged: list[dict[str, float]] = []
+    cfg = sft_config(model_dir, data, tmp_path, "sft.steps=20", "sft.batch_size=2")
     with pytest.raises(ClewError, match=r"NaN or infinite at SFT steps 3-5.* policy of step 2"):
-        run_sft(
-            model_dir,
-            rows,
-            tmp_path / "sft",
-            steps=20,
-            batch_size=2,
-            lr=1e-3,
-            log=lambda step, stats: logged.append(stats),
-        )
+        run_sft_stage(cfg)
     monkeypatch.undo()
-    assert [s["sft/skipped"] for s in logged] == [0, 0, 1, 1, 1]
-    model, _ = load_policy(tmp_path / "sft")
+    logged = read_history(tmp_path / "runs" / "sft")
+    assert [r["sft/skipped"] for r in logged] == [0, 0, 1, 1, 1]
+    model, _ = load_policy(tmp_path / "runs" / "sft" / "exports" / "final" / "policy")
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "message"),
+    ("override", "message"),
     [
-        ({"lora_rank": -1}, "lora_rank must be >= 0"),
-        ({"lora_rank": 4, "lora_alpha": 0.0}, "lora_alpha must be > 0"),
-        ({"lr": 0.0}, "lr must be > 0"),
-        ({"warmup_steps": -2}, "warmup_steps must be >= 0"),
+        ("sft.lora.rank=-1", "sft.lora.rank must be >= 0"),
+        ("sft.lora.alpha=0.0", "sft.lora.alpha must be > 0"),
+        ("sft.optimizer_config.lr=0.0", "sft.optimizer_config.lr must be > 0"),
+        ("sft.optimizer_config.num_warmup_steps=-2", "num_warmup_steps must be >= 0"),
+        ("sft.detour_prob=1.5", r"sft.detour_prob is a share in \[0, 1\]"),
+        ("sft.steps=0", "sft.steps must be >= 1"),
     ],
 )
-def test_sft_rejects_bad_settings_before_any_work(model_dir, rows, tmp_path, kwargs, message):
-    settings = {"steps": 1, "batch_size": 1, "lr": 1e-3, **kwargs}
+def test_bad_sft_settings_are_refused_by_the_config(model_dir, data, tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
-        run_sft(model_dir, rows[:1], tmp_path / "out", **settings)
-    assert not (tmp_path / "out").exists()
+        sft_config(model_dir, data, tmp_path, override)

@@ -66,7 +66,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid YAML: {where}{problem}"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -83,6 +88,11 @@ def load_config(
     validated (``validate``); every problem raises ``ConfigError``.
     """
     data = _read_yaml(Path(path)) if path is not None else {}
+    if path is not None:
+        try:  # the file's own keys and types, so that an error can name the file
+            build_config(data)
+        except ConfigError as exc:
+            raise ConfigError(f"config file {str(path)!r}: {exc}") from None
     return validate(build_config(apply_overrides(data, list(overrides))))
 
 

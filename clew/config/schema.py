@@ -548,9 +548,9 @@ class SFTConfig(Section):
     )
     ckpt_interval: int = Field(
         50,
-        description="Full checkpoint (weights, optimizer, data position, RNG) every this "
-        "many steps and at the step the run ends on, for trainer.resume_mode=latest; -1 "
-        "never.",
+        description="Full checkpoint (weights, optimizer, data position, DAgger pool, RNG) in "
+        "RUN_DIR/ckpts every this many steps and at the step the run ends on, for "
+        "trainer.resume_mode=latest; -1 never.",
     )
     hf_save_interval: int = Field(
         -1,

@@ -53,18 +53,27 @@ COUNT_KEYS: tuple[str, ...] = (
     "trainer.placement.policy_num_gpus_per_node",
     "trainer.placement.ref_num_nodes",
     "trainer.placement.ref_num_gpus_per_node",
+    "sft.steps",
+    "sft.batch_size",
+    "sft.dagger.rows",
 )
 # Step intervals: >= 1, or -1 for never.
 INTERVAL_KEYS: tuple[str, ...] = (
     "trainer.eval_interval",
     "trainer.ckpt_interval",
     "trainer.hf_save_interval",
+    "sft.eval_interval",
+    "sft.ckpt_interval",
+    "sft.hf_save_interval",
 )
 # Real numbers that must be > 0, and ones that must be >= 0.
 POSITIVE_KEYS: tuple[str, ...] = (
     "trainer.policy.optimizer_config.lr",
     "trainer.policy.optimizer_config.max_grad_norm",
     "trainer.policy.model.lora.alpha",
+    "sft.optimizer_config.lr",
+    "sft.optimizer_config.max_grad_norm",
+    "sft.lora.alpha",
 )
 NON_NEGATIVE_KEYS: tuple[str, ...] = (
     "trainer.policy.model.lora.rank",
@@ -72,6 +81,12 @@ NON_NEGATIVE_KEYS: tuple[str, ...] = (
     "trainer.policy.optimizer_config.weight_decay",
     "trainer.algorithm.kl_loss_coef",
     "trainer.algorithm.entropy_loss_coef",
+    "sft.lora.rank",
+    "sft.optimizer_config.num_warmup_steps",
+    "sft.optimizer_config.weight_decay",
+    "sft.dagger.interval",
+    "sft.dagger.keep_rounds",
+    "sft.dagger.temperature",
 )
 
 
@@ -245,6 +260,8 @@ def _rules(cfg: ClewConfig) -> list[str]:
     if (c := alg.clip_ratio_c) is not None and c <= 1:
         fail("clip-ratio-c", f"trainer.algorithm.clip_ratio_c must be > 1 or null, got {c}")
 
+    _sft_rules(cfg, fail)
+
     # Run management.
     if tr.resume_mode == "from_path" and not tr.resume_path:
         fail("resume-path", "trainer.resume_mode is 'from_path' but trainer.resume_path is unset")
@@ -256,6 +273,30 @@ def _rules(cfg: ClewConfig) -> list[str]:
             f"accepted: {', '.join(KNOWN_LOGGERS)}",
         )
     return bad
+
+
+def _sft_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
+    """The ``sft`` section's ranges that the key lists above do not cover."""
+    sft = cfg.sft
+    if (m := sft.micro_batch_size) is not None and m < 1:
+        fail("positive-count", f"sft.micro_batch_size must be >= 1 or null, got {m}")
+    for name in ("detour_prob", "start_anywhere"):
+        if not 0 <= (share := getattr(sft, name)) <= 1:
+            fail("share", f"sft.{name} is a share in [0, 1], got {share}")
+    if not 0 < (share := sft.dagger.share) <= 1:
+        fail("share", f"sft.dagger.share is a share of each batch in (0, 1], got {share}")
+    if (target := sft.stop_at_pass) is not None and not 0 < target <= 1:
+        fail("stop-at-pass", f"sft.stop_at_pass is a solve rate in (0, 1] or null, got {target}")
+    if (minutes := sft.max_minutes) is not None and not minutes > 0:
+        fail("max-minutes", f"sft.max_minutes must be > 0 or null, got {minutes}")
+    if not 0 <= sft.lora.dropout < 1:
+        fail("lora-dropout", f"sft.lora.dropout must be in [0, 1), got {sft.lora.dropout}")
+    betas = sft.optimizer_config.adam_betas
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        fail(
+            "adam-betas",
+            f"sft.optimizer_config.adam_betas must be two numbers in [0, 1), got {betas}",
+        )
 
 
 def validate(cfg: ClewConfig) -> ClewConfig:

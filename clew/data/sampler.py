@@ -1,7 +1,7 @@
 """The resumable sampler: walks the training rows in a seeded order, one batch per step.
 
 Each epoch is a fresh permutation drawn from ``(seed, epoch)``, so the order depends only
-on the seed and where the walk stands, and ``state()`` (epoch, position) is all a
+on the seed and where the walk stands, and ``state_dict()`` (epoch, position) is all a
 checkpoint needs to continue exactly. An incomplete last batch is dropped, as SkyRL's
 dataloader does, so every step sees ``batch_size`` prompts. A position at the end of an
 epoch is the start of the next one: a checkpoint taken on an epoch's last step resumes into
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -56,6 +56,13 @@ class ResumableSampler(Generic[T]):
         s = state if isinstance(state, SamplerState) else SamplerState(**state)
         self.epoch, self.position = s.epoch, s.position
         self._roll_over()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the walk stands: ``{"epoch": ..., "position": ...}``."""
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_state(state)
 
     def _roll_over(self) -> None:
         if self.position >= self.batches_per_epoch:

@@ -28,6 +28,7 @@ TIMING_PHASES: tuple[str, ...] = (
     "checkpoint",
     "log",
     "step",
+    "dagger",
 )
 
 
@@ -158,6 +159,20 @@ CATALOG: tuple[MetricSpec, ...] = (
         "likely action is an optimal one (clew.train.agreement); groups: all, corridor, "
         "junction, dead_end, goal, dist_0_3, dist_4_7, dist_8_11, dist_12_plus.",
     ),
+    # sft/: the SFT stage (`clew sft`, clew.train.sft).
+    MetricSpec(
+        "sft/loss", "Cross-entropy of the expert's replies (token mean over the batch).", "sft_loss"
+    ),
+    MetricSpec("sft/token_accuracy", "Share of the expert's reply tokens the policy ranks first."),
+    MetricSpec("sft/tokens", "Loss tokens (the expert's reply tokens) in the step's batch."),
+    MetricSpec("sft/grad_norm", "Global gradient norm before clipping."),
+    MetricSpec("sft/lr", "Learning rate of the step's optimizer step."),
+    MetricSpec("sft/skipped", "1 when the gradient was NaN or infinite and the step was skipped."),
+    MetricSpec("sft/elapsed_s", "Wall seconds since the run (or its resume) started."),
+    MetricSpec("sft/dagger_solve_rate", "DAgger round: share of the policy's episodes solved."),
+    MetricSpec("sft/dagger_demonstrations", "DAgger round: branch demonstrations the round made."),
+    MetricSpec("sft/dagger_pool", "DAgger round: branch demonstrations the batches draw from."),
+    MetricSpec("sft/dagger_s", "DAgger round: wall seconds it took."),
     # metrics/: about the metrics themselves.
     MetricSpec(
         "metrics/non_finite", "Metric values this step that were NaN or infinite (should be 0)."

@@ -9,7 +9,7 @@ from clew.train.batch import ModelBatch, Sample, collate, micro_batches, target_
 from clew.train.demonstrations import Demonstration, demonstrations
 from clew.train.lora import apply_lora
 from clew.train.settings import PPOSettings, WorkerSettings
-from clew.train.sft import SFTResult, run_sft
+from clew.train.sft import SFTResult, SFTTrainer
 from clew.train.training_batch import TrainingBatch
 from clew.train.worker import PolicyWorker
 
@@ -19,6 +19,7 @@ __all__ = [
     "PPOSettings",
     "PolicyWorker",
     "SFTResult",
+    "SFTTrainer",
     "Sample",
     "TrainingBatch",
     "WorkerSettings",
@@ -26,6 +27,5 @@ __all__ = [
     "collate",
     "demonstrations",
     "micro_batches",
-    "run_sft",
     "target_values",
 ]

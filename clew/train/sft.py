@@ -1,236 +1,358 @@
-"""Supervised warm-up from solver demonstrations, before RL.
+"""Supervised warm-up from expert demonstrations, before RL: the SFT loop (``clew sft``).
 
 A policy trained from scratch starts by writing random tokens; GRPO then sees reward 0 in
-every sample and has nothing to learn from. A few hundred steps of imitating the BFS
-solver teach the action format and the basics of moving, so RL starts where rewards vary.
-The demonstrations (solver episodes with detours, starts anywhere, and their batches) are
-``clew.train.demonstrations``; DAgger rounds are ``clew.train.dagger``.
+every sample and has nothing to learn from. A few hundred steps of imitating the env's
+expert teach the action format and the basics of moving, so RL starts where rewards vary.
+The demonstrations (expert episodes with detours, starts anywhere) are
+``clew.train.demonstrations``; DAgger rounds are ``clew.train.dagger``. ``clew.launch.
+run_sft_stage`` assembles a run of this loop from the config's ``sft`` section.
+
+One step: the step's demonstrations (played one batch ahead on a thread), a DAgger round
+when one is due, the batch's DAgger share mixed in, one optimizer step, an evaluation when
+due, then logging, checkpointing and exports, as in the GRPO loop.
+
+Exact resume. ``state_dict()`` holds what a resumed run needs to take the very steps the
+uninterrupted one would (the worker keeps its weights, optimizer and schedule):
+
+* the step, the best evaluation so far and its step, the first and last evaluations, and
+  the count of steps in a row whose gradient was not finite;
+* nothing for the demonstrations: batch ``k`` is a pure function of ``(sft.seed, k)``
+  (``DemonstrationStream``), so the step is their position, whatever the thread had
+  played ahead when the process died;
+* the DAgger generator's state and the pool of branch demonstrations. The pool is stored
+  as the demonstrations themselves, frames as PNG (lossless; a maze frame is a few KB):
+  a round plays the policy of its step, which a resumed run no longer has, so the pool
+  cannot be replayed.
 """
 
 from __future__ import annotations
 
-import json
+import io
 import random
-import shutil
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
+from clew.config import ClewConfig
 from clew.data.rows import Row
-from clew.errors import ClewError, ConfigError, DataError
+from clew.errors import ClewError, DataError
+from clew.metrics import MetricsCollector
 from clew.models.chat import ChatFormat
 from clew.stopping import GracefulStop
-from clew.train.dagger import BranchPool, DaggerSettings, dagger_round, mix_in
-from clew.train.demonstrations import check_shares, demonstration_batches
+from clew.train.dagger import DaggerSettings, dagger_round, mix_in
+from clew.train.demonstrations import Demonstration, demonstrations
 from clew.train.optim import MAX_DROPPED_STEPS
-from clew.train.worker import PolicyWorker, WorkerSettings
+from clew.train.worker import PolicyWorker
 
 EvalFn = Callable[[torch.nn.Module, ChatFormat, int], dict[str, float]]
-LogFn = Callable[[int, dict[str, float]], None]
+"""``eval_fn(model, chat, step)``: evaluation metrics (``eval/all/pass_at_1`` among them)."""
+
+BEST_KEY = "eval/all/pass_at_1"
 
 
 @dataclass
 class SFTResult:
-    """Where the model went and how training went."""
+    """Where a finished SFT run left its policy, and how it evaluated."""
 
-    output_dir: Path
-    losses: list[float]
-    evals: list[dict[str, float]]
-    num_demonstrations: int
-
-
-def _save(worker: PolicyWorker, directory: Path) -> None:
-    """A loadable policy directory: full weights (LoRA merged in) and the processor."""
-    worker.save_pretrained(directory, merged=True)
-    worker.chat.processor.save_pretrained(directory)
+    run_dir: Path
+    final_policy: str  # export_path/final/policy: full weights (LoRA merged) and processor
+    step: int  # the step the run ended on
+    last_eval: dict[str, float] = field(default_factory=dict)
+    first_eval: dict[str, float] = field(default_factory=dict)
+    num_demonstrations: int = 0  # training rows the expert can solve
 
 
-def _save_best(worker: PolicyWorker, directory: Path, step: int, value: float) -> None:
-    """The policy as ``directory/policy`` and ``best.json`` (step, pass@1) beside it, as
-    ``clew train``'s ``export_best``: the old best goes first and best.json is written last,
-    so a best.json on disk always describes the policy beside it."""
-    if directory.exists():
-        shutil.rmtree(directory)
-    _save(worker, directory / "policy")
-    record = {"step": step, "eval/all/pass_at_1": value}
-    (directory / "best.json").write_text(json.dumps(record, indent=2))
+@dataclass
+class SFTLoopState:
+    step: int = 0
+    best_eval: float = -1.0  # the best eval/all/pass_at_1 so far (export_best)
+    best_step: int = -1
+    dropped: int = 0  # steps in a row whose gradient was NaN or infinite (no update)
+    stopped_at_pass: bool = False  # sft.stop_at_pass was reached: the run is over
+    first_eval: dict[str, float] = field(default_factory=dict)
+    last_eval: dict[str, float] = field(default_factory=dict)
 
 
-def run_sft(
-    model_dir: str | Path,
-    train_rows: Sequence[Row],
-    output_dir: str | Path,
-    *,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    lora_rank: int = 0,
-    lora_alpha: float = 16.0,
-    lora_dropout: float = 0.0,
-    lora_target_modules: str | list[str] = "all-linear",
-    weight_decay: float = 0.0,
-    max_grad_norm: float = 1.0,
-    warmup_steps: int = 0,
-    scheduler: str = "constant_with_warmup",
-    micro_batch_size: int | None = None,
-    pack_sequences: bool = False,
-    detour_prob: float = 0.0,
-    start_anywhere: float = 0.0,
-    keep_last_k_images: int | None = None,
-    max_seconds: float | None = None,
-    stop_at_pass: float | None = None,
-    seed: int = 0,
-    dtype: str = "float32",
-    autocast_bf16: bool = False,
-    device: str = "cpu",
-    eval_fn: EvalFn | None = None,
-    eval_interval: int = 0,
-    save_interval: int = 0,
-    save_best: bool = False,
-    dagger: DaggerSettings | None = None,
-    log: LogFn | None = None,
-) -> SFTResult:
-    """Train on solver demonstrations of ``train_rows`` and save a loadable policy directory.
+class DemonstrationStream:
+    """Batches of expert demonstrations where batch ``k`` depends only on ``(seed, k)``.
 
-    Each step is one optimizer step on ``batch_size`` whole episodes drawn without
-    replacement (reshuffled each pass; with detours, each pass plays new detours), played
-    one batch ahead on a thread (``demonstration_batches``).
-    ``eval_fn(model, chat, step)`` runs every ``eval_interval`` steps and after the last.
-    ``output_dir`` gets full weights (LoRA merged in) and the processor, so
-    ``clew.models.load_policy`` reads it like any checkpoint. ``keep_last_k_images``
-    trains with the image window the policy will be run with (generator.keep_last_k_images).
-    ``max_seconds`` ends training (evaluated and saved as after the last step) at the first
-    step that finishes past that wall-clock budget; so does a SIGINT or SIGTERM
-    (``clew.stopping``) at the step it arrives in. ``stop_at_pass`` ends it (saved) at the
-    first evaluation whose ``eval/all/pass_at_1`` reaches it: an SFT start meant to lie in a
-    band of solve rates stops in it rather than past it. ``dtype`` and ``autocast_bf16`` are the
-    weights' dtype and bfloat16 compute (``clew.models.precision``); ``pack_sequences``
-    lays the batch's episodes end to end in rows, ``micro_batch_size`` rows a forward
-    (``clew.train.batch.collate``: the same loss with less padding). ``save_interval`` also
-    saves the policy every that many steps to ``output_dir/step_N`` (as HF's ``save_steps``),
-    so a start of a chosen strength can be taken from along the curve. ``save_best`` keeps the
-    policy of the best evaluation so far (``eval/all/pass_at_1``, ties keep the earlier step) in
-    ``output_dir/best/policy`` with ``best.json`` naming its step: the SFT curve is noisy, and
-    its peak is often not its last step. ``dagger`` adds DAgger
-    rounds: every ``dagger.interval`` steps the policy plays training rows and its branch
-    demonstrations (those of the latest ``dagger.keep_rounds`` rounds) fill ``dagger.share``
-    of each batch until the next round
-    (``clew.train.dagger``).
+    The rows are walked pass after pass, each pass in its own order drawn from ``(seed,
+    pass)``; batch ``k`` holds rows ``k * batch_size`` to ``(k + 1) * batch_size - 1`` of
+    that walk, so batches run across pass boundaries and every row is seen once a pass.
+    Pass ``p`` plays its detours and starts with seed ``seed + p`` (so each pass sees new
+    ones; without either every pass replays the same episodes), and a row's demonstration
+    depends only on that seed and the row (``demonstrations``). Only the batch asked for is
+    played: a whole dataset of played episodes (every frame an image) would not fit.
     """
-    if steps < 1 or batch_size < 1:
-        raise ConfigError(f"steps and batch_size must be positive, got {steps} and {batch_size}")
-    if not lr > 0:
-        raise ConfigError(f"lr must be > 0, got {lr}")
-    if lora_rank < 0:
-        raise ConfigError(f"lora_rank must be >= 0 (0 trains all weights), got {lora_rank}")
-    if lora_rank > 0 and not lora_alpha > 0:
-        raise ConfigError(f"lora_alpha must be > 0, got {lora_alpha}")
-    if warmup_steps < 0:
-        raise ConfigError(f"warmup_steps must be >= 0, got {warmup_steps}")
-    output_dir = Path(output_dir)
-    if output_dir.resolve() == Path(model_dir).resolve():
-        raise ConfigError(f"output_dir {output_dir} is the starting model; choose another folder")
-    if keep_last_k_images is not None and keep_last_k_images < 1:
-        raise ConfigError(f"keep_last_k_images must be >= 1 or None, got {keep_last_k_images}")
-    check_shares(detour_prob, start_anywhere)
-    if stop_at_pass is not None and not 0.0 < stop_at_pass <= 1.0:
-        raise ConfigError(f"stop_at_pass is a solve rate in (0, 1], got {stop_at_pass}")
-    if save_interval < 0:
-        raise ConfigError(
-            f"save_interval is a number of steps >= 0 (0: never), got {save_interval}"
-        )
-    if stop_at_pass is not None and eval_fn is None:
-        raise ConfigError("stop_at_pass needs an evaluation: give eval data (--eval-data)")
-    if save_best and eval_fn is None:
-        raise ConfigError(
-            "save_best (--save-best) keeps the best evaluation: give eval data (--eval-data)"
-        )
-    torch.manual_seed(seed)
-    settings = WorkerSettings(
-        lr=lr,
-        weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm,
-        scheduler=scheduler,
-        num_warmup_steps=warmup_steps,
-        num_training_steps=steps,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        lora_target_modules=lora_target_modules,
-        autocast_bf16=autocast_bf16,
-        pack_sequences=pack_sequences,
-    )
-    worker = PolicyWorker.from_pretrained(model_dir, settings, dtype=dtype, device=device)
-    chat = worker.chat
 
-    solvable = [row for row in train_rows if row.solvable]
-    if not solvable:
-        raise DataError("no training row can be solved within its turn budget; nothing to imitate")
-    batches = demonstration_batches(
-        solvable, chat, batch_size, detour_prob, seed, keep_last_k_images, start_anywhere
-    )
-    losses: list[float] = []
-    evals: list[dict[str, float]] = []
-    branches = BranchPool(dagger.keep_rounds if dagger is not None else 1)
-    dagger_rng = random.Random(seed + 1)
-    best = -1.0  # the best eval/all/pass_at_1 so far (save_best)
-    dropped = 0  # steps in a row whose gradient was NaN or infinite (no update)
-    started = time.monotonic()
-    # One batch is played ahead on a thread while the current one trains.
-    with (
-        GracefulStop("SFT") as stop,
-        ThreadPoolExecutor(max_workers=1, thread_name_prefix="clew-demos") as pool,
-    ):
-        ahead = pool.submit(next, batches)
-        for step in range(1, steps + 1):
-            batch = ahead.result()
-            if step < steps:
-                ahead = pool.submit(next, batches)
-            round_stats: dict[str, float] = {}
-            if dagger is not None and step > 1 and (step - 1) % dagger.interval == 0:
-                round_demos, round_stats = dagger_round(
-                    worker.model, chat, solvable, dagger, dagger_rng,
-                    image_window=keep_last_k_images, autocast=autocast_bf16,
-                )  # fmt: skip
-                branches.add(round_demos)
-                round_stats["sft/dagger_pool"] = float(len(branches.demos))
-            if dagger is not None:
-                batch = mix_in(batch, branches.demos, dagger.share, dagger_rng)
-            stats = worker.sft_step(batch, micro_batch_size or batch_size) | round_stats
-            dropped = dropped + 1 if stats["sft/skipped"] else 0
-            losses.append(stats["sft/loss"])
-            elapsed = time.monotonic() - started
-            last = (
-                step == steps
-                or (max_seconds is not None and elapsed >= max_seconds)
-                or stop.requested  # SIGINT/SIGTERM: evaluated and saved as the last step
+    def __init__(
+        self,
+        rows: Sequence[Row],
+        chat: ChatFormat,
+        batch_size: int,
+        seed: int = 0,
+        detour_prob: float = 0.0,
+        start_anywhere: float = 0.0,
+        image_window: int | None = None,
+    ) -> None:
+        if not rows:
+            raise DataError("no rows to play demonstrations of")
+        self.rows = list(rows)
+        self.chat = chat
+        self.batch_size = batch_size
+        self.seed = seed
+        self.detour_prob = detour_prob
+        self.start_anywhere = start_anywhere
+        self.image_window = image_window
+        self._cached_order: tuple[int, np.ndarray] | None = None
+
+    def _order(self, pass_index: int) -> np.ndarray:
+        # One random.Random(seed) shuffling the rows once a pass, walked from the end: the
+        # order clew's SFT has always drawn, so a seed's run stays the run it was (the CPU
+        # main job's SFT start among them). Pass p replays the shuffles before it; the
+        # latest pass's order is kept.
+        cached = self._cached_order
+        if cached is None or cached[0] != pass_index:
+            rng = random.Random(self.seed)
+            for _ in range(pass_index + 1):
+                order = list(range(len(self.rows)))
+                rng.shuffle(order)
+            cached = self._cached_order = (pass_index, np.array(order[::-1]))
+        return cached[1]
+
+    def batch(self, k: int) -> list[Demonstration]:
+        n, out = len(self.rows), []
+        varies = self.detour_prob > 0 or self.start_anywhere > 0
+        for j in range(k * self.batch_size, (k + 1) * self.batch_size):
+            p = j // n
+            row = self.rows[int(self._order(p)[j % n])]
+            seed = self.seed + p if varies else self.seed
+            for demo in demonstrations(
+                [row], self.chat, self.detour_prob, seed, start_anywhere=self.start_anywhere
+            ):
+                demo.image_window = self.image_window
+                out.append(demo)
+        return out
+
+
+def _png(image: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _unpng(data: bytes) -> Image.Image:
+    with Image.open(io.BytesIO(data)) as image:
+        return image.copy()
+
+
+class SFTTrainer:
+    """Drives a ``PolicyWorker`` through SFT steps on ``rows``' expert demonstrations.
+
+    ``checkpointer`` (``clew.checkpoint.state.Checkpointer`` of the ``sft`` stage) saves and
+    restores ``{"sft": self, "worker": worker}`` and writes the exports; ``eval_fn`` runs
+    every ``sft.eval_interval`` steps and after the last; ``loggers`` get one flat dict a
+    step (``clew.metrics.make_loggers``).
+    """
+
+    def __init__(
+        self,
+        cfg: ClewConfig,
+        worker: PolicyWorker,
+        rows: Sequence[Row],
+        checkpointer: Any,
+        loggers: Any,
+        *,
+        eval_fn: EvalFn | None = None,
+        autocast: bool = False,
+    ) -> None:
+        s = cfg.sft
+        self.cfg = cfg
+        self.worker = worker
+        self.checkpointer = checkpointer
+        self.loggers = loggers
+        self.eval_fn = eval_fn
+        self.autocast = autocast
+        self.rows = [row for row in rows if row.solvable]
+        if not self.rows:
+            raise DataError(
+                "no training row can be solved within its turn budget; nothing to imitate"
             )
-            stats["sft/elapsed_s"] = elapsed
-            if eval_fn is not None and ((eval_interval and step % eval_interval == 0) or last):
-                metrics = eval_fn(worker.model, chat, step)
-                evals.append(metrics)
-                stats = stats | metrics
-                value = metrics.get("eval/all/pass_at_1")
-                if save_best and value is not None and value > best:
-                    best = value
-                    _save_best(worker, output_dir / "best", step, value)
-                if stop_at_pass is not None:
-                    last = last or (value or 0.0) >= stop_at_pass
-            if log is not None:
-                log(step, stats)
-            if save_interval and step % save_interval == 0 and not last:
-                _save(worker, output_dir / f"step_{step}")
-            if last or dropped >= MAX_DROPPED_STEPS:
-                break
-    _save(worker, output_dir)
-    if dropped >= MAX_DROPPED_STEPS:
-        raise ClewError(
-            f"the gradient was NaN or infinite at SFT steps {step - dropped + 1}-{step}, so "
-            f"none of them changed the policy; stopped, and saved the policy of step "
-            f"{step - dropped} to {output_dir}. Lower --lr or check the data."
+        self.image_window = cfg.generator.keep_last_k_images
+        self.stream = DemonstrationStream(
+            self.rows, worker.chat, s.batch_size, s.seed, s.detour_prob, s.start_anywhere,
+            self.image_window,
+        )  # fmt: skip
+        d = s.dagger
+        self.dagger = (
+            DaggerSettings(d.interval, d.rows, d.share, d.keep_rounds, d.temperature)
+            if d.interval > 0
+            else None
         )
-    return SFTResult(output_dir, losses, evals, len(solvable))
+        self.dagger_rng = random.Random(s.seed + 1)
+        # Rounds of branch demonstrations, numbered, the newest last (sft.dagger.keep_rounds).
+        self.rounds: deque[tuple[int, list[Demonstration]]] = deque(maxlen=d.keep_rounds or None)
+        self.pool: list[Demonstration] = []
+        self._encoded: dict[int, list[Demonstration]] = {}  # rounds as stored, by number
+        self.state = SFTLoopState()
+        self.metrics = MetricsCollector()
+
+    # -- the loop -------------------------------------------------------------------
+    def fit(self) -> SFTResult:
+        """Resume if a checkpoint is there, train to ``sft.steps`` (or a stop), export."""
+        self.checkpointer.maybe_resume(self.checkpointed())
+        saved = self.state.step  # a resumed step is saved already
+        with (
+            GracefulStop("SFT") as stop,
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="clew-demos") as ahead,
+        ):
+            saved = self._loop(stop, ahead, saved)
+        s = self.state
+        final = self.checkpointer.export_final(self.write_policy)
+        if s.dropped >= MAX_DROPPED_STEPS:
+            raise ClewError(
+                f"the gradient was NaN or infinite at SFT steps {s.step - s.dropped + 1}-"
+                f"{s.step}, so none of them changed the policy; stopped, and exported the "
+                f"policy of step {s.step - s.dropped} to {final}. Lower "
+                "sft.optimizer_config.lr or check the data."
+            )
+        # However the loop ended (the last step, a stop, a signal), its step is saved.
+        if self.cfg.sft.ckpt_interval > 0 and s.step > saved:
+            self.checkpointer.save(s.step, self.checkpointed())
+        return SFTResult(
+            self.checkpointer.run_dir, final, s.step, s.last_eval, s.first_eval, len(self.rows)
+        )
+
+    def _loop(self, stop: GracefulStop, ahead: ThreadPoolExecutor, saved: int) -> int:
+        s, cfg = self.state, self.cfg.sft
+        max_seconds = None if cfg.max_minutes is None else 60 * cfg.max_minutes
+        started = time.monotonic()
+        pending: Future | None = None
+        if s.step < cfg.steps and not s.stopped_at_pass:
+            pending = ahead.submit(self.stream.batch, s.step)
+        while pending is not None:
+            batch = pending.result()
+            s.step += 1
+            step = s.step
+            pending = ahead.submit(self.stream.batch, step) if step < cfg.steps else None
+            with self.metrics.timer("step"):
+                self.dagger_round(step)
+                self.train(self.mix(batch))
+                elapsed = time.monotonic() - started
+                self.metrics.add("sft/elapsed_s", elapsed, reduce="last")
+                last = (
+                    step == cfg.steps
+                    or (max_seconds is not None and elapsed >= max_seconds)
+                    or stop.requested  # SIGINT/SIGTERM: evaluated and saved as the last step
+                )
+                if self.eval_fn is not None and (self._due(cfg.eval_interval, step) or last):
+                    last = self.evaluate(step) or last
+            self.loggers.log(self.metrics.flush(step), step)
+            if last or s.dropped >= MAX_DROPPED_STEPS:
+                break
+            if self._due(cfg.ckpt_interval, step):
+                self.checkpointer.save(step, self.checkpointed())
+                saved = step
+            if self._due(cfg.hf_save_interval, step):
+                self.checkpointer.export(self.write_policy, step)
+        if stop.requested:
+            print(f"stopped by {stop.signal_name} after SFT step {s.step}", flush=True)
+        return saved
+
+    # -- the phases -----------------------------------------------------------------
+    def dagger_round(self, step: int) -> None:
+        """When due (every ``sft.dagger.interval`` steps), the policy plays training rows and
+        their branch demonstrations join the pool."""
+        d = self.dagger
+        if d is None or step == 1 or (step - 1) % d.interval:
+            return
+        with self.metrics.timer("dagger"):
+            demos, stats = dagger_round(
+                self.worker.model, self.worker.chat, self.rows, d, self.dagger_rng,
+                image_window=self.image_window, autocast=self.autocast,
+            )  # fmt: skip
+        number = self.rounds[-1][0] + 1 if self.rounds else 1
+        self.rounds.append((number, demos))
+        self._pool_changed()
+        self.metrics.add_many(stats | {"sft/dagger_pool": float(len(self.pool))})
+
+    def mix(self, batch: list[Demonstration]) -> list[Demonstration]:
+        """The batch with its DAgger share drawn from the pool (when DAgger is on)."""
+        if self.dagger is None:
+            return batch
+        return mix_in(batch, self.pool, self.dagger.share, self.dagger_rng)
+
+    def train(self, batch: list[Demonstration]) -> None:
+        with self.metrics.timer("update"):
+            stats = self.worker.sft_step(batch, self.cfg.sft.micro_batch_size or len(batch))
+        self.state.dropped = self.state.dropped + 1 if stats["sft/skipped"] else 0
+        self.metrics.add_many(stats)
+
+    def evaluate(self, step: int) -> bool:
+        """Evaluate, keep the best; True when ``sft.stop_at_pass`` is reached."""
+        assert self.eval_fn is not None
+        with self.metrics.timer("evaluate"):
+            metrics = self.eval_fn(self.worker.model, self.worker.chat, step)
+        self.metrics.add_many(metrics)
+        s, target = self.state, self.cfg.sft.stop_at_pass
+        s.last_eval = dict(metrics)
+        s.first_eval = s.first_eval or dict(metrics)
+        value = metrics.get(BEST_KEY)
+        if value is not None and value > s.best_eval:  # ties keep the earlier step
+            s.best_eval, s.best_step = value, step
+            if self.cfg.sft.export_best:
+                with self.metrics.timer("export"):
+                    self.checkpointer.export_best(self.write_policy, step, value)
+        s.stopped_at_pass = target is not None and (value or 0.0) >= target
+        return s.stopped_at_pass
+
+    def write_policy(self, directory: Path) -> None:
+        """A loadable policy directory: full weights (LoRA merged in) and the processor."""
+        self.worker.save_pretrained(directory, merged=True)
+        self.worker.chat.processor.save_pretrained(directory)
+
+    # -- state ----------------------------------------------------------------------
+    def checkpointed(self) -> dict[str, Any]:
+        """What a checkpoint saves and a resume restores, by name."""
+        return {"sft": self, "worker": self.worker}
+
+    def state_dict(self) -> dict[str, Any]:
+        for number, demos in self.rounds:
+            if number not in self._encoded:  # each round is encoded once
+                self._encoded[number] = [
+                    replace(d, images=[_png(im) for im in d.images]) for d in demos
+                ]
+        return {
+            "loop": dict(vars(self.state)),
+            "dagger_rng": self.dagger_rng.getstate(),
+            "rounds": [(n, self._encoded[n]) for n, _ in self.rounds],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = SFTLoopState(**state["loop"])
+        self.dagger_rng.setstate(state["dagger_rng"])
+        self.rounds.clear()
+        self._encoded = dict(state["rounds"])
+        for number, demos in state["rounds"]:
+            self.rounds.append(
+                (number, [replace(d, images=[_unpng(b) for b in d.images]) for d in demos])
+            )
+        self._pool_changed()
+
+    def _pool_changed(self) -> None:
+        # Flattened once a round, not on every step that draws from it.
+        self.pool = [d for _, demos in self.rounds for d in demos]
+        kept = {n for n, _ in self.rounds}
+        self._encoded = {n: v for n, v in self._encoded.items() if n in kept}
+
+    @staticmethod
+    def _due(interval: int, step: int) -> bool:
+        return interval > 0 and step % interval == 0
