@@ -43,7 +43,7 @@ format: setup
 	$(BIN)/ruff check --fix clew tests benchmarks
 
 demo: setup
-	HF_HUB_OFFLINE=1 $(BIN)/clew demo --output-dir $(RUN_DIR)
+	HF_HUB_OFFLINE=1 $(BIN)/clew pipeline --config recipes/cpu-demo.yaml --output-dir $(RUN_DIR)
 
 bench: setup
 	$(BIN)/python benchmarks/env.py

@@ -1,4 +1,4 @@
-"""Commands that train: train, sft, report, demo."""
+"""Commands that train: train, sft, report."""
 
 from __future__ import annotations
 
@@ -97,28 +97,6 @@ def _report(p: argparse.ArgumentParser) -> Handler:
         for k, v in summarize(args.run_dir).items():
             print(f"{k}: {v}")
         print(f"wrote {png}")
-        return 0
-
-    return run
-
-
-@command("demo", "the main job on the built-in default (what `make demo` runs)")
-def _demo(p: argparse.ArgumentParser) -> Handler:
-    p.add_argument("--output-dir", default="runs/demo")
-    p.add_argument("--sft-steps", type=positive_int, default=None)
-    p.add_argument("--grpo-steps", type=positive_int, default=None)
-
-    def run(args: argparse.Namespace) -> int:
-        from dataclasses import replace
-
-        from clew.demo import DemoPlan, run_demo
-
-        plan = DemoPlan()
-        if args.sft_steps:
-            plan = replace(plan, sft_steps=args.sft_steps)
-        if args.grpo_steps:
-            plan = replace(plan, grpo_steps=args.grpo_steps)
-        run_demo(args.output_dir, plan)
         return 0
 
     return run

@@ -1,0 +1,31 @@
+"""The ``pipeline`` command: a recipe's stages (dataset, model, sft, train) in one run."""
+
+from __future__ import annotations
+
+import argparse
+
+from clew.commands.registry import Handler, command
+
+
+@command(
+    "pipeline",
+    "run a recipe (recipes/*.yaml) end to end: dataset, base model, SFT, GRPO; re-running "
+    "it goes on where it stopped",
+)
+def _pipeline(p: argparse.ArgumentParser) -> Handler:
+    p.add_argument("--config", required=True, help="recipe YAML (or a run folder's config.yaml)")
+    p.add_argument(
+        "--output-dir",
+        help="where every stage writes: an alias of trainer.log_path (a key=value wins)",
+    )
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. trainer.max_steps=10")
+
+    def run(args: argparse.Namespace) -> int:
+        from clew.config import load_config
+        from clew.pipeline import run_pipeline
+
+        aliases = [f"trainer.log_path={args.output_dir}"] if args.output_dir else []
+        run_pipeline(load_config(args.config, [*aliases, *args.overrides]))
+        return 0
+
+    return run

@@ -1,0 +1,334 @@
+"""A recipe run end to end: ``clew pipeline`` chains dataset, model, SFT and GRPO.
+
+Each stage reads its section of the one config and hands what it made to the next by
+updating the config (``data.train_data``/``val_data``, ``sft.model_path``,
+``trainer.policy.model.path``), so the run folder of every stage holds the config it ran
+with. Everything lands under ``trainer.log_path`` (LOG)::
+
+    LOG/config.yaml                the pipeline's config as given
+    LOG/stages.json                what each finished stage made, and from which settings
+    LOG/data/{train,eval}.parquet  the 'dataset' stage
+    LOG/models/base/               the 'model' stage: the policy SFT starts from
+    LOG/<sft.run_name>/            the SFT run; its exports/final/policy is GRPO's start
+    LOG/<trainer.run_name>/        the GRPO run, with report.png
+    LOG/summary.json               eval pass@1 of the start, the end and the best step
+
+Re-running the same command after an interruption goes on where it stopped: a stage whose
+output is complete and was made from the same settings is skipped, and SFT and GRPO
+resume from their latest checkpoints (``trainer.resume_mode=latest``). Output made from
+other settings is an error naming what differs; it is never reused or overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from clew.config import ClewConfig, save_config, validate
+from clew.config.overrides import build_config
+from clew.errors import ConfigError
+
+STAGES: tuple[str, ...] = ("dataset", "model", "sft", "train")
+STAGES_FILE = "stages.json"
+SUMMARY_FILE = "summary.json"
+EVAL_KEY = "eval/all/pass_at_1"
+
+
+def say(msg: str) -> None:
+    print(f"[pipeline {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_pipeline(cfg: ClewConfig) -> dict[str, float]:
+    """Run ``cfg.pipeline.stages`` in order under ``trainer.log_path``; returns the summary.
+
+    The summary (also ``LOG/summary.json``) is GRPO's: ``sft_pass_at_1`` (its evaluation
+    before the first step, i.e. the start's), ``final_pass_at_1``, ``gain_points``,
+    ``best_pass_at_1`` and ``best_step``; empty when no 'train' stage ran or it evaluated
+    nothing.
+    """
+    check_stages(cfg)
+    out = Path(cfg.trainer.log_path)
+    save_config(cfg, out)
+    for stage in cfg.pipeline.stages:
+        cfg = _STAGE_FNS[stage](cfg, out)
+    if "train" not in cfg.pipeline.stages:
+        return {}
+    return report(cfg, out)
+
+
+def check_stages(cfg: ClewConfig) -> None:
+    """Every problem of the chain at once, before any stage starts."""
+    stages, bad = cfg.pipeline.stages, []
+    if not stages:
+        bad.append(f"pipeline.stages is empty; name some of {', '.join(STAGES)}")
+    if len(set(stages)) != len(stages) or stages != sorted(stages, key=STAGES.index):
+        bad.append(
+            f"pipeline.stages must name each stage at most once, in the order "
+            f"{', '.join(STAGES)}; got {stages}"
+        )
+    if "sft" in stages and "model" not in stages and not cfg.sft.model_path:
+        bad.append("the 'sft' stage without 'model' needs sft.model_path")
+    if {"sft", "train"} & set(stages) and "dataset" not in stages and not cfg.data.train_data:
+        bad.append("the 'sft' and 'train' stages without 'dataset' need data.train_data")
+    if "train" in stages and "sft" not in stages and not cfg.trainer.policy.model.path:
+        bad.append("the 'train' stage without 'sft' needs trainer.policy.model.path")
+    names = {"sft.run_name": cfg.sft.run_name, "trainer.run_name": cfg.trainer.run_name}
+    for key, name in names.items():
+        if name in ("data", "models"):
+            bad.append(f"{key}={name!r} would share its folder with the pipeline's {name}/")
+    if {"sft", "train"} <= set(stages) and cfg.sft.run_name == cfg.trainer.run_name:
+        bad.append(
+            f"sft.run_name and trainer.run_name are both {cfg.sft.run_name!r}: the SFT and "
+            "GRPO runs need folders of their own under trainer.log_path"
+        )
+    if bad:
+        raise ConfigError("pipeline: " + "; ".join(bad))
+
+
+def updated(cfg: ClewConfig, values: dict[str, Any]) -> ClewConfig:
+    """``cfg`` with dotted ``values`` set, validated again as a whole."""
+    data = cfg.model_dump(mode="python")
+    for key, value in values.items():
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return validate(build_config(data))
+
+
+# -- the record of finished stages --------------------------------------------------------
+
+
+def _records(out: Path) -> dict[str, Any]:
+    path = out / STAGES_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _finished(out: Path, stage: str, settings: dict[str, Any], output: str, present: bool) -> bool:
+    """True when ``stage``'s ``output`` is ``present`` and was made from ``settings``.
+
+    ``settings`` maps config keys to the values the stage depends on. Output made from
+    other settings is an error naming each key that differs. Absent output, or output
+    without a record (a stage interrupted before it finished), is made again.
+    """
+    done = _records(out).get(stage)
+    if not present or done is None:
+        return False
+    if done["settings"] != settings:
+        keys = sorted(set(done["settings"]) | set(settings))
+        diffs = [
+            f"{k}: {done['settings'].get(k)!r} there, {settings.get(k)!r} now"
+            for k in keys
+            if done["settings"].get(k) != settings.get(k)
+        ]
+        raise ConfigError(
+            f"the '{stage}' stage's output {output} was made from other settings:\n  "
+            + "\n  ".join(diffs)
+            + f"\nuse another trainer.log_path (--output-dir), or delete {output} to make "
+            "it again"
+        )
+    return True
+
+
+def _settings(prefix: str, section: Any) -> dict[str, Any]:
+    return {f"{prefix}.{k}": v for k, v in section.model_dump(mode="json").items()}
+
+
+def _upstream(cfg: ClewConfig, out: Path, stages: tuple[str, ...]) -> dict[str, Any]:
+    """What earlier stages of this chain were made from: a change there makes this stale."""
+    records = _records(out)
+    return {
+        f"stages.{name}": records[name]["settings"] if name in cfg.pipeline.stages else None
+        for name in stages
+    }
+
+
+def _record(out: Path, stage: str, settings: dict[str, Any], **made: Any) -> None:
+    records = _records(out)
+    records[stage] = {"settings": settings, **made}
+    path = out / STAGES_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(records, indent=2) + "\n")
+    tmp.replace(path)  # a record on disk is always whole
+
+
+# -- the stages ---------------------------------------------------------------------------
+
+
+def _dataset(cfg: ClewConfig, out: Path) -> ClewConfig:
+    """Writes LOG/data/{train,eval}.parquet; sets data.train_data and data.val_data."""
+    import pyarrow.parquet as pq
+
+    from clew.data.rows import dataset_stats, format_stats, generate_rows, write_rows
+
+    d = cfg.pipeline.dataset
+    counts = {"train": d.train_rows, "eval": d.eval_rows}
+    paths = {split: out / "data" / f"{split}.parquet" for split in counts}
+    settings = _settings("pipeline.dataset", d)
+    present = all(p.is_file() for p in paths.values())
+    if _finished(out, "dataset", settings, str(out / "data"), present) and all(
+        pq.read_metadata(p).num_rows == counts[s] for s, p in paths.items()
+    ):
+        say(
+            f"dataset: {d.train_rows} train and {d.eval_rows} eval rows of {d.env_id} are "
+            f"already in {out / 'data'}; skipped"
+        )
+    else:
+        for split, n in counts.items():
+            rows = generate_rows(d.env_id, n, split, env_options=dict(d.env_options))
+            write_rows(rows, paths[split])
+            say(f"{split} set: {paths[split]}\n{format_stats(dataset_stats(rows))}")
+        _record(out, "dataset", settings, files={s: str(p) for s, p in paths.items()})
+    return updated(
+        cfg, {"data.train_data": [str(paths["train"])], "data.val_data": [str(paths["eval"])]}
+    )
+
+
+def frame_side(env_id: str, env_options: dict[str, Any]) -> int:
+    """The longest side in px of the environment's first frame."""
+    from clew.envs import make
+
+    return max(make(env_id, **env_options).reset(0).images[0].size)
+
+
+def _model(cfg: ClewConfig, out: Path) -> ClewConfig:
+    """Builds LOG/models/base offline (`clew init-model`); sets sft.model_path."""
+    from clew.envs.base import text_corpus
+    from clew.models import build_model
+
+    m, d = cfg.pipeline.model, cfg.pipeline.dataset
+    folder = out / "models" / "base"
+    image_size = m.image_size or frame_side(d.env_id, dict(d.env_options))
+    settings = _settings("pipeline.model", m) | {"pipeline.model.image_size": image_size}
+    present = (folder / "config.json").is_file()
+    if _finished(out, "model", settings, str(folder), present):
+        say(f"model: the {m.preset} {m.arch} policy is already at {folder}; skipped")
+    else:
+        built = build_model(
+            m.preset,
+            folder,
+            corpus=text_corpus(),
+            seed=m.seed,
+            image_size=image_size,
+            patch_size=m.patch_size,
+            merge_size=m.merge_size,
+            arch=m.arch,
+            text_overrides=m.text,
+            vision_overrides=m.vision,
+            image_mean=m.image_mean,
+            image_std=m.image_std,
+            position_table=m.position_table,
+            overwrite=True,
+        )
+        say(f"built the {m.preset} policy ({built.num_parameters:,} parameters) at {folder}")
+        _record(out, "model", settings, path=str(folder))
+    return updated(cfg, {"sft.model_path": str(folder)})
+
+
+def sft_final_policy(cfg: ClewConfig) -> str:
+    """Where the SFT run of ``cfg`` exports its final policy."""
+    from clew.checkpoint.storage import join
+
+    run_dir = Path(cfg.trainer.log_path) / cfg.sft.run_name
+    return join(cfg.sft.export_path or str(run_dir / "exports"), "final", "policy")
+
+
+def _sft(cfg: ClewConfig, out: Path) -> ClewConfig:
+    """Runs SFT (`clew sft`); sets trainer.policy.model.path to its final policy."""
+    from clew.checkpoint.storage import Storage, join
+
+    final = sft_final_policy(cfg)
+    settings = (
+        _settings("sft", cfg.sft)
+        | {"data.train_data": cfg.data.train_data}
+        | _upstream(cfg, out, ("dataset", "model"))
+    )
+    present = Storage.for_path(final).exists(join(final, "config.json"))
+    run_dir = str(Path(cfg.trainer.log_path) / cfg.sft.run_name)
+    if _finished(out, "sft", settings, run_dir, present):
+        say(f"sft: the final policy is already at {final}; skipped")
+    else:
+        from clew.launch import run_sft_stage
+
+        say(f"sft: {cfg.sft.steps} steps of {cfg.sft.batch_size} expert episodes")
+        result = run_sft_stage(cfg)
+        final = result.final_policy
+        passed = result.last_eval.get(EVAL_KEY)
+        say(
+            f"sft: the final policy (step {result.step}) is at {final}"
+            + ("" if passed is None else f"; eval pass@1 {passed:.1%}")
+        )
+        _record(out, "sft", settings, policy=final)
+    return updated(cfg, {"trainer.policy.model.path": final})
+
+
+def _train(cfg: ClewConfig, out: Path) -> ClewConfig:
+    """Runs GRPO (`clew train`), resuming its latest checkpoint."""
+    from clew.launch import run_grpo
+
+    t, g = cfg.trainer, cfg.generator
+    say(
+        f"GRPO: {t.max_steps if t.max_steps >= 0 else 'all'} steps of {t.train_batch_size} "
+        f"prompts x {g.n_samples_per_prompt} samples from {t.policy.model.path}"
+    )
+    run_grpo(cfg)
+    return cfg
+
+
+_STAGE_FNS: dict[str, Callable[[ClewConfig, Path], ClewConfig]] = {
+    "dataset": _dataset,
+    "model": _model,
+    "sft": _sft,
+    "train": _train,
+}
+
+
+# -- the result ---------------------------------------------------------------------------
+
+
+def report(cfg: ClewConfig, out: Path) -> dict[str, float]:
+    """GRPO's evaluations in brief: LOG/summary.json, the run's report.png, one line."""
+    from clew.data.rows import read_rows
+    from clew.metrics import draw_report, read_history
+
+    run_dir = Path(cfg.trainer.log_path) / cfg.trainer.run_name
+    evals = [
+        (h["step"], h[EVAL_KEY])
+        for h in read_history(run_dir)
+        if isinstance(h.get(EVAL_KEY), int | float) and math.isfinite(h[EVAL_KEY])
+    ]
+    if not evals:
+        say(f"GRPO logged no {EVAL_KEY} (data.val_data empty or trainer.eval_interval -1)")
+        return {}
+    (_, start), (last_step, final) = evals[0], evals[-1]
+    best_step, best = max(evals, key=lambda e: (e[1], -e[0]))  # ties: the earlier step
+    summary = {
+        "sft_pass_at_1": start,
+        "final_pass_at_1": final,
+        "gain_points": 100 * (final - start),
+        "best_pass_at_1": best,
+        "best_step": best_step,
+    }
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    png = draw_report(run_dir)
+    rows = [r for p in cfg.data.val_data for r in read_rows(p)]
+    env_ids = ", ".join(sorted({r.env_id for r in rows}))
+    say(
+        f"eval pass@1 on {len(rows)} fixed {env_ids} mazes: SFT start "
+        f"{start:.1%}, after GRPO {final:.1%} ({summary['gain_points']:+.1f} points)"
+    )
+    export_path = Path(cfg.trainer.export_path or run_dir / "exports")
+    if best_step != last_step:
+        kept = export_path / "best" / "policy"
+        say(
+            f"best evaluation: {best:.1%} at step {best_step}"
+            + (f", kept as {kept}" if kept.is_dir() else "")
+        )
+    gifs = sorted((export_path / "eval").glob(f"global_step_{last_step}/gifs/solved*.gif"))
+    say(f"report: {png}" + (f"; a solved maze: {gifs[0]}" if gifs else ""))
+    return summary
