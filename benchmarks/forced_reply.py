@@ -61,13 +61,13 @@ def main() -> None:
     )
     counts = {"_forward": 0, "extend_and_generate": 0}
     for name in counts:
-        original = getattr(engine_module.Session, name)
+        original = getattr(engine_module.CacheBatch, name)
 
         def counted(self, *a, _name=name, _original=original, **kw):
             counts[_name] += 1
             return _original(self, *a, **kw)
 
-        setattr(engine_module.Session, name, counted)
+        setattr(engine_module.CacheBatch, name, counted)
     play(engine, rows[:1], forced, seed=0)  # warm-up
     print(f"{args.prompts} x {args.samples} episodes of maze_2d/easy on {args.device}")
     for name, settings in (("format sampled (baseline)", sampled), ("format forced", forced)):

@@ -2,7 +2,7 @@
 
 With ``generator.keep_last_k_images=1`` the engine hides every older image from attention.
 Baseline: the hidden columns stay in the cache, masked (what the engine did before), so
-every decode step still reads, concatenates and expands them. clew: ``Session._compact``
+every decode step still reads, concatenates and expands them. clew: ``CacheBatch._compact``
 drops them once they are a quarter of the cache. Both sides play the same mazes with the
 same random-init policy (small preset as Qwen3-VL, 126 px frames, one token per cell),
 greedy, and must produce the same actions; a random policy uses the whole turn budget.
@@ -32,14 +32,14 @@ from clew.rollout.loop import RolloutSettings, play
 def run(engine: InferenceEngine, rows, settings: RolloutSettings, compact: bool):
     saved = engine_module._COMPACT_WHEN_VISIBLE_BELOW
     widths: list[int] = []
-    original = engine_module.Session._forward
+    original = engine_module.CacheBatch._forward
 
-    def forward(session, *args, **kwargs):
-        widths.append(session.cache_tokens)
-        return original(session, *args, **kwargs)
+    def forward(cached, *args, **kwargs):
+        widths.append(cached.cache_tokens)
+        return original(cached, *args, **kwargs)
 
     engine_module._COMPACT_WHEN_VISIBLE_BELOW = saved if compact else 0.0
-    engine_module.Session._forward = forward
+    engine_module.CacheBatch._forward = forward
     try:
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
@@ -50,7 +50,7 @@ def run(engine: InferenceEngine, rows, settings: RolloutSettings, compact: bool)
         return time.perf_counter() - t, trajs, max(widths)
     finally:
         engine_module._COMPACT_WHEN_VISIBLE_BELOW = saved
-        engine_module.Session._forward = original
+        engine_module.CacheBatch._forward = original
 
 
 def main() -> None:

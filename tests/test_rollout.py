@@ -272,14 +272,14 @@ def test_hidden_images_leave_the_kv_cache_without_changing_any_logprob(policy, r
     model, chat = policy
     settings = replace(_settings(max_turns=6), keep_last_k_images=1)
     widths: list[tuple[int, int]] = []
-    compact = engine_module.Session._compact
+    compact = engine_module.CacheBatch._compact
 
-    def recording(session):
-        before = session.cache_tokens
-        compact(session)
-        widths.append((before, session.cache_tokens))
+    def recording(cached):
+        before = cached.cache_tokens
+        compact(cached)
+        widths.append((before, cached.cache_tokens))
 
-    monkeypatch.setattr(engine_module.Session, "_compact", recording)
+    monkeypatch.setattr(engine_module.CacheBatch, "_compact", recording)
     compacted = play(InferenceEngine(model, chat), rows, settings, seed=7)
     # Some turn dropped columns: the cache holds fewer tokens than were fed.
     assert any(after < before for before, after in widths)
@@ -308,16 +308,16 @@ def test_stop_strings_and_max_tokens_end_a_reply(policy, rows):
     env = make(rows[0].env_id, **rows[0].options())
     obs = env.reset(rows[0].seed)
     first = chat.user_turn(obs.text, obs.images, first=True)
-    free = engine.session(1, seed=0).extend_and_generate({0: first}, SamplingParams(max_tokens=12))[
-        0
-    ]
+    free = engine.open_batch(1, seed=0).extend_and_generate(
+        {0: first}, SamplingParams(max_tokens=12)
+    )[0]
     assert len(free.token_ids) <= 12
     if free.finish_reason == "length":
         assert len(free.token_ids) == 12
     text = chat.decode(free.token_ids[:3])
     if text.strip():
         stop = text.strip()[-1]
-        again = engine.session(1, seed=0).extend_and_generate(
+        again = engine.open_batch(1, seed=0).extend_and_generate(
             {0: first}, SamplingParams(max_tokens=12, stop=(stop,))
         )[0]
         assert again.finish_reason == "stop" and len(again.token_ids) <= 3

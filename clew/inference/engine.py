@@ -6,7 +6,7 @@ have), and an engine inside the training process shares the policy's weights, Lo
 adapters included, as the very module objects the optimizer updates, so "weight sync"
 after each step costs nothing and can never go stale.
 
-How it works. A ``Session`` holds a batch of sequences in one transformers cache. Each
+How it works. A ``CacheBatch`` holds a batch of sequences in one transformers cache. Each
 turn appends a chunk to every sequence (the previous reply's last token plus the new
 observation) and then decodes the reply one token per step, so a turn only prefills the
 new tokens, never the history. Sequences are padded to a common cache length, and the
@@ -80,7 +80,7 @@ def cache_budget_bytes(
     return max_cache_mb * 2**20
 
 
-# Session._compact runs once the visible columns are at most this share of the cache width.
+# CacheBatch._compact runs once the visible columns are at most this share of the cache width.
 _COMPACT_WHEN_VISIBLE_BELOW = 0.75
 
 
@@ -109,10 +109,10 @@ class InferenceEngine:
         self.allowed_ids = AllowedIds(chat, self.device)
         self._cache_kw = _cache_kwarg(model)
 
-    def session(
+    def open_batch(
         self, size: int, seed: int | None = None, keep_last_k_images: int | None = None
-    ) -> Session:
-        return Session(self, size, seed, keep_last_k_images)
+    ) -> CacheBatch:
+        return CacheBatch(self, size, seed, keep_last_k_images)
 
     def max_sequences(self, tokens_per_sequence: int) -> int:
         """How many sequences of this length fit the cache budget (at least 1 if any fits)."""
@@ -130,7 +130,7 @@ class InferenceEngine:
         return int(n)
 
 
-class Session:
+class CacheBatch:
     """A batch of sequences sharing one KV cache; rows are addressed by their index at creation."""
 
     def __init__(
@@ -205,9 +205,7 @@ class Session:
     ) -> dict[int, Generation]:
         """Append ``chunks[seq]`` to every sequence in the batch and sample one reply each."""
         if set(chunks) != set(self.rows):
-            raise ValueError(
-                "every sequence in the session needs a chunk (drop finished ones first)"
-            )
+            raise ValueError("every sequence in the batch needs a chunk (drop finished ones first)")
         eng, dev = self.engine, self.engine.device
         chat = eng.chat
         token_lists, pos_lists, pix, grids = [], [], [], []

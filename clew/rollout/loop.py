@@ -112,15 +112,15 @@ def play(
             ep.traj.image_window = settings.keep_last_k_images
             episodes[i] = ep
             chunks[i] = chunk
-        session = engine.session(
+        cached = engine.open_batch(
             len(specs[lo : lo + wave]),
             seed=seed * 100_003 + w,
             keep_last_k_images=settings.keep_last_k_images,
         )
-        session.drop([i for i in range(len(specs[lo : lo + wave])) if i not in episodes])
+        cached.drop([i for i in range(len(specs[lo : lo + wave])) if i not in episodes])
         turn_cap = settings.max_turns
         while episodes:
-            if not session.fits(
+            if not cached.fits(
                 max(len(c.token_ids) for c in chunks.values()) + 1 + settings.sampling.max_tokens
             ):
                 for ep in episodes.values():
@@ -129,8 +129,8 @@ def play(
                 if progress:
                     progress(len(episodes))
                 break
-            gens = session.extend_and_generate(chunks, settings.sampling)
-            cache_row = {seq: r for r, seq in enumerate(session.rows)}
+            gens = cached.extend_and_generate(chunks, settings.sampling)
+            cache_row = {seq: r for r, seq in enumerate(cached.rows)}
             chunks, finished = {}, []
             for i, gen in gens.items():
                 ep = episodes[i]
@@ -165,7 +165,7 @@ def play(
                 )
                 chunk = _framed(chunk, closing, prefix)
                 needed = (
-                    session.lengths[cache_row[i]]
+                    cached.lengths[cache_row[i]]
                     + len(chunk.token_ids)
                     + settings.sampling.max_tokens
                 )
@@ -179,7 +179,7 @@ def play(
                 done.append(episodes.pop(i).traj)
             if progress and finished:
                 progress(len(finished))
-            session.drop(finished)
+            cached.drop(finished)
     done.sort(key=lambda t: (t.group_id, t.sample_index))
     return done
 
