@@ -10,10 +10,12 @@ sft.run_name``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from clew.checkpoint.state import Checkpointer
 from clew.cluster.group import LocalWorkerGroup
 from clew.config import ClewConfig, save_config
+from clew.config.schema import LoraConfig, OptimizerConfig
 from clew.data.rows import read_rows
 from clew.errors import ConfigError
 from clew.evaluation import eval_metrics
@@ -43,27 +45,39 @@ def optimizer_steps(cfg: ClewConfig, num_rows: int) -> int:
     )
 
 
-def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> LocalWorkerGroup:
-    t = cfg.trainer
-    if not t.policy.model.path:
-        raise ConfigError("trainer.policy.model.path is required: a local checkpoint directory")
-    device = pick_device(t.device)
-    limit_host_threads(device)
-    opt, lora = t.policy.optimizer_config, t.policy.model.lora
-    precision = "bf16-mixed" if t.bf16 else "32-true"
-    dtype, autocast = policy_precision(device, precision, lora.rank > 0)
-    settings = WorkerSettings(
+def worker_settings(
+    opt: OptimizerConfig, lora: LoraConfig, *, num_training_steps: int, **extra: Any
+) -> WorkerSettings:
+    """The worker's settings from a stage's optimizer and LoRA sections (GRPO's or SFT's)."""
+    return WorkerSettings(
         lr=opt.lr,
         adam_betas=tuple(opt.adam_betas),
         weight_decay=opt.weight_decay,
         max_grad_norm=opt.max_grad_norm,
         scheduler=opt.scheduler,
         num_warmup_steps=opt.num_warmup_steps,
-        num_training_steps=optimizer_steps(cfg, num_train_rows),
+        num_training_steps=num_training_steps,
         lora_rank=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         lora_target_modules=lora.target_modules,
+        **extra,
+    )
+
+
+def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> LocalWorkerGroup:
+    t = cfg.trainer
+    if not t.policy.model.path:
+        raise ConfigError("trainer.policy.model.path is required: a local checkpoint directory")
+    device = pick_device(t.device)
+    limit_host_threads(device)
+    lora = t.policy.model.lora
+    precision = "bf16-mixed" if t.bf16 else "32-true"
+    dtype, autocast = policy_precision(device, precision, lora.rank > 0)
+    settings = worker_settings(
+        t.policy.optimizer_config,
+        lora,
+        num_training_steps=optimizer_steps(cfg, num_train_rows),
         kl_reference=t.algorithm.use_kl_loss,
         autocast_bf16=autocast,
     )
@@ -166,19 +180,10 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
     limit_host_threads(device)
     dtype, autocast = policy_precision(device, s.precision, s.lora.rank > 0)
     seed_everything(s.seed)
-    opt, lora = s.optimizer_config, s.lora
-    settings = WorkerSettings(
-        lr=opt.lr,
-        adam_betas=tuple(opt.adam_betas),
-        weight_decay=opt.weight_decay,
-        max_grad_norm=opt.max_grad_norm,
-        scheduler=opt.scheduler,
-        num_warmup_steps=opt.num_warmup_steps,
+    settings = worker_settings(
+        s.optimizer_config,
+        s.lora,
         num_training_steps=s.steps,
-        lora_rank=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        lora_target_modules=lora.target_modules,
         autocast_bf16=autocast,
         pack_sequences=s.pack_sequences,
     )
