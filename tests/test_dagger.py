@@ -17,7 +17,6 @@ from clew.errors import ConfigError
 from clew.launch import run_sft_stage
 from clew.metrics import read_history
 from clew.train.dagger import (
-    BranchPool,
     DaggerSettings,
     branch_demonstrations,
     branch_points,
@@ -129,16 +128,6 @@ def test_sft_with_dagger_rounds_plays_the_policy_and_trains_on_its_branches(mode
 
 def _demos(*seeds: int) -> list[Demonstration]:
     return [Demonstration([], [], [], row_seed=s) for s in seeds]
-
-
-def test_branch_pool_keeps_the_latest_rounds_or_every_round():
-    latest, two, every = BranchPool(1), BranchPool(2), BranchPool(0)
-    for pool in (latest, two, every):
-        for r in (_demos(1, 2), _demos(3), _demos(4, 5)):
-            pool.add(r)
-    assert [d.row_seed for d in latest.demos] == [4, 5]
-    assert [d.row_seed for d in two.demos] == [3, 4, 5]
-    assert [d.row_seed for d in every.demos] == [1, 2, 3, 4, 5]
 
 
 def test_sft_command_refuses_a_bad_dagger_share_before_any_work(model_dir, tmp_path, capsys):

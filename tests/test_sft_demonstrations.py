@@ -15,7 +15,7 @@ from clew.errors import ConfigError, EnvError
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.train.batch import collate
-from clew.train.demonstrations import demonstration_batches, demonstrations, play_demonstration
+from clew.train.demonstrations import demonstrations, play_demonstration
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
@@ -118,23 +118,6 @@ def test_demonstrations_record_where_each_observation_starts(chat, rows):
     assert demo.chunk_starts[0] == 0
     # Each later observation starts right after a reply's <|im_end|>.
     assert all(demo.token_ids[s - 1] == chat.im_end_id for s in demo.chunk_starts[1:])
-
-
-def test_batches_are_played_on_demand_pass_by_pass_with_new_detours_each_pass(chat, rows):
-    batches = demonstration_batches(rows, chat, 5, detour_prob=0.3, seed=4, image_window=1)
-    drawn = [demo for _ in range(5) for demo in next(batches)]  # 25 = two passes and one more
-    key = lambda d: (d.row_seed, tuple(d.token_ids))  # noqa: E731
-    first, second = drawn[:12], drawn[12:24]
-    assert sorted(map(key, first)) == sorted(map(key, demonstrations(rows, chat, 0.3, seed=4)))
-    assert sorted(map(key, second)) == sorted(map(key, demonstrations(rows, chat, 0.3, seed=5)))
-    assert {d.row_seed for d in first} == {d.row_seed for d in second}
-    assert [d.token_ids for d in first] != [d.token_ids for d in second]
-    assert all(d.image_window == 1 for d in drawn)
-    # Without detours every pass replays the same episodes.
-    plain = demonstration_batches(rows, chat, 12, seed=4)
-    assert sorted(map(key, next(plain))) == sorted(map(key, next(plain)))
-    with pytest.raises(ConfigError, match="detour_prob"):
-        demonstration_batches(rows, chat, 4, detour_prob=1.5)
 
 
 def _reference_visibility(token_ids, chunk_starts, image_token_id, keep_last_k):

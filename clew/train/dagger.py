@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -153,20 +152,6 @@ def dagger_round(
         "sft/dagger_s": time.monotonic() - begun,
     }
     return demos, stats
-
-
-class BranchPool:
-    """The branch demonstrations SFT batches draw from: those of the latest ``keep_rounds``
-    rounds (0: of every round)."""
-
-    def __init__(self, keep_rounds: int = 1) -> None:
-        self._rounds: deque[list[Demonstration]] = deque(maxlen=keep_rounds or None)
-        # Flattened once a round, not on every SFT step that draws from it.
-        self.demos: list[Demonstration] = []
-
-    def add(self, demos: Sequence[Demonstration]) -> None:
-        self._rounds.append(list(demos))
-        self.demos = [d for r in self._rounds for d in r]
 
 
 def mix_in(

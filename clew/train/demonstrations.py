@@ -22,13 +22,13 @@ own: the expert's move from every part of the task.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from clew.data.rows import Row
 from clew.envs import DetourExpert, Expert, StartsAnywhere, expert_for, make
-from clew.errors import ConfigError, DataError
+from clew.errors import ConfigError
 from clew.models.chat import ChatFormat
 from clew.train.batch import Sample
 
@@ -161,66 +161,3 @@ def check_shares(detour_prob: float, start_anywhere: float) -> None:
     for name, value in (("detour_prob", detour_prob), ("start_anywhere", start_anywhere)):
         if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{name} is a share in [0, 1], got {value}")
-
-
-def demonstration_batches(
-    rows: Sequence[Row],
-    chat: ChatFormat,
-    batch_size: int,
-    detour_prob: float = 0.0,
-    seed: int = 0,
-    image_window: int | None = None,
-    start_anywhere: float = 0.0,
-) -> Iterator[list[Demonstration]]:
-    """Endless batches of ``batch_size`` demonstrations of ``rows``, played when asked for.
-
-    Rows are drawn without replacement, reshuffled each pass (``random.Random(seed)``).
-    Pass ``p`` (from 1) plays its detours and starts with seed ``seed + p - 1``, so each
-    pass sees new ones; without either every pass replays the first pass's episodes. A batch is
-    exactly what ``demonstrations(rows, chat, detour_prob, pass seed, start_anywhere=...)``
-    holds for its rows,
-    but only one batch lives in memory at a time: a whole dataset of played episodes
-    (every frame as an image) would not fit for large datasets. A row whose optimal play
-    does not fit its turn budget is skipped.
-    """
-    if batch_size < 1:
-        raise ConfigError(f"batch_size must be positive, got {batch_size}")
-    if not rows:
-        raise DataError("no rows to play demonstrations of")
-    check_shares(detour_prob, start_anywhere)
-    return _batches(list(rows), chat, batch_size, detour_prob, seed, image_window, start_anywhere)
-
-
-def _batches(
-    rows: list[Row],
-    chat: ChatFormat,
-    batch_size: int,
-    detour_prob: float,
-    seed: int,
-    image_window: int | None,
-    start_anywhere: float,
-) -> Iterator[list[Demonstration]]:
-    rng = random.Random(seed)
-    queue: list[Row] = []
-    passes = played = 0
-    while True:
-        batch: list[Demonstration] = []
-        while len(batch) < batch_size:
-            if not queue:
-                if passes and not played:
-                    raise DataError(
-                        "no training row can be solved within its turn budget; nothing to imitate"
-                    )
-                queue = list(rows)
-                rng.shuffle(queue)
-                passes += 1
-                played = 0
-            pass_seed = seed + passes - 1 if detour_prob > 0 or start_anywhere > 0 else seed
-            row = [queue.pop()]
-            for demo in demonstrations(
-                row, chat, detour_prob, pass_seed, start_anywhere=start_anywhere
-            ):
-                demo.image_window = image_window
-                batch.append(demo)
-                played += 1
-        yield batch
