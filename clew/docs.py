@@ -19,13 +19,23 @@ SKYRL_DEPARTURES: tuple[str, ...] = (
 
 
 def config_page() -> str:
+    from clew.commands.stages import FLAG_ALIASES
     from clew.config import schema_markdown
 
     departures = [f"- {line}" for line in SKYRL_DEPARTURES]
+    flags = [
+        f"| `clew {command} {flag}` | `{key}` |"
+        for command, table in FLAG_ALIASES.items()
+        for flag, key in table.items()
+    ]
     return (
         "# Configuration reference\n\nGenerated from the schema (`clew/config/schema.py`) by "
         "`make docs`; every key takes a dotted `key=value` override on `clew train`.\n\n"
         + schema_markdown()
+        + "\n## Command-line flags\n\nShort flags that stand for one key each; a `key=value` "
+        "override given too wins.\n\n| flag | key |\n|---|---|\n"
+        + "\n".join(flags)
+        + "\n"
         + "\n## Departures from SkyRL\n\nWhere clew and SkyRL share a key or a loss, the "
         "maths is SkyRL's, except:\n\n" + "\n".join(departures) + "\n"
     )

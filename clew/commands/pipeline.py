@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from clew.commands.registry import Handler, command
+from clew.commands.stages import flag_overrides
 
 
 @command(
@@ -24,7 +25,7 @@ def _pipeline(p: argparse.ArgumentParser) -> Handler:
         from clew.config import load_config
         from clew.pipeline import run_pipeline
 
-        aliases = [f"trainer.log_path={args.output_dir}"] if args.output_dir else []
+        aliases = flag_overrides("pipeline", args)
         run_pipeline(load_config(args.config, [*aliases, *args.overrides]))
         return 0
 

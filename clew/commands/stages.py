@@ -6,6 +6,22 @@ import argparse
 
 from clew.commands.registry import Handler, command, positive_int
 
+# Short flags of `clew sft` and `clew pipeline`, each an alias of one config key (applied
+# before the KEY=VALUE overrides, which win). docs/config.md lists them.
+FLAG_ALIASES: dict[str, dict[str, str]] = {
+    "sft": {
+        "--model": "sft.model_path",
+        "--data": "data.train_data",
+        "--eval-data": "data.val_data",
+        "--output": "sft.export_path",
+        "--steps": "sft.steps",
+        "--batch-size": "sft.batch_size",
+        "--lr": "sft.optimizer_config.lr",
+        "--seed": "sft.seed",
+    },
+    "pipeline": {"--output-dir": "trainer.log_path"},
+}
+
 
 @command("train", "GRPO training; takes SkyRL-style dotted overrides (key=value)")
 def _train(p: argparse.ArgumentParser) -> Handler:
@@ -50,7 +66,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         from clew.config import load_config
         from clew.launch import run_sft_stage
 
-        cfg = load_config(args.config, [*sft_aliases(args), *args.overrides])
+        cfg = load_config(args.config, [*flag_overrides("sft", args), *args.overrides])
         result = run_sft_stage(cfg)
         for k, v in sorted(result.last_eval.items()):
             print(f"{k}: {v:.4f}")
@@ -64,24 +80,17 @@ def _quoted(text: str) -> str:
     return "'" + text.replace("'", "\\'") + "'"
 
 
-def sft_aliases(args: argparse.Namespace) -> list[str]:
-    """``clew sft``'s short flags as the overrides they stand for (applied before the rest)."""
+def flag_overrides(command: str, args: argparse.Namespace) -> list[str]:
+    """``command``'s short flags that were given, as the overrides they stand for."""
     out = []
-    if args.model is not None:
-        out.append(f"sft.model_path={_quoted(args.model)}")
-    for flag, key in (("data", "data.train_data"), ("eval_data", "data.val_data")):
-        if getattr(args, flag):
-            out.append(f"{key}=[{', '.join(_quoted(f) for f in getattr(args, flag))}]")
-    if args.output is not None:
-        out.append(f"sft.export_path={_quoted(args.output)}")
-    for flag, key in (
-        ("steps", "sft.steps"),
-        ("batch_size", "sft.batch_size"),
-        ("lr", "sft.optimizer_config.lr"),
-        ("seed", "sft.seed"),
-    ):
-        if getattr(args, flag) is not None:
-            out.append(f"{key}={getattr(args, flag)!r}")
+    for flag, key in FLAG_ALIASES[command].items():
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is None:
+            continue
+        if isinstance(value, list):  # a repeatable flag: a list key
+            out.append(f"{key}=[{', '.join(_quoted(v) for v in value)}]")
+        else:
+            out.append(f"{key}={_quoted(value) if isinstance(value, str) else repr(value)}")
     return out
 
 
