@@ -20,7 +20,7 @@ each extra entry adds ``2 * hidden`` parameters, input and output embeddings, so
 ``tiny`` trains on a CPU (tests, the CPU main job); ``small`` learns mazes from pixels on
 one GPU (docs/learning-easy.md); ``deep`` is ``small`` with twice the layers, for a policy
 that must plan further in one forward pass (the ``easy`` maze's first moves); ``base`` is
-for multi-GPU runs.
+for GPU benchmarks (and multi-GPU runs once workers on Ray exist).
 
 ``arch="qwen3_vl"`` builds ``Qwen3VLForConditionalGeneration`` from the same presets
 (``clew.models.qwen3`` says what differs: a learned, interpolated absolute position

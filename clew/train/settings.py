@@ -1,7 +1,7 @@
 """Plain settings of the policy worker and of one PPO update.
 
-Dataclasses, not the pydantic config: the worker runs inside Ray actors and tests where the
-whole config does not exist, and the trainer maps ``trainer.policy.*`` and
+Dataclasses, not the pydantic config: the worker must run where the whole config does not
+exist (tests now, Ray actors once workers on Ray exist), and the trainer maps ``trainer.policy.*`` and
 ``trainer.algorithm.*`` onto these few values.
 """
 
