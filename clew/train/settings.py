@@ -1,8 +1,8 @@
 """Plain settings of the policy worker and of one PPO update.
 
 Dataclasses, not the pydantic config: the worker must run where the whole config does not
-exist (tests now, Ray actors once workers on Ray exist), and the trainer maps ``trainer.policy.*`` and
-``trainer.algorithm.*`` onto these few values.
+exist (tests now, Ray actors once workers on Ray exist), and the trainer maps
+``trainer.policy.*`` and ``trainer.algorithm.*`` onto these few values.
 """
 
 from __future__ import annotations
