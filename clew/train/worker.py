@@ -19,6 +19,11 @@ The KL reference: with LoRA it is the base model with the adapter switched off
 initial weights, taken when the worker is built (``WorkerSettings.kl_reference``) or at the
 first reference call before any optimizer step; it doubles the model's memory, so it is
 only made when KL is used.
+
+Data parallelism: with ``sync`` set (``clew.cluster.data_parallel.GradSync``), each worker
+holds its share of every mini-batch, scales its losses by the mini-batch's counts over all
+workers and sums the gradients over them before clipping, so every worker takes the step
+one worker would take on the whole mini-batch.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import contextlib
 import copy
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers.modeling_utils
@@ -47,6 +52,9 @@ from clew.train.objectives import Objective, TargetOutputs, ppo_objective, sft_o
 from clew.train.optim import build_optimizer, clipped_step, to_cpu
 from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.training_batch import TrainingBatch
+
+if TYPE_CHECKING:
+    from clew.cluster.data_parallel import GradSync
 
 __all__ = ["PPOSettings", "PolicyWorker", "TrainingBatch", "WorkerSettings", "apply_lora"]
 
@@ -111,6 +119,7 @@ class PolicyWorker:
         self.compute_dtype = torch.bfloat16 if self.autocast else dtype
         self.optimizer, self.scheduler = build_optimizer(model, settings)
         self.optimizer_steps = 0
+        self.sync: GradSync | None = None  # set by a data-parallel wrapper
         self.reference: torch.nn.Module | None = None
         if settings.kl_reference and not self.lora:
             self.ensure_reference()
@@ -264,7 +273,11 @@ class PolicyWorker:
         """
         self.optimizer.zero_grad(set_to_none=True)
         tokens = {i: sum(seqs[i].loss_mask[1:]) for i in indices}
-        total_tokens = sum(tokens.values())
+        local_tokens = sum(tokens.values())
+        # Every worker joins these all-reduces, even one with no token of this mini-batch.
+        sync = self.sync
+        total_tokens = sync.total(local_tokens) if sync is not None else local_tokens
+        total_seqs = sync.total(len(indices)) if sync is not None else len(indices)
         if total_tokens == 0:
             return None
         stats: dict[str, float] = {"loss": 0.0, "tokens": float(total_tokens)}
@@ -283,16 +296,20 @@ class PolicyWorker:
                 )
                 outputs = self._forward(self.model, batch, temperature, allowed)
                 loss, micro_stats = objective(batch, outputs)
-                share = n_tok / total_tokens if by_tokens else len(idx) / len(indices)
+                share = n_tok / total_tokens if by_tokens else len(idx) / total_seqs
                 (loss * share).backward()
                 stats["loss"] += float(loss.detach()) * share
                 for k, v in micro_stats.items():
-                    stats[k] = stats.get(k, 0.0) + v * n_tok / total_tokens
+                    stats[k] = stats.get(k, 0.0) + v * n_tok / local_tokens
         finally:
             self.model.eval()
+        if sync is not None:  # each worker's share of the loss adds up to the mini-batch's
+            stats["loss"] = sync.total(stats["loss"])
         return stats
 
     def _optimizer_step(self) -> dict[str, float]:
+        if self.sync is not None:  # before clipping, so every worker clips the same gradient
+            self.sync.reduce_([p for p in self.model.parameters() if p.requires_grad])
         stats = clipped_step(self.optimizer, self.scheduler, self.settings.max_grad_norm)
         self.optimizer_steps += 1
         return stats

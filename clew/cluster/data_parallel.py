@@ -1,0 +1,184 @@
+"""Data-parallel policy workers: the gradient sync between workers and one worker's rank.
+
+Each of N workers holds the same weights and its share of every mini-batch
+(``TrainingBatch.split``). ``PolicyWorker`` asks its ``sync`` for the mini-batch's global
+token and sequence counts (so each worker's losses are scaled as one worker's would be) and,
+before clipping, for the sum of the gradients over workers; every worker then takes the
+same optimizer step. ``TorchDistributedSync`` does this with ``torch.distributed`` (gloo on
+CPU, NCCL on CUDA) over the trainable parameters only: with LoRA only the adapter's
+gradients travel.
+
+``DataParallelWorker`` is one rank as a plain class (the Ray actor of
+``clew.cluster.ray_group`` wraps it): it loads the policy, joins the process group and
+starts from rank 0's trainable weights (LoRA adapters are initialised at random).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from clew.errors import ModelError
+from clew.train.settings import PPOSettings, WorkerSettings
+from clew.train.training_batch import TrainingBatch
+from clew.train.worker import PolicyWorker
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class GradSync(Protocol):
+    """How data-parallel workers agree. Every worker makes the same calls in the same order
+    (one with nothing to learn from included), or they wait for each other forever."""
+
+    def total(self, x: float) -> float:
+        """The sum of ``x`` over all workers."""
+        ...
+
+    def reduce_(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Replace each parameter's ``.grad`` (None counts as zeros) by its sum over workers."""
+        ...
+
+
+def _loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), "lo")
+
+
+class TorchDistributedSync:
+    """``GradSync`` over the default ``torch.distributed`` process group."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @classmethod
+    def join(
+        cls,
+        init_method: str,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout_s: float = 300.0,
+    ) -> TorchDistributedSync:
+        """Join the group at ``init_method`` (``tcp://host:port``, rank 0 listens there)."""
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "gloo" and urlparse(init_method).hostname in LOOPBACK:
+            # Gloo otherwise listens on the address the host name resolves to.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        return cls(device)
+
+    def total(self, x: float) -> float:
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def reduce_(self, params: Sequence[torch.nn.Parameter]) -> None:
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p in params:
+            if p.grad is None:  # unused here but maybe not elsewhere: all must step alike
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            # One all-reduce per dtype rather than one per tensor (many small LoRA matrices).
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat)
+            for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+                g.copy_(summed)
+
+    def broadcast_(self, params: Sequence[Tensor], src: int = 0) -> None:
+        """Overwrite ``params`` with rank ``src``'s."""
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def free_loopback_address() -> str:
+    """A ``tcp://127.0.0.1:port`` with a port free now, for the group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class DataParallelWorker:
+    """Rank ``rank`` of ``world_size`` data-parallel policy workers."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        settings: WorkerSettings,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        num_threads: int | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.rank, self.world_size = rank, world_size
+        try:
+            self.worker = PolicyWorker.from_pretrained(
+                model_path, settings, dtype=dtype, device=device
+            )
+        except Exception as e:
+            raise ModelError(
+                f"worker {rank} of {world_size} could not load the policy from {model_path}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        self.sync = TorchDistributedSync.join(
+            init_method, rank, world_size, self.worker.device, timeout_s
+        )
+        self.sync.broadcast_(self._trainable())
+        self.worker.sync = self.sync
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.worker.model.parameters() if p.requires_grad]
+
+    def ready(self) -> int:
+        return self.rank
+
+    def update(self, share: TrainingBatch, settings: PPOSettings) -> dict[str, float]:
+        """PPO on this worker's share; ``settings.mini_batch_size`` is the per-worker share."""
+        return self.worker.train_batch(share, settings)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.worker.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.worker.load_state_dict(state)
+
+    @torch.no_grad()
+    def trainable_fingerprint(self) -> float:
+        """A position-weighted sum of the trainable weights: equal on workers in step."""
+        return float(
+            sum(p.double().sum() * (i + 1) for i, p in enumerate(self._trainable())).item()
+        )
+
+    def export(self, path: str | Path) -> None:
+        self.worker.save_pretrained(path)
+        self.worker.chat.processor.save_pretrained(path)
+
+    def close(self) -> None:
+        self.sync.close()
