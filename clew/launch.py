@@ -9,11 +9,15 @@ sft.run_name``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from clew.checkpoint.state import Checkpointer
-from clew.cluster.group import LocalWorkerGroup
+from clew.cluster.group import LocalWorkerGroup, WorkerGroup
+from clew.cluster.placement import check_gpus, connect_ray, gpu_placement_group, local_gpus
 from clew.config import ClewConfig, save_config
 from clew.config.schema import LoraConfig, OptimizerConfig
 from clew.data.rows import read_rows
@@ -65,12 +69,25 @@ def worker_settings(
     )
 
 
-def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> LocalWorkerGroup:
+def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
+    """The run's policy workers (``trainer.placement``): one in this process, else one Ray
+    actor per GPU (a placement group) or per CPU worker, on Ray joined or started here."""
     t = cfg.trainer
     if not t.policy.model.path:
         raise ConfigError("trainer.policy.model.path is required: a local checkpoint directory")
-    device = pick_device(t.device)
-    limit_host_threads(device)
+    pl = t.placement
+    on_gpus = pl.num_gpus > 1
+    if on_gpus and not os.environ.get("RAY_ADDRESS"):  # a cluster's GPUs are counted on it
+        found = 0 if t.device == "cpu" else local_gpus()
+        check_gpus(
+            pl, found, "this machine" + (" with trainer.device=cpu" if t.device == "cpu" else "")
+        )
+    if on_gpus:
+        device = torch.device("cuda")
+    elif pl.num_cpu_workers > 1:
+        device = torch.device("cpu")
+    else:
+        device = pick_device(t.device)
     lora = t.policy.model.lora
     precision = "bf16-mixed" if t.bf16 else "32-true"
     dtype, autocast = policy_precision(device, precision, lora.rank > 0)
@@ -81,14 +98,44 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> LocalWorkerGroup
         kl_reference=t.algorithm.use_kl_loss,
         autocast_bf16=autocast,
     )
-    worker = PolicyWorker.from_pretrained(t.policy.model.path, settings, dtype=dtype, device=device)
     ie = cfg.generator.inference_engine
+    allowed = [
+        tuple(sp.allowed_tokens)
+        for sp in (cfg.generator.sampling_params, cfg.generator.eval_sampling_params)
+        if sp.allowed_tokens
+    ]
+    if pl.num_workers > 1:
+        from clew.cluster.ray_group import RayWorkerGroup
+
+        started = connect_ray(None if on_gpus else pl.num_cpu_workers)
+        try:
+            group = RayWorkerGroup(
+                t.policy.model.path,
+                settings,
+                pl.num_workers,
+                dtype=dtype,
+                device=device.type,
+                placement_group=gpu_placement_group(pl) if on_gpus else None,
+                seed=t.seed,
+                gpu_memory_utilization=ie.gpu_memory_utilization,
+                max_cache_mb=ie.max_cache_mb,
+                allowed_tokens=allowed,
+            )
+        except BaseException:
+            if started:
+                import ray
+
+                ray.shutdown()
+            raise
+        group.owns_ray = started
+        return group
+    limit_host_threads(device)
+    worker = PolicyWorker.from_pretrained(t.policy.model.path, settings, dtype=dtype, device=device)
     budget = cache_budget_bytes(device, ie.gpu_memory_utilization, ie.max_cache_mb)
     engine = InferenceEngine(worker.model, worker.chat, max_cache_bytes=budget, autocast=autocast)
     # A token text that is not one token fails here, before any rollout.
-    for sp in (cfg.generator.sampling_params, cfg.generator.eval_sampling_params):
-        if sp.allowed_tokens:
-            engine.allowed_ids(tuple(sp.allowed_tokens))
+    for tokens in allowed:
+        engine.allowed_ids(tokens)
     return LocalWorkerGroup(worker, engine)
 
 
@@ -117,6 +164,7 @@ def run_grpo(cfg: ClewConfig) -> dict[str, float]:
         return trainer.fit()
     finally:
         loggers.close()
+        group.shutdown()
 
 
 def sft_run_dir(cfg: ClewConfig) -> Path:

@@ -158,13 +158,26 @@ def test_seed_command_through_shell_quoting_gives_the_same_config() -> None:
     assert _load_quiet([*shlex.split(text), *ONE_DEVICE]) == _load_quiet([*SEED_ARGS, *ONE_DEVICE])
 
 
-def test_the_seeds_six_gpu_placement_is_refused_before_any_work_naming_the_rule() -> None:
-    with pytest.raises(ConfigError) as err:
-        _load_quiet(SEED_ARGS)
-    message = str(err.value)
-    assert "[one-device]" in message
-    assert "policy_num_nodes (3)" in message and "policy_num_gpus_per_node (2)" in message
-    assert "one worker per run" in message and "Ray" in message
+def test_the_seeds_six_gpu_placement_is_accepted_as_six_workers() -> None:
+    # Whether the cluster has the GPUs is checked at launch, not in the config.
+    placement = _load_quiet(SEED_ARGS).trainer.placement
+    assert placement.num_gpus == placement.num_workers == 6
+
+
+def test_cpu_workers_count_as_workers_in_the_batch_arithmetic() -> None:
+    cfg = load_config(None, ["trainer.placement.num_cpu_workers=2"])
+    assert cfg.trainer.placement.num_workers == 2
+    with pytest.raises(ConfigError, match=r"\[micro-batch-divisible\].*on 2 GPUs"):
+        load_config(
+            None,
+            [
+                "trainer.placement.num_cpu_workers=2",
+                "trainer.policy_mini_batch_size=1",
+                "generator.n_samples_per_prompt=3",
+                "trainer.micro_train_batch_size_per_gpu=1",
+                "trainer.train_batch_size=1",
+            ],
+        )
 
 
 def test_unknown_key_errors_and_suggests_the_nearest_key() -> None:
@@ -231,8 +244,12 @@ def test_section_given_a_scalar_is_a_config_error_not_a_pydantic_one(tmp_path: P
         (["generator.inference_engine.engine_init_kwargs.max_model_len=4096"], "max-model-len"),
         (["trainer.logger=[console,nope]"], "logger"),
         (["generator.eval_n_samples_per_prompt=4"], "eval-samples-greedy"),
-        (["trainer.placement.policy_num_gpus_per_node=2"], "one-device"),
-        (["trainer.placement.policy_num_nodes=2"], "one-device"),
+        (["trainer.placement.num_cpu_workers=0"], "positive-count"),
+        (["trainer.placement.num_cpu_workers=2", "trainer.device=cuda"], "one-kind-of-worker"),
+        (
+            ["trainer.placement.num_cpu_workers=2", "trainer.placement.policy_num_nodes=2"],
+            "one-kind-of-worker",
+        ),
     ],
 )
 def test_each_validation_rule_rejects_a_bad_value(overrides: list[str], rule: str) -> None:

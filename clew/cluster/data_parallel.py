@@ -10,7 +10,10 @@ gradients travel.
 
 ``DataParallelWorker`` is one rank as a plain class (the Ray actor of
 ``clew.cluster.ray_group`` wraps it): it loads the policy, joins the process group and
-starts from rank 0's trainable weights (LoRA adapters are initialised at random).
+starts from rank 0's trainable weights (LoRA adapters are initialised at random). It also
+plays rollouts, colocated: an ``InferenceEngine`` samples from the very modules the rank
+trains (a LoRA adapter merged while it samples), so every rank samples from the trained
+weights after each step with nothing to copy.
 """
 
 from __future__ import annotations
@@ -28,7 +31,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from clew.data.rows import Row
 from clew.errors import ModelError
+from clew.inference.engine import InferenceEngine, cache_budget_bytes
+from clew.inference.runtime import limit_host_threads
+from clew.rollout.loop import RolloutSettings, play
+from clew.rollout.trajectory import Trajectory
+from clew.train.lora import merged_for_rollouts
 from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.training_batch import TrainingBatch
 from clew.train.worker import PolicyWorker
@@ -134,9 +143,15 @@ class DataParallelWorker:
         device: str = "cpu",
         num_threads: int | None = None,
         timeout_s: float = 300.0,
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.45,
+        max_cache_mb: int = 4096,
+        allowed_tokens: Sequence[Sequence[str]] = (),
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
+        # Dropout and any other draw from torch's global generator differ by rank but not by run.
+        torch.manual_seed(seed + rank)
         self.rank, self.world_size = rank, world_size
         try:
             self.worker = PolicyWorker.from_pretrained(
@@ -152,12 +167,34 @@ class DataParallelWorker:
         )
         self.sync.broadcast_(self._trainable())
         self.worker.sync = self.sync
+        device = self.worker.device
+        limit_host_threads(device)
+        self.engine = InferenceEngine(
+            self.worker.model,
+            self.worker.chat,
+            max_cache_bytes=cache_budget_bytes(device, gpu_memory_utilization, max_cache_mb),
+            autocast=settings.autocast_bf16,
+        )
+        for tokens in allowed_tokens:  # a token text that is not one token fails here
+            self.engine.allowed_ids(tuple(tokens))
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.worker.model.parameters() if p.requires_grad]
 
     def ready(self) -> int:
         return self.rank
+
+    def generate(
+        self, rows: Sequence[Row], settings: RolloutSettings, seed: int, first_group: int = 0
+    ) -> list[Trajectory]:
+        """Play ``rows``; group ids count on from ``first_group`` (the rows' place in the
+        whole batch)."""
+        self.worker.model.eval()
+        with merged_for_rollouts(self.worker.model):
+            trajs = play(self.engine, rows, settings, seed=seed)
+        for t in trajs:
+            t.group_id += first_group
+        return trajs
 
     def update(self, share: TrainingBatch, settings: PPOSettings) -> dict[str, float]:
         """PPO on this worker's share; ``settings.mini_batch_size`` is the per-worker share."""

@@ -2,9 +2,9 @@
 
 The loop never touches a model: it asks a worker group to generate trajectories, to
 update the policy from them, and to save or restore its state. ``LocalWorkerGroup`` runs
-one plain ``PolicyWorker`` in this process with the rollout engine sharing its weights.
-A group of workers on Ray (one per GPU) would implement the same methods, so the loop
-would not change; until it exists a run has one worker (``trainer.placement``).
+one plain ``PolicyWorker`` in this process with the rollout engine sharing its weights;
+``clew.cluster.ray_group.RayWorkerGroup`` runs several on Ray with the same methods, so
+the loop does not change (``trainer.placement`` picks, ``clew.launch.build_worker_group``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ class WorkerGroup(Protocol):
 
     def export(self, path: str | Path) -> None: ...
 
+    def shutdown(self) -> None: ...
+
 
 class LocalWorkerGroup:
     """One policy worker in this process; the engine samples from the very modules it trains."""
@@ -73,3 +75,6 @@ class LocalWorkerGroup:
         """The inference-ready policy: the adapter (or full weights) plus processor files."""
         self.worker.save_pretrained(path)
         self.worker.chat.processor.save_pretrained(path)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the worker lives and ends with this process."""

@@ -1,12 +1,23 @@
 """A worker group of N data-parallel policy workers, each a Ray actor.
 
 Each actor is a thin wrapper around ``DataParallelWorker`` (``clew.cluster.data_parallel``):
-it loads the policy itself and joins a ``torch.distributed`` group whose rendezvous the
-driver picks on 127.0.0.1, so all workers share this node for now. ``update`` hands each
-worker its share of every mini-batch and returns the workers' mean metrics; after it every
-worker holds the same weights, those one worker would have reached on the whole batch.
+it loads the policy itself and joins a ``torch.distributed`` group. CPU workers meet on
+127.0.0.1; GPU workers sit in a placement group (``clew.cluster.placement``), one bundle
+each, and meet on the node of the first bundle.
 
-Rollouts across workers are not built yet: ``generate`` raises.
+``generate`` spreads the rows over the workers in contiguous chunks of whole GRPO groups
+(a row is one group of ``n_samples_per_prompt`` episodes), balanced by count, and returns
+the trajectories in row order with group ids numbered over the whole batch. The chunk that
+starts at row 0 plays with ``seed`` itself, so one worker reproduces ``LocalWorkerGroup``;
+another chunk plays with a seed derived from ``seed`` and its first row (``chunk_seed``).
+The samples therefore depend on the number of workers: making them independent of it
+would take one random stream per row inside the batched sampler.
+
+``update`` hands each worker its share of every mini-batch and returns the workers' mean
+metrics; after it every worker holds the same weights, those one worker would have reached
+on the whole batch. It then compares the workers' fingerprints of their trainable weights
+and stops the run on any difference: silent weight desync would otherwise train diverged
+copies and sample from them unnoticed.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from clew.cluster.data_parallel import DataParallelWorker, free_loopback_address
+from clew.cluster.placement import rendezvous_in
 from clew.data.rows import Row
 from clew.errors import ClewError
 from clew.rollout.loop import RolloutSettings
@@ -52,20 +64,41 @@ class RayWorkerGroup:
         num_gpus_per_worker: float = 0,
         num_threads: int | None = None,
         timeout_s: float = 300.0,
+        placement_group: Any = None,
+        **worker_options: Any,
     ) -> None:
+        """``placement_group``: one ``{GPU: 1, CPU: 1}`` bundle per worker, each worker a
+        GPU in its bundle; without it, workers take ``num_cpus/gpus_per_worker`` anywhere.
+        ``worker_options`` go to ``DataParallelWorker`` (seed, cache budget, ...)."""
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if num_workers < 1:
             raise ClewError(f"a worker group needs at least 1 worker, got {num_workers}")
         if not ray.is_initialized():
             raise ClewError("RayWorkerGroup needs Ray: call ray.init() (or join a cluster) first")
         self.world_size = num_workers
-        actor = ray.remote(DataParallelWorker).options(
-            num_cpus=num_cpus_per_worker, num_gpus=num_gpus_per_worker
-        )
-        address = free_loopback_address()
+        self.placement_group = placement_group
+        self.owns_ray = False  # set by whoever started Ray for this group alone
+        actor = ray.remote(DataParallelWorker)
+        if placement_group is None:
+            options = [{"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}]
+            options *= num_workers
+            address = free_loopback_address()
+        else:
+            options = [
+                {
+                    "num_cpus": 1,
+                    "num_gpus": 1,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group, placement_group_bundle_index=rank
+                    ),
+                }
+                for rank in range(num_workers)
+            ]
+            address = rendezvous_in(placement_group)
         self.workers = [
-            actor.remote(
+            actor.options(**options[rank]).remote(
                 str(model_path),
                 settings,
                 rank,
@@ -75,6 +108,7 @@ class RayWorkerGroup:
                 device=device,
                 num_threads=num_threads,
                 timeout_s=timeout_s,
+                **worker_options,
             )
             for rank in range(num_workers)
         ]
@@ -87,10 +121,22 @@ class RayWorkerGroup:
     def generate(
         self, rows: Sequence[Row], settings: RolloutSettings, seed: int, progress=None
     ) -> list[Trajectory]:
-        raise ClewError(
-            "rollouts on a RayWorkerGroup are not supported yet; use LocalWorkerGroup "
-            "(one worker) to generate"
-        )
+        """Every row played ``n_samples_per_prompt`` times, spread over the workers; the
+        trajectories in (row, sample) order, ``group_id`` the row's index in ``rows``."""
+        import ray
+
+        refs = [
+            self.workers[i].generate.remote(rows[lo:hi], settings, chunk_seed(seed, lo), lo)
+            for i, (lo, hi) in enumerate(chunks(len(rows), self.world_size))
+        ]
+        pending, order = list(refs), {r: i for i, r in enumerate(refs)}
+        played: list[list[Trajectory]] = [[] for _ in refs]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            played[order[done[0]]] = ray.get(done[0])
+            if progress:
+                progress(len(played[order[done[0]]]))
+        return [t for part in played for t in part]
 
     def update(self, batch: TrainingBatch, settings: PPOSettings) -> dict[str, float]:
         """PPO on ``batch``: each worker takes its share of every mini-batch, with
@@ -104,7 +150,22 @@ class RayWorkerGroup:
         metrics = _gather(
             [w.update.remote(s, per_worker) for w, s in zip(self.workers, shares, strict=True)]
         )
+        self.check_in_step()
         return {k: sum(m[k] for m in metrics) / n for k in metrics[0]}
+
+    def check_in_step(self) -> None:
+        """Raise ``ClewError`` unless every worker's trainable weights match worker 0's.
+        Exact equality: the workers apply the same all-reduced gradients to the same
+        weights, so any difference at all is a desync."""
+        prints = self.trainable_fingerprints()
+        off = [r for r, f in enumerate(prints) if f != prints[0]]
+        if off:
+            listed = ", ".join(f"worker {r}: {f!r}" for r, f in enumerate(prints))
+            raise ClewError(
+                f"weight desync: the trainable weights of worker(s) {off} differ from worker "
+                f"0's after the update (fingerprints {listed}); stopping rather than train "
+                "and sample from diverged copies. The checkpoints already written are kept."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Worker 0's state (every worker holds the same)."""
@@ -130,3 +191,27 @@ class RayWorkerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def chunks(num_rows: int, num_workers: int) -> list[tuple[int, int]]:
+    """Contiguous ``[lo, hi)`` row ranges for at most ``num_workers`` workers, sizes differing
+    by at most one; no empty range."""
+    k = min(num_rows, num_workers)
+    bounds = [0]
+    for i in range(k):
+        bounds.append(bounds[-1] + num_rows // k + (i < num_rows % k))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def chunk_seed(seed: int, first_row: int) -> int:
+    """The rollout seed of the chunk starting at ``first_row``: ``seed`` itself for the first
+    chunk, else a value mixed from both (kept below 2**31 so ``play``'s own arithmetic on it
+    stays in a generator's range)."""
+    return seed if first_row == 0 else (seed * 1_000_003 + first_row * 7_919) % 2**31

@@ -317,12 +317,18 @@ class PlacementConfig(Section):
     colocate_all: bool = Field(True, description="Run generation and training on the same GPUs.")
     policy_num_nodes: int = Field(
         1,
-        description="Nodes that train the policy; 1 until workers on Ray exist (one-device rule).",
+        description="Nodes that train the policy, one Ray worker per GPU through a placement "
+        "group when there is more than one GPU in all.",
     )
     policy_num_gpus_per_node: int = Field(
         1,
-        description="GPUs per node that train the policy; 1 until workers on Ray exist "
-        "(one-device rule).",
+        description="GPUs per node that train the policy; GPUs the cluster does not have are "
+        "refused at launch.",
+    )
+    num_cpu_workers: int = Field(
+        1,
+        description="On a machine without GPUs, the number of CPU workers (Ray actors on an "
+        "embedded or joined Ray) for laptops and tests; 1 runs in the driver's process.",
     )
     ref_num_nodes: int = Field(1, description="SkyRL: nodes for the reference model.")
     ref_num_gpus_per_node: int = Field(1, description="SkyRL: GPUs per node for the reference.")
@@ -331,6 +337,11 @@ class PlacementConfig(Section):
     def num_gpus(self) -> int:
         """Policy training processes in total (one per GPU)."""
         return self.policy_num_nodes * self.policy_num_gpus_per_node
+
+    @property
+    def num_workers(self) -> int:
+        """Data-parallel policy workers: one per GPU, or the CPU workers."""
+        return max(self.num_gpus, self.num_cpu_workers)
 
 
 class TrainerConfig(Section):

@@ -11,13 +11,14 @@ in prompts, and each prompt yields ``n_samples_per_prompt`` trajectories; micro 
 in trajectories per GPU. So one optimizer step sees ``policy_mini_batch_size *
 n_samples_per_prompt`` trajectories, which must split evenly into micro batches of
 ``micro_train_batch_size_per_gpu`` on each of the ``policy_num_nodes *
-policy_num_gpus_per_node`` GPUs. Today that is one: clew runs one policy worker per run, and
-a placement asking for more devices is refused until workers on Ray exist, rather than
-trained on one device as if it had been granted.
+policy_num_gpus_per_node`` GPUs, or on the ``num_cpu_workers`` CPU workers of a machine
+without GPUs (``PlacementConfig.num_workers``). Whether the GPUs asked for exist is known only
+at launch (``clew.cluster.placement``), which refuses a placement it cannot make.
 
-Ignored keys: SkyRL scripts set keys that have no meaning for clew's single-process,
-weight-sharing engine. They are accepted so the scripts run unchanged, and each one set to a
-value that would matter under SkyRL is named in one warning per process, saying why.
+Ignored keys: SkyRL scripts set keys that have no meaning for clew's colocated workers, each
+sampling from the weights it trains. They are accepted so the scripts run unchanged, and each
+one set to a value that would matter under SkyRL is named in one warning per process, saying
+why.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ COUNT_KEYS: tuple[str, ...] = (
     "trainer.placement.policy_num_gpus_per_node",
     "trainer.placement.ref_num_nodes",
     "trainer.placement.ref_num_gpus_per_node",
+    "trainer.placement.num_cpu_workers",
     "sft.steps",
     "sft.batch_size",
     "sft.dagger.rows",
@@ -156,18 +158,24 @@ def _rules(cfg: ClewConfig) -> list[str]:
         )
 
     pl = tr.placement
-    if pl.num_gpus > 1:
+    if pl.num_gpus > 1 and pl.num_cpu_workers > 1:
         fail(
-            "one-device",
-            f"trainer.placement.policy_num_nodes ({pl.policy_num_nodes}) x "
-            f"trainer.placement.policy_num_gpus_per_node ({pl.policy_num_gpus_per_node}) = "
-            f"{pl.num_gpus} devices, but clew runs one worker per run today: set both to 1. "
-            "Placement over several devices comes with workers on Ray",
+            "one-kind-of-worker",
+            f"trainer.placement.num_cpu_workers ({pl.num_cpu_workers}) and "
+            f"trainer.placement.policy_num_nodes x policy_num_gpus_per_node ({pl.num_gpus}) "
+            "both ask for several workers: set num_cpu_workers on a machine without GPUs, or "
+            "the GPU keys, not both",
+        )
+    if pl.num_cpu_workers > 1 and tr.device == "cuda":
+        fail(
+            "one-kind-of-worker",
+            f"trainer.placement.num_cpu_workers ({pl.num_cpu_workers}) places CPU workers, "
+            "but trainer.device is cuda: use policy_num_gpus_per_node for GPU workers",
         )
 
     # Batch arithmetic, checked once the counts are positive.
     n, mini = gen.n_samples_per_prompt, tr.policy_mini_batch_size
-    micro, gpus, traj = tr.micro_train_batch_size_per_gpu, tr.placement.num_gpus, mini * n
+    micro, gpus, traj = tr.micro_train_batch_size_per_gpu, tr.placement.num_workers, mini * n
     if min(n, mini, micro, gpus, tr.train_batch_size) >= 1:
         if tr.train_batch_size % mini:
             fail(
@@ -335,8 +343,8 @@ _REF_WHY = (
 # The registry: key -> why clew ignores it, and the values that earn a warning.
 IGNORED_KEYS: dict[str, IgnoredKey] = {
     "trainer.strategy": IgnoredKey(
-        "clew trains the policy in one worker on one device; there is no distributed "
-        "strategy to pick",
+        "each clew worker holds the whole policy and the workers average gradients "
+        "(data parallel); there is no sharding strategy to pick yet",
         _not("fsdp"),
     ),
     "trainer.remove_microbatch_padding": IgnoredKey(
@@ -362,7 +370,7 @@ IGNORED_KEYS: dict[str, IgnoredKey] = {
     "trainer.placement.ref_num_nodes": IgnoredKey(_REF_WHY, _not(1)),
     "trainer.placement.ref_num_gpus_per_node": IgnoredKey(_REF_WHY, _not(1)),
     "generator.inference_engine.num_engines": IgnoredKey(
-        "clew runs one engine, in the trainer's process, sampling from the policy's own weights",
+        "clew runs one engine in each worker's process, sampling from that worker's own weights",
         _not(1),
     ),
     "generator.inference_engine.tensor_parallel_size": IgnoredKey(

@@ -1,0 +1,147 @@
+"""GRPO on CPU workers on Ray: a run end to end, rollouts spread over workers, the desync
+check, and a GPU placement refused on a machine without the GPUs."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from envs_for_tests import digits_rows
+
+from clew.config import load_config
+from clew.data.rows import write_rows
+from clew.errors import ClewError, ConfigError
+from clew.inference.sampling import SamplingParams
+from clew.launch import run_grpo
+from clew.models import build_model
+from clew.rollout.loop import RolloutSettings
+from clew.train.settings import PPOSettings, WorkerSettings
+from clew.train.training_batch import TrainingBatch
+
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
+
+LORA = WorkerSettings(lora_rank=4, lr=1e-3)
+ROLLOUTS = RolloutSettings(2, 1, 256, SamplingParams(max_tokens=4))
+
+
+def import_test_envs() -> None:
+    """Ray workers' setup: register the test envs there too, as this module's import did."""
+    importlib.import_module("envs_for_tests")
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One Ray instance on loopback for the module; its workers know the test envs."""
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # listen on loopback only
+    tests = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    runtime_env = {
+        "env_vars": {"PYTHONPATH": path},
+        "worker_process_setup_hook": f"{__name__}.import_test_envs",
+    }
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    return build_model("tiny", out, corpus=["0123456789 " * 20], image_size=28).path
+
+
+def _config(tmp_path: Path, model: Path, *overrides: str):
+    write_rows(digits_rows(8), tmp_path / "train.parquet")
+    write_rows(digits_rows(3, "eval"), tmp_path / "eval.parquet")
+    return load_config(
+        None,
+        [
+            f"data.train_data=['{tmp_path / 'train.parquet'}']",
+            f"data.val_data=['{tmp_path / 'eval.parquet'}']",
+            f"trainer.policy.model.path={model}",
+            f"trainer.log_path={tmp_path / 'runs'}",
+            "trainer.run_name=dp",
+            "trainer.logger=jsonl",
+            "trainer.eval_before_train=false",
+            "trainer.max_steps=2",
+            "trainer.eval_interval=2",
+            "trainer.ckpt_interval=2",
+            "trainer.dump_eval_results=true",
+            "trainer.train_batch_size=2",
+            "trainer.policy_mini_batch_size=2",
+            "trainer.micro_train_batch_size_per_gpu=1",
+            "trainer.max_prompt_length=128",
+            "trainer.policy.model.lora.rank=4",
+            "generator.n_samples_per_prompt=2",
+            "generator.max_turns=1",
+            "generator.sampling_params.max_generate_length=4",
+            "generator.eval_sampling_params.max_generate_length=4",
+            "generator.max_input_length=256",
+            *overrides,
+        ],
+    )
+
+
+def test_grpo_on_two_cpu_workers_trains_evaluates_checkpoints_and_exports(
+    ray_local, tiny, tmp_path
+):
+    run_grpo(_config(tmp_path, tiny, "trainer.placement.num_cpu_workers=2"))
+    run = tmp_path / "runs" / "dp"
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [h for h in history if "policy/optimizer_steps" in h]
+    assert len(trained) == 2 and all(h["policy/optimizer_steps"] >= 1 for h in trained)
+    assert any("eval/all/pass_at_1" in h for h in history)
+    assert (run / "ckpts" / "global_step_2").is_dir()
+    assert (run / "exports" / "global_step_2" / "policy").is_dir()
+    # Evaluation went through both workers: 3 rows, one greedy episode each, in row order.
+    dumped = next(run.rglob("trajectories.jsonl")).read_text().splitlines()
+    records = [json.loads(line) for line in dumped]
+    assert [(r["group_id"], r["seed"]) for r in records] == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_gpu_workers_asked_for_on_a_machine_without_them_are_refused_before_any_work(
+    tiny, tmp_path, monkeypatch
+):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = _config(tmp_path, tiny, "trainer.placement.policy_num_gpus_per_node=2")
+    with pytest.raises(ConfigError) as err:
+        run_grpo(cfg)
+    message = str(err.value)
+    assert "policy_num_gpus_per_node" in message and "2 GPUs asked" in message
+    assert "this machine has 0" in message and "num_cpu_workers" in message
+    assert not (tmp_path / "runs" / "dp" / "metrics.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def group(ray_local, tiny):
+    from clew.cluster.ray_group import RayWorkerGroup
+
+    g = RayWorkerGroup(tiny, LORA, num_workers=2)
+    yield g
+    g.shutdown()
+
+
+def test_rollouts_spread_over_workers_come_back_in_row_order_with_batch_wide_group_ids(group):
+    rows = digits_rows(5)
+    trajs = group.generate(rows, ROLLOUTS, seed=3)
+    assert [(t.group_id, t.sample_index, t.seed) for t in trajs] == [
+        (g, s, g) for g in range(5) for s in range(2)
+    ]
+
+
+def test_a_worker_whose_weights_drift_stops_the_update_naming_it(group):
+    trajs = group.generate(digits_rows(2), ROLLOUTS, seed=0)
+    batch = TrainingBatch.from_trajectories(trajs, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    settings = PPOSettings(mini_batch_size=4, micro_batch_size=2)
+    state = group.state_dict()
+    state["trainable"] = {k: v + 0.01 for k, v in state["trainable"].items()}
+    ray = pytest.importorskip("ray")
+    ray.get(group.workers[1].load_state_dict.remote(state))
+    with pytest.raises(ClewError, match=r"weight desync.*worker\(s\) \[1\].*worker 1: "):
+        group.update(batch, settings)
