@@ -151,19 +151,21 @@ def run_grpo(cfg: ClewConfig) -> dict[str, float]:
     save_config(cfg, run_dir)
     seed_everything(cfg.trainer.seed)
     group = build_worker_group(cfg, len(train_rows))
-    loggers = make_loggers(
-        cfg.trainer.logger,
-        run_dir,
-        cfg.trainer.project_name,
-        cfg.trainer.run_name,
-        config=cfg.model_dump(mode="json"),
-    )
-    checkpointer = Checkpointer(cfg, run_dir)
-    trainer = GRPOTrainer(cfg, group, train_rows, eval_rows, loggers, run_dir, checkpointer)
-    try:
-        return trainer.fit()
+    try:  # workers on Ray end with the run, however it ends
+        loggers = make_loggers(
+            cfg.trainer.logger,
+            run_dir,
+            cfg.trainer.project_name,
+            cfg.trainer.run_name,
+            config=cfg.model_dump(mode="json"),
+        )
+        checkpointer = Checkpointer(cfg, run_dir)
+        trainer = GRPOTrainer(cfg, group, train_rows, eval_rows, loggers, run_dir, checkpointer)
+        try:
+            return trainer.fit()
+        finally:
+            loggers.close()
     finally:
-        loggers.close()
         group.shutdown()
 
 
