@@ -15,13 +15,15 @@ from typing import Any
 
 import torch
 
+from clew.checkpoint.layout import find_resume_step
 from clew.checkpoint.state import Checkpointer
 from clew.cluster.group import LocalWorkerGroup, WorkerGroup
 from clew.cluster.placement import check_gpus, connect_ray, gpu_placement_group, local_gpus
+from clew.cluster.ray_group import WorkerLost
 from clew.config import ClewConfig, save_config
 from clew.config.schema import LoraConfig, OptimizerConfig
 from clew.data.rows import read_rows
-from clew.errors import ConfigError
+from clew.errors import ClewError, ConfigError
 from clew.evaluation import eval_metrics
 from clew.grpo import GRPOTrainer, seed_everything
 from clew.inference.engine import InferenceEngine, cache_budget_bytes
@@ -140,7 +142,12 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
 
 
 def run_grpo(cfg: ClewConfig) -> dict[str, float]:
-    """Run GRPO as configured; returns the last evaluation's metrics."""
+    """Run GRPO as configured; returns the last evaluation's metrics.
+
+    A Ray worker that dies (``WorkerLost``) costs the run its worker group, not the run: a
+    new group goes on from the run's latest checkpoint, up to ``trainer.max_restarts``
+    times, after which a ``ClewError`` names the restarts used and the last cause.
+    """
     if not cfg.data.train_data:
         raise ConfigError(
             "data.train_data is empty: give one or more parquet files from `clew dataset`"
@@ -149,6 +156,35 @@ def run_grpo(cfg: ClewConfig) -> dict[str, float]:
     eval_rows = [r for p in cfg.data.val_data for r in read_rows(p)]
     run_dir = run_dir_of(cfg)
     save_config(cfg, run_dir)
+    attempt_cfg, restarts = cfg, 0
+    while True:
+        try:
+            return _grpo_attempt(attempt_cfg, train_rows, eval_rows, run_dir, restarts)
+        except WorkerLost as lost:
+            limit = cfg.trainer.max_restarts
+            if restarts >= limit:
+                raise ClewError(
+                    f"the run failed after {restarts} restart(s) of its worker group "
+                    f"(trainer.max_restarts={limit}); last cause: {lost}"
+                ) from lost
+            restarts += 1
+            attempt_cfg, step = _restart_config(cfg, run_dir)
+            where = (
+                f"from the checkpoint of global step {step}"
+                if step is not None
+                else "from step 0 (no checkpoint yet)"
+            )
+            print(
+                f"{lost}; restart {restarts} of {limit}: rebuilding the worker group and "
+                f"going on {where}",
+                flush=True,
+            )
+
+
+def _grpo_attempt(
+    cfg: ClewConfig, train_rows: list, eval_rows: list, run_dir: Path, restarts: int
+) -> dict[str, float]:
+    """One try at the run on a new worker group, resuming as ``trainer.resume_mode`` says."""
     seed_everything(cfg.trainer.seed)
     group = build_worker_group(cfg, len(train_rows))
     try:  # workers on Ray end with the run, however it ends
@@ -161,12 +197,28 @@ def run_grpo(cfg: ClewConfig) -> dict[str, float]:
         )
         checkpointer = Checkpointer(cfg, run_dir)
         trainer = GRPOTrainer(cfg, group, train_rows, eval_rows, loggers, run_dir, checkpointer)
+        if restarts:  # goes out with the first step logged after the restart
+            trainer.metrics.add("train/restarts", restarts)
         try:
             return trainer.fit()
         finally:
             loggers.close()
     finally:
         group.shutdown()
+
+
+def _restart_config(cfg: ClewConfig, run_dir: Path) -> tuple[ClewConfig, int | None]:
+    """The config a restart runs with, and the step it goes on from: this run's newest
+    checkpoint when it wrote one, else the start the run was given (its resume_mode)."""
+    checkpointer = Checkpointer(cfg, run_dir)
+    step, _ = find_resume_step(checkpointer.storage, checkpointer.ckpt_path)
+    if step is None:
+        if cfg.trainer.resume_mode != "none":
+            point = checkpointer.resume_point()
+            step = point.step if point is not None else None
+        return cfg, step
+    trainer = cfg.trainer.model_copy(update={"resume_mode": "latest"})
+    return cfg.model_copy(update={"trainer": trainer}), step
 
 
 def sft_run_dir(cfg: ClewConfig) -> Path:

@@ -1,11 +1,13 @@
 """GRPO on CPU workers on Ray: a run end to end, rollouts spread over workers, the desync
-check, and a GPU placement refused on a machine without the GPUs."""
+check, a GPU placement refused on a machine without the GPUs, and a run that loses a worker
+going on from its checkpoint on a new worker group."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from envs_for_tests import digits_rows
 from clew.config import load_config
 from clew.data.rows import write_rows
 from clew.errors import ClewError, ConfigError
+from clew.grpo import GRPOTrainer
 from clew.inference.sampling import SamplingParams
 from clew.launch import run_grpo
 from clew.models import build_model
@@ -118,6 +121,77 @@ def test_gpu_workers_asked_for_on_a_machine_without_them_are_refused_before_any_
     assert not (tmp_path / "runs" / "dp" / "metrics.jsonl").exists()
 
 
+def _kill_a_worker_after(step: int, monkeypatch) -> None:
+    """Kill worker 1's actor once, right after ``step`` is logged (before its checkpoint)."""
+    ray = pytest.importorskip("ray")
+    original = GRPOTrainer.log
+    killed: list[int] = []
+
+    def log(self, logged: int) -> None:
+        original(self, logged)
+        if logged == step and not killed:
+            killed.append(logged)
+            victim = self.group.workers[1]
+            ray.kill(victim)
+            for _ in range(300):  # dead before the run goes on (the kill is asynchronous)
+                try:
+                    ray.get(victim.__ray_ready__.remote(), timeout=30)
+                except ray.exceptions.RayActorError:
+                    break
+                time.sleep(0.1)
+            else:
+                pytest.fail("the killed worker still answers")
+
+    monkeypatch.setattr(GRPOTrainer, "log", log)
+
+
+def _history(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _exported(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted((run / "exports" / "global_step_4" / "policy").rglob("*.safetensors"))
+    assert files
+    return {f"{f.name}:{k}": v for f in files for k, v in load_file(f).items()}
+
+
+def test_a_killed_worker_is_replaced_and_the_run_ends_as_an_undisturbed_one(
+    ray_local, tiny, tmp_path, monkeypatch, capsys
+):
+    steps = ("trainer.max_steps=4", "trainer.ckpt_interval=1", "trainer.eval_interval=4")
+    workers = "trainer.placement.num_cpu_workers=2"
+    run_grpo(_config(tmp_path, tiny, workers, *steps, "trainer.run_name=calm"))
+    _kill_a_worker_after(2, monkeypatch)
+    run_grpo(_config(tmp_path, tiny, workers, *steps, "trainer.run_name=killed"))
+    out = capsys.readouterr().out
+    assert "died" in out and "restart 1 of 3" in out and "global step 2" in out
+    calm, killed = _history(tmp_path / "runs" / "calm"), _history(tmp_path / "runs" / "killed")
+    assert [h["step"] for h in killed if "train/restarts" in h] == [3]
+    assert next(h for h in killed if "train/restarts" in h)["train/restarts"] == 1
+    assert [h["step"] for h in killed] == [h["step"] for h in calm]  # one run's history
+    final_calm = {k: v for k, v in calm[-1].items() if k.startswith("eval/")}
+    final_killed = {k: v for k, v in killed[-1].items() if k.startswith("eval/")}
+    assert final_calm and final_killed == pytest.approx(final_calm)
+    want, got = _exported(tmp_path / "runs" / "calm"), _exported(tmp_path / "runs" / "killed")
+    assert want.keys() == got.keys()
+    assert all(torch.allclose(want[k], got[k]) for k in want)
+
+
+def test_a_run_out_of_restarts_fails_naming_them_and_the_cause(
+    ray_local, tiny, tmp_path, monkeypatch
+):
+    _kill_a_worker_after(1, monkeypatch)
+    cfg = _config(tmp_path, tiny, "trainer.placement.num_cpu_workers=2", "trainer.max_restarts=0")
+    with pytest.raises(ClewError, match=r"after 0 restart\(s\).*max_restarts=0.*died"):
+        run_grpo(cfg)
+
+
+# The runs above take the instance's 2 CPUs for their workers: they must come before the
+# module's `group`, which holds both until the module ends.
+
+
 @pytest.fixture(scope="module")
 def group(ray_local, tiny):
     from clew.cluster.ray_group import RayWorkerGroup
@@ -145,3 +219,12 @@ def test_a_worker_whose_weights_drift_stops_the_update_naming_it(group):
     ray.get(group.workers[1].load_state_dict.remote(state))
     with pytest.raises(ClewError, match=r"weight desync.*worker\(s\) \[1\].*worker 1: "):
         group.update(batch, settings)
+
+
+def test_an_error_in_a_workers_code_is_not_taken_for_a_lost_worker(group):
+    from clew.cluster.ray_group import WorkerLost
+
+    with pytest.raises(Exception) as err:
+        group.load_state_dict({})
+    assert not isinstance(err.value, WorkerLost)
+    assert group.trainable_fingerprints()  # both workers still answer

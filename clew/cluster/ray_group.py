@@ -18,10 +18,16 @@ metrics; after it every worker holds the same weights, those one worker would ha
 on the whole batch. It then compares the workers' fingerprints of their trainable weights
 and stops the run on any difference: silent weight desync would otherwise train diverged
 copies and sample from them unnoticed.
+
+A worker whose actor dies (killed, its process crashed, its node gone) raises ``WorkerLost``
+from whichever call noticed it: the group is then unusable, but a run can go on from its
+latest checkpoint on a new one. An exception raised by a worker's own code is not a death
+and propagates as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,16 +43,62 @@ from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.training_batch import TrainingBatch
 
 
-def _gather(refs: list[Any]) -> list[Any]:
+class WorkerLost(ClewError):
+    """A policy worker's actor died: its process or node is gone, not an error in its code."""
+
+
+def _dead_ranks(workers: Sequence[Any], wait_s: float = 5.0) -> list[int]:
+    """The ranks whose actors are dead. A live worker blocked in a collective with a dead
+    peer does not answer the ping in time and counts as alive."""
+    import ray
+
+    pings = [w.__ray_ready__.remote() for w in workers]
+    ray.wait(pings, num_returns=len(pings), timeout=wait_s)
+    dead = []
+    for rank, ping in enumerate(pings):
+        ready, _ = ray.wait([ping], timeout=0)
+        if ready:
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayActorError:
+                dead.append(rank)
+    return dead
+
+
+def _lost(exc: Exception, workers: Sequence[Any]) -> WorkerLost | None:
+    """``exc`` as a ``WorkerLost`` when a worker died, else None. A worker's own exception
+    counts only when a peer is dead too: the survivor of a collective fails with a
+    connection error, sometimes before Ray reports the death."""
+    import ray
+
+    if not isinstance(exc, ray.exceptions.RayError):
+        return None
+    died = isinstance(exc, ray.exceptions.RayActorError)
+    dead = _dead_ranks(workers) if workers else []
+    if not (died or dead):
+        return None
+    cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    who = f"worker(s) {dead}" if dead else "a worker"
+    return WorkerLost(f"{who} of the policy group died ({type(exc).__name__}: {cause})")
+
+
+def _gather(refs: list[Any], workers: Sequence[Any] = ()) -> list[Any]:
     """``ray.get`` of ``refs``, raising the first failure as soon as it comes (a failed
-    worker leaves the others waiting for it at the next collective)."""
+    worker leaves the others waiting for it at the next collective); ``WorkerLost`` when
+    one of ``workers`` died."""
     import ray
 
     pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)  # raises the worker's error, if any
-    return ray.get(refs)
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)  # raises the worker's error, if any
+        return ray.get(refs)
+    except ray.exceptions.RayError as exc:
+        lost = _lost(exc, workers)
+        if lost is None:
+            raise
+        raise lost from exc
 
 
 class RayWorkerGroup:
@@ -113,7 +165,7 @@ class RayWorkerGroup:
             for rank in range(num_workers)
         ]
         try:
-            _gather([w.ready.remote() for w in self.workers])
+            _gather([w.ready.remote() for w in self.workers], self.workers)
         except Exception:
             self.shutdown()
             raise
@@ -133,7 +185,13 @@ class RayWorkerGroup:
         played: list[list[Trajectory]] = [[] for _ in refs]
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
-            played[order[done[0]]] = ray.get(done[0])
+            try:
+                played[order[done[0]]] = ray.get(done[0])
+            except ray.exceptions.RayError as exc:
+                lost = _lost(exc, self.workers)
+                if lost is None:
+                    raise
+                raise lost from exc
             if progress:
                 progress(len(played[order[done[0]]]))
         return [t for part in played for t in part]
@@ -148,7 +206,8 @@ class RayWorkerGroup:
         mini = settings.mini_batch_size
         per_worker = dataclasses.replace(settings, mini_batch_size=mini // n if mini else None)
         metrics = _gather(
-            [w.update.remote(s, per_worker) for w, s in zip(self.workers, shares, strict=True)]
+            [w.update.remote(s, per_worker) for w, s in zip(self.workers, shares, strict=True)],
+            self.workers,
         )
         self.check_in_step()
         return {k: sum(m[k] for m in metrics) / n for k in metrics[0]}
@@ -169,32 +228,34 @@ class RayWorkerGroup:
 
     def state_dict(self) -> dict[str, Any]:
         """Worker 0's state (every worker holds the same)."""
-        return _gather([self.workers[0].state_dict.remote()])[0]
+        return _gather([self.workers[0].state_dict.remote()], self.workers)[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         import ray
 
         ref = ray.put(state)
-        _gather([w.load_state_dict.remote(ref) for w in self.workers])
+        _gather([w.load_state_dict.remote(ref) for w in self.workers], self.workers)
 
     def trainable_fingerprints(self) -> list[float]:
         """Each worker's ``trainable_fingerprint``, by rank."""
-        return _gather([w.trainable_fingerprint.remote() for w in self.workers])
+        return _gather([w.trainable_fingerprint.remote() for w in self.workers], self.workers)
 
     def export(self, path: str | Path) -> None:
         """Worker 0 writes the inference-ready policy (a path every worker's node sees)."""
-        _gather([self.workers[0].export.remote(str(path))])
+        _gather([self.workers[0].export.remote(str(path))], self.workers)
 
     def shutdown(self) -> None:
         import ray
 
         for w in self.workers:
-            ray.kill(w)
+            with contextlib.suppress(ray.exceptions.RayError):  # already gone is fine
+                ray.kill(w)
         self.workers = []
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.placement_group)
+            with contextlib.suppress(ray.exceptions.RayError):
+                remove_placement_group(self.placement_group)
             self.placement_group = None
         if self.owns_ray:
             ray.shutdown()

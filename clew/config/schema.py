@@ -394,6 +394,13 @@ class TrainerConfig(Section):
         description="Checkpoint every this many steps and at the step the run ends on "
         "(max_steps, the data, or a SIGINT/SIGTERM); -1 never.",
     )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="Times a run whose Ray worker died (actor killed, process crashed, node "
+        "gone) rebuilds its worker group and goes on from the latest checkpoint (step 0 if "
+        "none yet) before it fails; an error in the training code itself is never retried.",
+    )
     hf_save_interval: int = Field(
         -1, description="Export a Hugging Face model every this many steps; -1 never."
     )

@@ -95,6 +95,11 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("train/env_errors", "Episodes that ended because the environment raised."),
     MetricSpec(
+        "train/restarts",
+        "Worker-group restarts so far after a Ray worker died (trainer.max_restarts); logged "
+        "with the first step after each restart.",
+    ),
+    MetricSpec(
         "train/end_reason/<reason>",
         "Fraction of episodes whose end reason was <reason> (e.g. solved, max_turns, max_tokens).",
     ),
