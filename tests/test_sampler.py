@@ -10,7 +10,7 @@ def test_sampler_is_seeded_and_resumes_exactly():
     it = iter(s)
     taken = [next(it) for _ in range(2)]
     resumed = ResumableSampler(rows, 3, seed=5, epochs=2)
-    resumed.load_state(s.state())
+    resumed.load_state_dict(s.state_dict())
     assert taken + list(resumed) == full
 
 
@@ -19,10 +19,9 @@ def test_checkpoint_on_an_epoch_boundary_resumes_into_the_next_epoch():
     s = ResumableSampler(rows, 3, seed=1, epochs=3)
     it = iter(s)
     first_epoch = [next(it) for _ in range(3)]
-    state = s.state()
-    assert state.epoch == 1 and state.position == 0
+    assert s.state_dict() == {"epoch": 1, "position": 0}
     r = ResumableSampler(rows, 3, seed=1, epochs=3)
-    r.load_state({"epoch": 0, "position": 3})  # as written by an older checkpoint
+    r.load_state_dict({"epoch": 0, "position": 3})  # as written by an older checkpoint
     rest = list(r)
     assert len(rest) == 6
     assert first_epoch + rest == list(ResumableSampler(rows, 3, seed=1, epochs=3))

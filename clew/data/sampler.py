@@ -11,7 +11,6 @@ the next epoch, never an empty one.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -19,12 +18,6 @@ import numpy as np
 from clew.errors import ConfigError
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class SamplerState:
-    epoch: int = 0
-    position: int = 0  # batches already taken in this epoch
 
 
 class ResumableSampler(Generic[T]):
@@ -49,20 +42,13 @@ class ResumableSampler(Generic[T]):
     def total_steps(self) -> int:
         return self.batches_per_epoch * self.epochs
 
-    def state(self) -> SamplerState:
-        return SamplerState(self.epoch, self.position)
-
-    def load_state(self, state: SamplerState | dict) -> None:
-        s = state if isinstance(state, SamplerState) else SamplerState(**state)
-        self.epoch, self.position = s.epoch, s.position
-        self._roll_over()
-
     def state_dict(self) -> dict[str, Any]:
         """Where the walk stands: ``{"epoch": ..., "position": ...}``."""
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.load_state(state)
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._roll_over()
 
     def _roll_over(self) -> None:
         if self.position >= self.batches_per_epoch:
