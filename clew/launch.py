@@ -122,6 +122,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
                 gpu_memory_utilization=ie.gpu_memory_utilization,
                 max_cache_mb=ie.max_cache_mb,
                 allowed_tokens=allowed,
+                strategy=t.strategy,
             )
         except BaseException:
             if started:

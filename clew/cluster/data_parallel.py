@@ -14,6 +14,11 @@ starts from rank 0's trainable weights (LoRA adapters are initialised at random)
 plays rollouts, colocated: an ``InferenceEngine`` samples from the very modules the rank
 trains (a LoRA adapter merged while it samples), so every rank samples from the trained
 weights after each step with nothing to copy.
+
+With ``strategy`` ``fsdp`` (``fsdp2``), several ranks and full fine-tuning, each rank holds
+a shard of the policy (``clew.cluster.fsdp``): it samples from the gathered weights, freed
+again before the update, and the state and export methods are collectives that every rank
+must join (rank 0 returns the state and writes the export; so it does without sharding).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Sequence
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from clew.cluster import fsdp
 from clew.data.rows import Row
 from clew.errors import ModelError
 from clew.inference.engine import InferenceEngine, cache_budget_bytes
@@ -147,6 +154,7 @@ class DataParallelWorker:
         gpu_memory_utilization: float = 0.45,
         max_cache_mb: int = 4096,
         allowed_tokens: Sequence[Sequence[str]] = (),
+        strategy: str = "fsdp",
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -167,12 +175,18 @@ class DataParallelWorker:
         )
         self.sync.broadcast_(self._trainable())
         self.worker.sync = self.sync
+        if fsdp.shards_policy(strategy, world_size, settings.lora_rank):
+            fsdp.shard_worker(self.worker)
         device = self.worker.device
         limit_host_threads(device)
+        # The cache budget takes the device's free memory: measure it with the weights
+        # whole, as they are while sampling.
+        with fsdp.gathered(self.worker.model) if device.type == "cuda" else nullcontext():
+            budget = cache_budget_bytes(device, gpu_memory_utilization, max_cache_mb)
         self.engine = InferenceEngine(
             self.worker.model,
             self.worker.chat,
-            max_cache_bytes=cache_budget_bytes(device, gpu_memory_utilization, max_cache_mb),
+            max_cache_bytes=budget,
             autocast=settings.autocast_bf16,
         )
         for tokens in allowed_tokens:  # a token text that is not one token fails here
@@ -190,7 +204,7 @@ class DataParallelWorker:
         """Play ``rows``; group ids count on from ``first_group`` (the rows' place in the
         whole batch)."""
         self.worker.model.eval()
-        with merged_for_rollouts(self.worker.model):
+        with fsdp.gathered(self.worker.model), merged_for_rollouts(self.worker.model):
             trajs = play(self.engine, rows, settings, seed=seed)
         for t in trajs:
             t.group_id += first_group
@@ -200,7 +214,14 @@ class DataParallelWorker:
         """PPO on this worker's share; ``settings.mini_batch_size`` is the per-worker share."""
         return self.worker.train_batch(share, settings)
 
+    @property
+    def sharded(self) -> bool:
+        return fsdp.is_sharded(self.worker.model)
+
     def state_dict(self) -> dict[str, Any]:
+        """The group's state on rank 0 (with whole tensors); an empty dict on the others."""
+        if self.rank and not self.sharded:
+            return {}  # every rank holds the same: spare the copy
         return self.worker.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -208,14 +229,20 @@ class DataParallelWorker:
 
     @torch.no_grad()
     def trainable_fingerprint(self) -> float:
-        """A position-weighted sum of the trainable weights: equal on workers in step."""
-        return float(
-            sum(p.double().sum() * (i + 1) for i, p in enumerate(self._trainable())).item()
-        )
+        """A position-weighted sum of the replicated trainable weights: equal on workers in
+        step (``fsdp.replicated`` says why sharded ones are left out)."""
+        weights = fsdp.replicated(self._trainable())
+        if not weights:
+            return 0.0
+        return float(sum(p.double().sum() * (i + 1) for i, p in enumerate(weights)).item())
 
     def export(self, path: str | Path) -> None:
+        """Rank 0 writes the policy and its processor to ``path``."""
+        if self.rank and not self.sharded:
+            return
         self.worker.save_pretrained(path)
-        self.worker.chat.processor.save_pretrained(path)
+        if self.rank == 0:
+            self.worker.chat.processor.save_pretrained(path)
 
     def close(self) -> None:
         self.sync.close()

@@ -227,8 +227,9 @@ class RayWorkerGroup:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """Worker 0's state (every worker holds the same)."""
-        return _gather([self.workers[0].state_dict.remote()], self.workers)[0]
+        """Worker 0's state, with whole tensors. Every worker takes part: sharded workers
+        (``trainer.strategy=fsdp``) gather their shards for it; the others answer empty."""
+        return _gather([w.state_dict.remote() for w in self.workers], self.workers)[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         import ray
@@ -241,8 +242,9 @@ class RayWorkerGroup:
         return _gather([w.trainable_fingerprint.remote() for w in self.workers], self.workers)
 
     def export(self, path: str | Path) -> None:
-        """Worker 0 writes the inference-ready policy (a path every worker's node sees)."""
-        _gather([self.workers[0].export.remote(str(path))], self.workers)
+        """Worker 0 writes the inference-ready policy (a path every worker's node sees);
+        every worker takes part, as for ``state_dict``."""
+        _gather([w.export.remote(str(path)) for w in self.workers], self.workers)
 
     def shutdown(self) -> None:
         import ray

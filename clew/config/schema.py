@@ -345,8 +345,16 @@ class PlacementConfig(Section):
 
 
 class TrainerConfig(Section):
-    strategy: Literal["fsdp", "ddp", "none"] = Field(
-        "fsdp", description="SkyRL: distributed training strategy."
+    strategy: Literal["fsdp", "ddp", "none", "fsdp2"] = Field(
+        "fsdp",
+        description=(
+            "How several policy workers share the model. 'fsdp' (or 'fsdp2', the same) "
+            "shards a fully fine-tuned policy with FSDP2: each worker holds a share of the "
+            "weights, gradients and optimizer state, and gathers the whole weights while it "
+            "samples. With LoRA the frozen base stays whole on every worker and only the "
+            "adapter's gradients travel, whatever the strategy; 'ddp' and 'none' keep a "
+            "whole copy on every worker; one worker ignores it."
+        ),
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where to train: 'auto' uses CUDA when available."

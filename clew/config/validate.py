@@ -342,11 +342,6 @@ _REF_WHY = (
 
 # The registry: key -> why clew ignores it, and the values that earn a warning.
 IGNORED_KEYS: dict[str, IgnoredKey] = {
-    "trainer.strategy": IgnoredKey(
-        "each clew worker holds the whole policy and the workers average gradients "
-        "(data parallel); there is no sharding strategy to pick yet",
-        _not("fsdp"),
-    ),
     "trainer.remove_microbatch_padding": IgnoredKey(
         "clew pads each PPO micro batch to its longest trajectory; only SFT packs its "
         "batches (sft.pack_sequences)",

@@ -23,14 +23,16 @@ only made when KL is used.
 Data parallelism: with ``sync`` set (``clew.cluster.data_parallel.GradSync``), each worker
 holds its share of every mini-batch, scales its losses by the mini-batch's counts over all
 workers and sums the gradients over them before clipping, so every worker takes the step
-one worker would take on the whole mini-batch.
+one worker would take on the whole mini-batch. A policy sharded with FSDP
+(``clew.cluster.fsdp``) has its gradients summed by FSDP itself in backward; every worker
+then runs the same number of passes, and scores and samples with the weights gathered.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,13 +41,22 @@ import transformers.modeling_utils
 from torch import Tensor
 
 from clew.algorithms import logprobs_from_logits
+from clew.cluster import fsdp
 from clew.errors import ClewError
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
 from clew.models.logit_masks import AllowedIds, banned_token_ids, keep_allowed, mask_banned
 from clew.models.pixels import as_patches
 from clew.models.precision import bf16_autocast
-from clew.train.batch import ModelBatch, SequenceLike, Vision, collate, encode_vision, pack_rows
+from clew.train.batch import (
+    ModelBatch,
+    Sample,
+    SequenceLike,
+    Vision,
+    collate,
+    encode_vision,
+    pack_rows,
+)
 from clew.train.batch import micro_batches as chunked
 from clew.train.lora import apply_lora, is_lora
 from clew.train.objectives import Objective, TargetOutputs, ppo_objective, sft_objective
@@ -145,6 +156,11 @@ class PolicyWorker:
         """Keep a frozen copy of the current weights as the KL reference (full fine-tuning)."""
         if self.lora or self.reference is not None:
             return
+        if fsdp.is_sharded(self.model):
+            raise ClewError(
+                "a sharded policy cannot be copied as the KL reference; build the worker with "
+                "WorkerSettings(kl_reference=True) so the copy is taken before sharding"
+            )
         if self.optimizer_steps:
             raise ClewError(
                 "the KL reference must be the initial policy, but the model has already taken "
@@ -239,7 +255,7 @@ class PolicyWorker:
         self.model.eval()
         out: list[Tensor] = [torch.zeros(0)] * len(seqs)
         vision = self._vision(seqs)
-        with self._policy(adapter_enabled) as model:
+        with self._policy(adapter_enabled) as model, fsdp.gathered(model):
             for idx in chunked(self._by_length(seqs, range(len(seqs))), micro_batch_size):
                 batch = collate([seqs[i] for i in idx], self.chat, vision=[vision[i] for i in idx])
                 out_b = self._forward(model, batch, temperature, allowed).per_target.cpu()
@@ -270,6 +286,8 @@ class PolicyWorker:
         mini-batch has no loss-mask token (nothing to learn from). ``pack`` packs the
         mini-batch's sequences into rows (``_micro_batches``, ``collate``), for objectives
         that do not reduce per row; a micro-batch is then ``micro_batch_size`` packed rows.
+        A sharded policy runs ``fsdp.lockstep``: micro-batches with no loss-mask token give
+        way to passes with no loss, on a two-token sequence, as many as the workers need.
         """
         self.optimizer.zero_grad(set_to_none=True)
         tokens = {i: sum(seqs[i].loss_mask[1:]) for i in indices}
@@ -281,9 +299,17 @@ class PolicyWorker:
         if total_tokens == 0:
             return None
         stats: dict[str, float] = {"loss": 0.0, "tokens": float(total_tokens)}
+        plan = self._micro_batches(seqs, indices, micro_batch_size, pack) if indices else []
+        passes: Iterable[list[int] | None] = plan
+        if sharded := fsdp.is_sharded(self.model):
+            assert sync is not None, "a sharded policy needs the workers' sync"
+            passes = fsdp.lockstep([idx for idx in plan if sum(tokens[i] for i in idx)], sync)
         self.model.train()
         try:
-            for idx in self._micro_batches(seqs, indices, micro_batch_size, pack):
+            for idx in passes:
+                if idx is None:
+                    self._pass_without_loss()
+                    continue
                 n_tok = sum(tokens[i] for i in idx)
                 if n_tok == 0:
                     continue  # contributes exactly 0 to every reduction
@@ -297,7 +323,10 @@ class PolicyWorker:
                 outputs = self._forward(self.model, batch, temperature, allowed)
                 loss, micro_stats = objective(batch, outputs)
                 share = n_tok / total_tokens if by_tokens else len(idx) / total_seqs
-                (loss * share).backward()
+                scaled = loss * share
+                if sharded:
+                    scaled = scaled + fsdp.all_weights(self.model)
+                scaled.backward()
                 stats["loss"] += float(loss.detach()) * share
                 for k, v in micro_stats.items():
                     stats[k] = stats.get(k, 0.0) + v * n_tok / local_tokens
@@ -307,9 +336,19 @@ class PolicyWorker:
             stats["loss"] = sync.total(stats["loss"])
         return stats
 
+    def _pass_without_loss(self) -> None:
+        """Forward and backward on two tokens with a loss of 0: the collectives of a sharded
+        policy's pass, for a worker with nothing (more) to learn from in this mini-batch."""
+        token = self.chat.im_end_id
+        batch = collate([Sample([token, token], [0, 0])], self.chat)
+        logits = self._target_logits(self.model, batch)
+        (fsdp.zero_loss(logits) + fsdp.all_weights(self.model)).backward()
+
     def _optimizer_step(self) -> dict[str, float]:
         if self.sync is not None:  # before clipping, so every worker clips the same gradient
-            self.sync.reduce_([p for p in self.model.parameters() if p.requires_grad])
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            if replicated := fsdp.replicated(trainable):
+                self.sync.reduce_(replicated)
         stats = clipped_step(self.optimizer, self.scheduler, self.settings.max_grad_norm)
         self.optimizer_steps += 1
         return stats
@@ -394,7 +433,13 @@ class PolicyWorker:
         return {f"sft/{k}": v for k, v in stats.items()}
 
     def state_dict(self) -> dict[str, Any]:
-        """Trainable weights (the adapter only, with LoRA), optimizer and scheduler, on CPU."""
+        """Trainable weights (the adapter only, with LoRA), optimizer and scheduler, on CPU.
+
+        A sharded policy's workers must all call this; worker 0 gets the state with whole
+        tensors, the others an empty dict.
+        """
+        if fsdp.is_sharded(self.model):
+            return fsdp.full_state(self, keep=_rank() == 0)
         return {
             "trainable": {
                 n: p.detach().to("cpu", copy=True)
@@ -407,6 +452,9 @@ class PolicyWorker:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if fsdp.is_sharded(self.model):
+            fsdp.load_full_state(self, state)
+            return
         params = dict(self.model.named_parameters())
         trainable = state["trainable"]
         missing = sorted(n for n, p in params.items() if p.requires_grad and n not in trainable)
@@ -427,9 +475,16 @@ class PolicyWorker:
         """Save the adapter (LoRA) or the full model; ``merged`` writes LoRA merged into full weights.
 
         Merging works on a copy (the worker keeps training its adapter), so it briefly needs
-        a second model's memory.
+        a second model's memory. A sharded policy's workers must all call this; worker 0
+        writes the whole weights.
         """
         directory = Path(directory)
+        if fsdp.is_sharded(self.model):
+            whole = fsdp.full_model_state(self.model, keep=_rank() == 0)
+            if whole:
+                directory.mkdir(parents=True, exist_ok=True)
+                self.model.save_pretrained(directory, state_dict=whole)
+            return directory
         directory.mkdir(parents=True, exist_ok=True)
         if self.lora and merged:
             full = copy.deepcopy(self.model).merge_and_unload()
@@ -438,6 +493,10 @@ class PolicyWorker:
         else:
             self.model.save_pretrained(directory)
         return directory
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _mean(rows: list[dict[str, float]], key: str) -> float:
