@@ -10,7 +10,9 @@ go to a collector and from there to the loggers; timings are per phase.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,8 @@ from clew.errors import ClewError
 from clew.evaluation import dump_eval, eval_metrics
 from clew.inference.sampling import SamplingParams
 from clew.metrics import MetricsCollector
+from clew.metrics.catalog import peak_memory_metric
+from clew.metrics.progress import Progress
 from clew.rollout.filtering import (
     batches_needed,
     learning_rewards,
@@ -143,6 +147,8 @@ class GRPOTrainer:
         self.train_settings = rollout_settings(cfg, evaluation=False)
         self.eval_settings = rollout_settings(cfg, evaluation=True)
         self.ppo_settings = ppo_settings(cfg)
+        # Progress lines for long rollouts go with the console logger's lines.
+        self.show_progress = "console" in cfg.trainer.logger_names
 
     # -- the loop -------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -175,6 +181,7 @@ class GRPOTrainer:
                 break
             self.state.global_step += 1
             step = self.state.global_step
+            started = time.perf_counter()
             with self.metrics.timer("step"):
                 trajs, played = self.generate(rows, step, batches)
                 rewards = self.score(trajs, played)
@@ -184,6 +191,7 @@ class GRPOTrainer:
                 if self._due(t.eval_interval, step) and self.eval_rows:
                     last_eval, evaluated = self.evaluate(), step
                     self.keep_best(last_eval)
+            self.throughput(played, time.perf_counter() - started)
             # Logged before the checkpoint, so a checkpoint of step N holds step N's metrics
             # and a run killed right after it resumes with its history complete. The save's
             # own time is therefore reported with the next step.
@@ -222,7 +230,7 @@ class GRPOTrainer:
         more = more if more is not None else iter(())
         with self.metrics.timer("generate"):
             if ds.type != "filter":
-                played = self.group.generate(rows, self.train_settings, seed=self._seed(step))
+                played = self._play(rows, self.train_settings, self._seed(step), "generate")
                 return played, played
 
             def draw() -> list[Row] | None:  # the next batch, unless the limit or data is out
@@ -231,12 +239,14 @@ class GRPOTrainer:
             first, drawn = list(rows), 1
             while drawn < self.state.sample_batches and (extra := draw()) is not None:
                 first, drawn = first + list(extra), drawn + 1
-            played = self.group.generate(first, self.train_settings, seed=self._seed(step))
+            played = self._play(first, self.train_settings, self._seed(step), "generate")
             groups = spread_groups(played, discount)
             counts = spread_per_batch(groups, drawn, len(rows))
             while len(groups) < want and (extra := draw()) is not None:
                 seed = self._seed(step) + 1_000_000_007 * drawn
-                batch = self.group.generate(extra, self.train_settings, seed=seed)
+                batch = self._play(
+                    extra, self.train_settings, seed, "generate", f"batch {drawn + 1}"
+                )
                 found = spread_groups(batch, discount)
                 played, groups, drawn = played + batch, groups + found, drawn + 1
                 counts.append(len(found))
@@ -299,7 +309,7 @@ class GRPOTrainer:
     def update(self, trajs: Sequence, advantages: torch.Tensor | list[torch.Tensor]) -> None:
         if not trajs:
             return
-        with self.metrics.timer("update"):
+        with self.metrics.timer("update"), self._peak_memory("update"):
             batch = TrainingBatch.from_trajectories(trajs, advantages)
             stats = self.group.update(batch, self.ppo_settings)
         self.metrics.add_many(stats)
@@ -325,8 +335,8 @@ class GRPOTrainer:
 
     def evaluate(self) -> dict[str, float]:
         with self.metrics.timer("evaluate"):
-            trajs = self.group.generate(
-                self.eval_rows, self.eval_settings, seed=self.cfg.trainer.seed
+            trajs = self._play(
+                self.eval_rows, self.eval_settings, self.cfg.trainer.seed, "evaluate"
             )
             metrics = eval_metrics(trajs, self.eval_rows, self.eval_settings.max_turns)
             if self.cfg.trainer.dump_eval_results:
@@ -337,6 +347,17 @@ class GRPOTrainer:
                     dump_eval(trajs, metrics, self.run_dir / "eval" / name, num_gifs=2)
         self.metrics.add_many(metrics)
         return metrics
+
+    def throughput(self, played: Sequence[Trajectory], seconds: float) -> None:
+        """Episodes played and tokens generated per wall second of the step."""
+        if seconds > 0:
+            tokens = sum(t.generated_tokens for t in played)
+            self.metrics.add_many(
+                {
+                    "throughput/episodes_per_s": len(played) / seconds,
+                    "throughput/generated_tokens_per_s": tokens / seconds,
+                }
+            )
 
     def keep_best(self, metrics: dict[str, float]) -> None:
         """Export the policy as the run's best when this evaluation beats every earlier one
@@ -365,6 +386,30 @@ class GRPOTrainer:
         self.state = LoopState(**state)
 
     # -- helpers --------------------------------------------------------------------
+    def _play(
+        self, rows: Sequence[Row], settings: RolloutSettings, seed: int, phase: str, part: str = ""
+    ) -> list[Trajectory]:
+        """``group.generate`` with progress lines when it is long ("step 3 generate: 96/192
+        episodes, 12.3 s"; with the console logger) and the phase's peak device memory."""
+        label = f"step {self.state.global_step} {phase}" + (f" ({part})" if part else "")
+        total = len(rows) * settings.n_samples_per_prompt
+        with (
+            self._peak_memory(phase),
+            Progress(label, total, enabled=self.show_progress) as progress,
+        ):
+            return self.group.generate(rows, settings, seed=seed, progress=progress)
+
+    @contextmanager
+    def _peak_memory(self, phase: str) -> Iterator[None]:
+        """``perf/peak_memory_gb/<phase>`` of the work inside, where the group measures it."""
+        peak = getattr(self.group, "peak_memory_gb", None)  # groups without devices have none
+        if peak is not None:
+            peak()  # the phase's count starts here
+        yield
+        gb = peak() if peak is not None else None
+        if gb is not None:
+            self.metrics.add(peak_memory_metric(phase), gb, reduce="max")
+
     def _seed(self, step: int) -> int:
         return self.cfg.trainer.seed * 1_000_003 + step
 

@@ -29,7 +29,7 @@ from clew.grpo import GRPOTrainer, seed_everything
 from clew.inference.engine import InferenceEngine, cache_budget_bytes
 from clew.inference.runtime import limit_host_threads, pick_device
 from clew.inference.sampling import SamplingParams
-from clew.metrics import make_loggers
+from clew.metrics import make_loggers, with_ray_metrics
 from clew.models.precision import policy_precision
 from clew.rollout.loop import RolloutSettings, play_model
 from clew.train.agreement import solver_agreement
@@ -153,6 +153,7 @@ def run_grpo(cfg: ClewConfig) -> dict[str, float]:
         raise ConfigError(
             "data.train_data is empty: give one or more parquet files from `clew dataset`"
         )
+    with_ray_metrics(cfg.trainer.logger, cfg.trainer.placement.num_workers)  # fails before loading
     train_rows = [r for p in cfg.data.train_data for r in read_rows(p)]
     eval_rows = [r for p in cfg.data.val_data for r in read_rows(p)]
     run_dir = run_dir_of(cfg)
@@ -190,7 +191,7 @@ def _grpo_attempt(
     group = build_worker_group(cfg, len(train_rows))
     try:  # workers on Ray end with the run, however it ends
         loggers = make_loggers(
-            cfg.trainer.logger,
+            with_ray_metrics(cfg.trainer.logger, cfg.trainer.placement.num_workers),
             run_dir,
             cfg.trainer.project_name,
             cfg.trainer.run_name,
@@ -198,8 +199,8 @@ def _grpo_attempt(
         )
         checkpointer = Checkpointer(cfg, run_dir)
         trainer = GRPOTrainer(cfg, group, train_rows, eval_rows, loggers, run_dir, checkpointer)
-        if restarts:  # goes out with the first step logged after the restart
-            trainer.metrics.add("train/restarts", restarts)
+        # With the attempt's first step: 0 on the first, so a dashboard has the series.
+        trainer.metrics.add("train/restarts", restarts)
         try:
             return trainer.fit()
         finally:

@@ -50,7 +50,7 @@ class _Group:
         self.played: list[list[int]] = []
         self.updated: list[list[Trajectory]] = []
 
-    def generate(self, rows, settings, seed):
+    def generate(self, rows, settings, seed, progress=None):
         self.played.append([int(r.seed) for r in rows])
         out = []
         for g, row in enumerate(rows):
@@ -169,7 +169,7 @@ class _SolvingGroup(_Group):
         super().__init__()
         self.advantages: list = []
 
-    def generate(self, rows, settings, seed):
+    def generate(self, rows, settings, seed, progress=None):
         out = super().generate(rows, settings, seed)
         for t in out:
             t.reward, t.turns = 1.0, 5 + 4 * t.sample_index

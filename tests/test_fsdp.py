@@ -9,6 +9,7 @@ they are compared with runs in the test's process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing as mp
 import traceback
 import warnings
@@ -17,9 +18,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from clew.cluster.data_parallel import DataParallelWorker, free_loopback_address
-from clew.cluster.fsdp import shards_policy
+from clew.cluster.fsdp import gathered, shards_policy
 from clew.config import load_config
 from clew.config.validate import IgnoredKeyWarning, reset_ignored_warnings
 from clew.data.rows import generate_rows
@@ -48,7 +50,10 @@ def _serve(conn: Any, args: tuple, kwargs: dict) -> None:
         while (msg := conn.recv()) is not None:
             name, a, kw = msg
             try:
-                value = attrgetter(name)(worker)
+                if name.startswith("module:"):  # a function of this module, on the worker
+                    value = functools.partial(globals()[name.removeprefix("module:")], worker)
+                else:
+                    value = attrgetter(name)(worker)
                 conn.send(("ok", value(*a, **kw) if callable(value) else value))
             except BaseException:
                 conn.send(("error", traceback.format_exc()))
@@ -206,6 +211,32 @@ def test_sharded_workers_sample_what_one_whole_worker_samples(ranks, model_dir, 
             torch.testing.assert_close(
                 torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0
             )
+
+
+def test_a_sharded_worker_with_no_rows_still_joins_the_gathering(ranks, model_dir, start, rows):
+    """Gathering the weights is a collective: a group with fewer rows than workers must still
+    call every worker, the idle ones with no rows."""
+    ranks.call("load_state_dict", start)
+    expected = one_worker_rollouts(fresh(model_dir, start), rows[:1], GREEDY, seed=0)
+    played, idle = ranks.call("generate", per_rank=[(rows[:1], GREEDY, 0), ([], GREEDY, 0)])
+    assert idle == []
+    assert [t.token_ids for t in played] == [t.token_ids for t in expected]
+
+
+def _gathered_inside_gathered(worker: DataParallelWorker) -> list[bool]:
+    """Whether the weights are whole: in an outer block, after an inner block, after both."""
+    model = worker.worker.model
+    whole = []
+    with gathered(model):
+        with gathered(model):
+            pass
+        whole.append(not any(isinstance(p, DTensor) for p in model.parameters()))
+    whole.append(not any(isinstance(p, DTensor) for p in model.parameters()))
+    return whole
+
+
+def test_gathering_inside_a_gathered_block_keeps_the_weights_whole(ranks):
+    assert ranks.call("module:_gathered_inside_gathered") == [[True, False]] * 2
 
 
 @pytest.mark.parametrize("kl", [False, True], ids=["ppo", "ppo+kl"])

@@ -142,7 +142,7 @@ class _DroppingGroup:
     def __init__(self, dropped: list[float]) -> None:
         self.dropped, self.updates = dropped, 0
 
-    def generate(self, rows, settings, seed):
+    def generate(self, rows, settings, seed, progress=None):
         out = []
         for g, row in enumerate(rows):
             for s in range(settings.n_samples_per_prompt):

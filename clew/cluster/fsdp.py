@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -71,6 +72,8 @@ STRATEGIES = (*SHARDED_STRATEGIES, "ddp", "none")
 _MAYBE_UNUSED: weakref.WeakKeyDictionary[torch.nn.Module, frozenset[str]] = (
     weakref.WeakKeyDictionary()
 )
+# The sharded models inside ``gathered`` now.
+_GATHERED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def shards_policy(strategy: str, world_size: int, lora_rank: int) -> bool:
@@ -121,6 +124,9 @@ def _shard(model: torch.nn.Module, device: torch.device) -> None:
             f"trainer.strategy=fsdp needs FSDP2 with set_gradient_divide_factor (torch 2.8 "
             f"or later); this torch is {torch.__version__}: use trainer.strategy=ddp"
         )
+    # The policy's logits come out as a view (only the kept positions are projected); FSDP
+    # warns that an in-place op on it would skip a hook, but the worker makes none.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     layers = _layers(model)
     _MAYBE_UNUSED[model] = _maybe_unused(model, layers)
@@ -152,12 +158,14 @@ def shard_worker(worker: PolicyWorker) -> None:
 @contextlib.contextmanager
 def gathered(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """``model`` with every weight whole for the block; resharded (the gathered copies
-    freed) on the way out. A no-op for a model that is not sharded. Every worker must enter
-    it together; inside, forwards run without collectives."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units:
+    freed) on the way out. A no-op for a model that is not sharded or already gathered (an
+    inner block must not free what the outer one still uses). Every worker must enter it
+    together; inside, forwards run without collectives."""
+    units = [m for m in model.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
+    if not units or model in _GATHERED:
         yield model
         return
+    _GATHERED.add(model)
     for u in units:
         u.set_reshard_after_forward(False, recurse=False)
     try:
@@ -167,6 +175,7 @@ def gathered(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
                 h.wait()
         yield model
     finally:
+        _GATHERED.discard(model)
         for u in units:
             u.reshard()
             u.set_reshard_after_forward(u is not model, recurse=False)  # as _shard set it

@@ -9,9 +9,11 @@ the loop does not change (``trainer.placement`` picks, ``clew.launch.build_worke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch
 
 from clew.data.rows import Row
 from clew.inference.engine import InferenceEngine
@@ -25,12 +27,18 @@ from clew.train.training_batch import TrainingBatch
 class WorkerGroup(Protocol):
     """What the loop asks of its workers. ``update`` takes data and settings, never the
     config: a group of N workers hands each ``batch.split(N, settings.mini_batch_size)``
-    with ``mini_batch_size`` divided by N, and combines their metrics."""
+    with ``mini_batch_size`` divided by N, and combines their metrics. ``generate`` calls
+    ``progress(n)`` as ``n`` more episodes finish (``clew.metrics.progress``).
+    A group that cannot measure device memory may leave ``peak_memory_gb`` out."""
 
     world_size: int
 
     def generate(
-        self, rows: Sequence[Row], settings: RolloutSettings, seed: int
+        self,
+        rows: Sequence[Row],
+        settings: RolloutSettings,
+        seed: int,
+        progress: Callable[[int], None] | None = None,
     ) -> list[Trajectory]: ...
 
     def update(self, batch: TrainingBatch, settings: PPOSettings) -> dict[str, float]: ...
@@ -41,7 +49,19 @@ class WorkerGroup(Protocol):
 
     def export(self, path: str | Path) -> None: ...
 
+    def peak_memory_gb(self) -> float | None: ...
+
     def shutdown(self) -> None: ...
+
+
+def peak_memory_gb(device: torch.device) -> float | None:
+    """Peak memory tensors took on CUDA ``device`` since the previous call, in GB (10^9
+    bytes); the call starts the next count. None off CUDA, where torch keeps no peak."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak / 1e9
 
 
 class LocalWorkerGroup:
@@ -75,6 +95,10 @@ class LocalWorkerGroup:
         """The inference-ready policy: the adapter (or full weights) plus processor files."""
         self.worker.save_pretrained(path)
         self.worker.chat.processor.save_pretrained(path)
+
+    def peak_memory_gb(self) -> float | None:
+        """The worker's peak device memory since the previous call (``peak_memory_gb``)."""
+        return peak_memory_gb(self.worker.device)
 
     def shutdown(self) -> None:
         """Nothing to stop: the worker lives and ends with this process."""

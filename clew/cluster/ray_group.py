@@ -131,6 +131,7 @@ class RayWorkerGroup:
             raise ClewError("RayWorkerGroup needs Ray: call ray.init() (or join a cluster) first")
         self.world_size = num_workers
         self.placement_group = placement_group
+        self.device = device
         self.owns_ray = False  # set by whoever started Ray for this group alone
         actor = ray.remote(DataParallelWorker)
         if placement_group is None:
@@ -246,6 +247,14 @@ class RayWorkerGroup:
         every worker takes part, as for ``state_dict``."""
         _gather([w.export.remote(str(path)) for w in self.workers], self.workers)
 
+    def peak_memory_gb(self) -> float | None:
+        """The largest of the workers' peak device memory since the previous call, in GB
+        (``clew.cluster.group.peak_memory_gb``); None for CPU workers."""
+        if self.device != "cuda":
+            return None
+        peaks = _gather([w.__ray_call__.remote(_worker_peak) for w in self.workers], self.workers)
+        return max(peaks)
+
     def shutdown(self) -> None:
         import ray
 
@@ -271,6 +280,15 @@ def chunks(num_rows: int, num_workers: int) -> list[tuple[int, int]]:
     for i in range(k):
         bounds.append(bounds[-1] + num_rows // k + (i < num_rows % k))
     return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _worker_peak(actor: Any) -> float | None:
+    """Run in a worker's process (Ray's ``__ray_call__``): its GPU's peak memory."""
+    import torch
+
+    from clew.cluster.group import peak_memory_gb
+
+    return peak_memory_gb(torch.device("cuda", torch.cuda.current_device()))
 
 
 def chunk_seed(seed: int, first_row: int) -> int:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 ENV_CLASS_ALIASES: dict[str, str] = {"visgym": "maze_2d"}
 
 # Logger backends ``trainer.logger`` may name.
-KNOWN_LOGGERS: tuple[str, ...] = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+KNOWN_LOGGERS: tuple[str, ...] = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "ray")
 
 
 class Section(BaseModel):
@@ -423,7 +423,11 @@ class TrainerConfig(Section):
     )
     logger: str | list[str] = Field(
         "console",
-        description="Metric sink(s): one or a list of " + ", ".join(KNOWN_LOGGERS) + ".",
+        description="Metric sink(s): one or a list of "
+        + ", ".join(KNOWN_LOGGERS)
+        + ". jsonl (RUN_DIR/metrics.jsonl) is always on, and ray (Ray's metrics API, scraped "
+        "by Prometheus) whenever the run uses Ray: more than one policy worker, or RAY_ADDRESS "
+        "set.",
     )
     project_name: str = Field("clew", description="Project name for loggers.")
     run_name: str = Field("clew_run", description="Run name for loggers and output folders.")

@@ -2,7 +2,8 @@
 
 The trainer hands values to a :class:`MetricsCollector` instead of doing its own bookkeeping,
 flushes one flat ``dict[str, float]`` per step to the loggers from :func:`make_loggers`
-(``metrics.jsonl`` always among them, as the run's record), and tools read that file back with
+(``metrics.jsonl`` always among them, as the run's record; ``ray`` too when the run uses
+Ray, :mod:`clew.metrics.ray_metrics`), and tools read that file back with
 :func:`read_history`, :func:`draw_report` and :func:`summarize`. What each metric name means is
 documented once, in :mod:`clew.metrics.catalog`.
 
@@ -27,6 +28,7 @@ from clew.metrics.loggers import (
     make_loggers,
     register_logger,
 )
+from clew.metrics.ray_metrics import exported_name, ray_metric_name, with_ray_metrics
 from clew.metrics.report import draw_report, summarize
 
 __all__ = [
@@ -43,9 +45,12 @@ __all__ = [
     "catalog_markdown",
     "describe",
     "draw_report",
+    "exported_name",
     "make_loggers",
+    "ray_metric_name",
     "read_history",
     "register_logger",
     "summarize",
     "truncate_history",
+    "with_ray_metrics",
 ]

@@ -31,6 +31,14 @@ TIMING_PHASES: tuple[str, ...] = (
     "dagger",
 )
 
+# Phases whose peak device memory the GRPO loop reports, on CUDA devices.
+MEMORY_PHASES: tuple[str, ...] = ("generate", "update", "evaluate")
+
+
+def peak_memory_metric(phase: str) -> str:
+    """The metric name of ``phase``'s peak device memory (``perf/peak_memory_gb/<phase>``)."""
+    return f"perf/peak_memory_gb/{phase}"
+
 
 @dataclass(frozen=True)
 class MetricSpec:
@@ -97,7 +105,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec(
         "train/restarts",
         "Worker-group restarts so far after a Ray worker died (trainer.max_restarts); logged "
-        "with the first step after each restart.",
+        "with the run's first step (0) and with the first step after each restart.",
     ),
     MetricSpec(
         "train/end_reason/<reason>",
@@ -135,6 +143,14 @@ CATALOG: tuple[MetricSpec, ...] = (
         "throughput/generated_tokens_per_s",
         "Model-generated tokens per wall second of step.",
         "tok/s",
+    ),
+    # perf/: the devices.
+    MetricSpec(
+        "perf/peak_memory_gb/<phase>",
+        "CUDA runs: peak device memory allocated by tensors during <phase> this step, in GB "
+        "(10^9 bytes), the largest over the policy workers; phases: "
+        + ", ".join(MEMORY_PHASES)
+        + ". Not logged on CPU.",
     ),
     # eval/: held-out evaluation, on the steps it runs.
     MetricSpec(

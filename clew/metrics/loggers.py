@@ -1,4 +1,5 @@
-"""Metric loggers, chosen by name: ``console``, ``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``.
+"""Metric loggers, chosen by name: ``console``, ``jsonl``, ``tensorboard``, ``wandb``, ``mlflow``
+and ``ray`` (Ray's metrics API, for Prometheus; :mod:`clew.metrics.ray_metrics`).
 
 A logger is anything with ``log(metrics, step)`` and ``close()`` (:class:`MetricsLogger`);
 there is no base class to inherit. Loggers are built by factories registered under the name a
