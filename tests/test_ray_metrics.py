@@ -227,6 +227,24 @@ def test_a_run_on_ray_exports_its_metrics_to_prometheus_with_the_runs_values(scr
     assert labels["project"] == PROJECT and labels["run"] == RUN
 
 
+@pytest.mark.ray
+def test_a_workers_peak_memory_is_read_in_its_process_and_is_none_without_a_gpu(
+    ray_with_metrics,
+):
+    import ray
+
+    from clew.cluster.ray_group import _worker_peak
+
+    class Worker:
+        pass
+
+    worker = ray.remote(Worker).options(num_cpus=0, num_gpus=0).remote()
+    try:  # the path RayWorkerGroup.peak_memory_gb takes on GPU workers, here on none
+        assert ray.get(worker.__ray_call__.remote(_worker_peak), timeout=60) is None
+    finally:
+        ray.kill(worker)
+
+
 # -- the Grafana dashboard -----------------------------------------------------------------
 
 

@@ -253,7 +253,8 @@ class RayWorkerGroup:
         if self.device != "cuda":
             return None
         peaks = _gather([w.__ray_call__.remote(_worker_peak) for w in self.workers], self.workers)
-        return max(peaks)
+        measured = [p for p in peaks if p is not None]
+        return max(measured) if measured else None
 
     def shutdown(self) -> None:
         import ray
@@ -283,11 +284,14 @@ def chunks(num_rows: int, num_workers: int) -> list[tuple[int, int]]:
 
 
 def _worker_peak(actor: Any) -> float | None:
-    """Run in a worker's process (Ray's ``__ray_call__``): its GPU's peak memory."""
+    """Run in a worker's process (Ray's ``__ray_call__``): its GPU's peak memory, None
+    where the process has no GPU."""
     import torch
 
     from clew.cluster.group import peak_memory_gb
 
+    if not torch.cuda.is_available():
+        return None
     return peak_memory_gb(torch.device("cuda", torch.cuda.current_device()))
 
 
