@@ -18,11 +18,12 @@ import torch
 from clew.checkpoint.layout import find_resume_step
 from clew.checkpoint.state import Checkpointer
 from clew.cluster.group import LocalWorkerGroup, WorkerGroup
-from clew.cluster.placement import check_gpus, connect_ray, gpu_placement_group, local_gpus
+from clew.cluster.placement import check_gpus, connect_ray, local_gpus, worker_placement_group
 from clew.cluster.ray_group import WorkerLost
 from clew.config import ClewConfig, save_config
 from clew.config.schema import LoraConfig, OptimizerConfig
 from clew.data.rows import read_rows
+from clew.envs.plugins import import_env_modules, modules_env
 from clew.errors import ClewError, ConfigError
 from clew.evaluation import eval_metrics
 from clew.grpo import GRPOTrainer, seed_everything
@@ -71,12 +72,10 @@ def worker_settings(
     )
 
 
-def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
-    """The run's policy workers (``trainer.placement``): one in this process, else one Ray
-    actor per GPU (a placement group) or per CPU worker, on Ray joined or started here."""
+def placement_device(cfg: ClewConfig) -> tuple[torch.device, bool]:
+    """Where the policy workers of ``trainer.placement`` run, and whether they are GPU
+    workers on Ray; a GPU placement this machine cannot hold is refused here."""
     t = cfg.trainer
-    if not t.policy.model.path:
-        raise ConfigError("trainer.policy.model.path is required: a local checkpoint directory")
     pl = t.placement
     on_gpus = pl.num_gpus > 1
     if on_gpus and not os.environ.get("RAY_ADDRESS"):  # a cluster's GPUs are counted on it
@@ -85,11 +84,58 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
             pl, found, "this machine" + (" with trainer.device=cpu" if t.device == "cpu" else "")
         )
     if on_gpus:
-        device = torch.device("cuda")
-    elif pl.num_cpu_workers > 1:
-        device = torch.device("cpu")
-    else:
-        device = pick_device(t.device)
+        return torch.device("cuda"), True
+    if pl.num_cpu_workers > 1:
+        return torch.device("cpu"), False
+    return pick_device(t.device), False
+
+
+def ray_worker_group(
+    cfg: ClewConfig,
+    model_path: str | Path,
+    settings: WorkerSettings,
+    dtype: Any,
+    device: torch.device,
+    on_gpus: bool,
+    **worker_options: Any,
+) -> Any:
+    """``trainer.placement.num_workers`` data-parallel workers of ``model_path`` on Ray,
+    joined or started here (then shut down with the group)."""
+    from clew.cluster.ray_group import RayWorkerGroup
+
+    pl = cfg.trainer.placement
+    started = connect_ray(None if on_gpus else pl.num_cpu_workers)
+    try:
+        group = RayWorkerGroup(
+            model_path,
+            settings,
+            pl.num_workers,
+            dtype=dtype,
+            device=device.type,
+            placement_group=worker_placement_group(pl, on_gpus),
+            on_this_machine=started and not os.environ.get("RAY_ADDRESS"),
+            env_vars=modules_env(cfg.environment.modules),
+            seed=cfg.trainer.seed,
+            strategy=cfg.trainer.strategy,
+            **worker_options,
+        )
+    except BaseException:
+        if started:
+            import ray
+
+            ray.shutdown()
+        raise
+    group.owns_ray = started
+    return group
+
+
+def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
+    """The run's policy workers (``trainer.placement``): one in this process, else one Ray
+    actor per GPU (a placement group) or per CPU worker, on Ray joined or started here."""
+    t = cfg.trainer
+    if not t.policy.model.path:
+        raise ConfigError("trainer.policy.model.path is required: a local checkpoint directory")
+    device, on_gpus = placement_device(cfg)
     lora = t.policy.model.lora
     precision = "bf16-mixed" if t.bf16 else "32-true"
     dtype, autocast = policy_precision(device, precision, lora.rank > 0)
@@ -106,32 +152,18 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
         for sp in (cfg.generator.sampling_params, cfg.generator.eval_sampling_params)
         if sp.allowed_tokens
     ]
-    if pl.num_workers > 1:
-        from clew.cluster.ray_group import RayWorkerGroup
-
-        started = connect_ray(None if on_gpus else pl.num_cpu_workers)
-        try:
-            group = RayWorkerGroup(
-                t.policy.model.path,
-                settings,
-                pl.num_workers,
-                dtype=dtype,
-                device=device.type,
-                placement_group=gpu_placement_group(pl) if on_gpus else None,
-                seed=t.seed,
-                gpu_memory_utilization=ie.gpu_memory_utilization,
-                max_cache_mb=ie.max_cache_mb,
-                allowed_tokens=allowed,
-                strategy=t.strategy,
-            )
-        except BaseException:
-            if started:
-                import ray
-
-                ray.shutdown()
-            raise
-        group.owns_ray = started
-        return group
+    if t.placement.num_workers > 1:
+        return ray_worker_group(
+            cfg,
+            t.policy.model.path,
+            settings,
+            dtype,
+            device,
+            on_gpus,
+            gpu_memory_utilization=ie.gpu_memory_utilization,
+            max_cache_mb=ie.max_cache_mb,
+            allowed_tokens=allowed,
+        )
     limit_host_threads(device)
     worker = PolicyWorker.from_pretrained(t.policy.model.path, settings, dtype=dtype, device=device)
     budget = cache_budget_bytes(device, ie.gpu_memory_utilization, ie.max_cache_mb)
@@ -153,6 +185,7 @@ def run_grpo(cfg: ClewConfig) -> dict[str, float]:
         raise ConfigError(
             "data.train_data is empty: give one or more parquet files from `clew dataset`"
         )
+    import_env_modules(cfg.environment.modules)
     with_ray_metrics(cfg.trainer.logger, cfg.trainer.placement.num_workers)  # fails before loading
     train_rows = [r for p in cfg.data.train_data for r in read_rows(p)]
     eval_rows = [r for p in cfg.data.val_data for r in read_rows(p)]
@@ -274,14 +307,14 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
     for key, on in wanted.items():
         if on and not evaluated:
             raise ConfigError(f"{key} needs an evaluation: set data.val_data")
+    import_env_modules(cfg.environment.modules)
     train_rows = [r for p in cfg.data.train_data for r in read_rows(p)]
     eval_rows = [r for p in cfg.data.val_data for r in read_rows(p)]
     run_dir = sft_run_dir(cfg)
     checkpointer = Checkpointer(cfg, run_dir, stage="sft")
     checkpointer.resume_point()  # another run's checkpoint fails here, before any write
     save_config(cfg, run_dir)
-    device = pick_device(cfg.trainer.device)
-    limit_host_threads(device)
+    device, on_gpus = placement_device(cfg)
     dtype, autocast = policy_precision(device, s.precision, s.lora.rank > 0)
     seed_everything(s.seed)
     settings = worker_settings(
@@ -291,20 +324,29 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
         autocast_bf16=autocast,
         pack_sequences=s.pack_sequences,
     )
-    worker = PolicyWorker.from_pretrained(s.model_path, settings, dtype=dtype, device=device)
+    workers = cfg.trainer.placement.num_workers
     if eval_fn is None and eval_rows:
         eval_fn = sft_eval_fn(eval_rows, cfg.generator.keep_last_k_images, autocast)
-    loggers = make_loggers(
-        cfg.trainer.logger,
-        run_dir,
-        cfg.trainer.project_name,
-        s.run_name,
-        config=cfg.model_dump(mode="json"),
-    )
+    if workers > 1:  # the workers GRPO would run on (trainer.placement)
+        policy = ray_worker_group(cfg, s.model_path, settings, dtype, device, on_gpus)
+    else:
+        limit_host_threads(device)
+        policy = PolicyWorker.from_pretrained(s.model_path, settings, dtype=dtype, device=device)
     try:
-        trainer = SFTTrainer(
-            cfg, worker, train_rows, checkpointer, loggers, eval_fn=eval_fn, autocast=autocast
+        loggers = make_loggers(
+            with_ray_metrics(cfg.trainer.logger, workers),
+            run_dir,
+            cfg.trainer.project_name,
+            s.run_name,
+            config=cfg.model_dump(mode="json"),
         )
-        return trainer.fit()
+        try:
+            trainer = SFTTrainer(
+                cfg, policy, train_rows, checkpointer, loggers, eval_fn=eval_fn, autocast=autocast
+            )
+            return trainer.fit()
+        finally:
+            loggers.close()
     finally:
-        loggers.close()
+        if workers > 1:
+            policy.shutdown()

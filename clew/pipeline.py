@@ -30,6 +30,7 @@ from typing import Any
 
 from clew.config import ClewConfig, save_config, validate
 from clew.config.overrides import build_config
+from clew.envs.plugins import import_env_modules
 from clew.errors import ConfigError
 
 STAGES: tuple[str, ...] = ("dataset", "model", "sft", "train")
@@ -51,6 +52,7 @@ def run_pipeline(cfg: ClewConfig) -> dict[str, float]:
     nothing.
     """
     check_stages(cfg)
+    import_env_modules(cfg.environment.modules)
     out = Path(cfg.trainer.log_path)
     save_config(cfg, out)
     for stage in cfg.pipeline.stages:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from clew.train.batch import Sample
-from clew.train.training_batch import TrainingBatch
+from clew.train.training_batch import TrainingBatch, share_sizes
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
@@ -124,6 +125,38 @@ def test_two_synced_workers_take_the_step_of_one_worker(model_dir, start, batch,
         assert r["policy/optimizer_steps"] == metrics["policy/optimizer_steps"] == 2
         assert r["policy/loss"] == pytest.approx(metrics["policy/loss"], abs=1e-6)
         assert r["policy/grad_norm"] == pytest.approx(metrics["policy/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize(("workers", "mini"), [(2, 3), (3, 2)])
+def test_workers_given_uneven_or_empty_shares_take_the_step_of_one_worker(
+    model_dir, start, batch, workers, mini
+):
+    """Mini-batches of 3 over 2 workers split 2/1; of 2 over 3 workers leave worker 2 with
+    nothing at all, yet it joins every optimizer step."""
+    settings = PPOSettings(mini_batch_size=mini, micro_batch_size=1)
+    expected, metrics = one_worker(model_dir, start, batch, settings)
+    shares = batch.split(workers, mini)
+    sizes = share_sizes(len(batch), mini, workers)
+    assert any(s == 0 for row in sizes for s in row) == (workers > mini)
+    sync = ThreadSync(workers)
+    replicas = [fresh(model_dir, start) for _ in range(workers)]
+    results: list = [None] * workers
+
+    def run(rank: int) -> None:
+        replicas[rank].sync = sync.member(rank)
+        mine = dataclasses.replace(settings, mini_batch_sizes=tuple(sizes[rank]))
+        results[rank] = replicas[rank].train_batch(shares[rank], mine)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(r is not None for r in results), "a worker failed or hung"
+    for w in replicas:
+        assert_same_weights(trainable(w.state_dict()), expected)
+    steps = metrics["policy/optimizer_steps"]
+    assert all(r["policy/optimizer_steps"] == steps for r in results)
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,11 @@ going on from its checkpoint on a new worker group."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -15,11 +17,12 @@ import torch
 from envs_for_tests import digits_rows
 
 from clew.config import load_config
-from clew.data.rows import write_rows
+from clew.data.rows import generate_rows, write_rows
 from clew.errors import ClewError, ConfigError
 from clew.grpo import GRPOTrainer
 from clew.inference.sampling import SamplingParams
-from clew.launch import run_grpo
+from clew.launch import run_grpo, run_sft_stage
+from clew.metrics import read_history
 from clew.models import build_model
 from clew.rollout.loop import RolloutSettings
 from clew.train.settings import PPOSettings, WorkerSettings
@@ -188,6 +191,117 @@ def test_a_run_out_of_restarts_fails_naming_them_and_the_cause(
         run_grpo(cfg)
 
 
+def test_a_worker_that_cannot_load_the_policy_fails_the_run_naming_it_and_the_cause(
+    ray_local, tmp_path, capsys
+):
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    cfg = _config(tmp_path, empty, "trainer.placement.num_cpu_workers=2")
+    with pytest.raises(ClewError) as err:
+        run_grpo(cfg)
+    message = str(err.value)
+    assert re.search(r"worker [01] of 2 could not start: .*could not load the policy", message)
+    assert str(empty) in message and "Traceback" not in message
+    assert "restart" not in capsys.readouterr().out  # the same error would only come again
+
+
+def test_envs_of_a_module_named_in_the_config_reach_the_ray_workers(
+    ray_local, tiny, tmp_path, monkeypatch
+):
+    (tmp_path / "plugin_envs.py").write_text(
+        "from envs_for_tests import DigitsEnv\n"
+        "from clew.envs import register\n"
+        "register('plugin/digits', DigitsEnv, accepted_options=set())\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    tests = str(Path(__file__).parent)  # the workers' PYTHONPATH keeps the test envs
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    rows = [dataclasses.replace(r, env_id="plugin/digits") for r in digits_rows(4)]
+    write_rows(rows, tmp_path / "plugin.parquet")
+    cfg = _config(
+        tmp_path,
+        tiny,
+        "trainer.placement.num_cpu_workers=2",
+        f"data.train_data=['{tmp_path / 'plugin.parquet'}']",
+        "data.val_data=[]",
+        "trainer.max_steps=1",
+        "environment.modules=[plugin_envs]",
+    )
+    run_grpo(cfg)
+    history = _history(tmp_path / "runs" / "dp")
+    assert any("policy/optimizer_steps" in h for h in history)
+    with pytest.raises(ClewError, match=r"could not import environment module 'no_such_envs'"):
+        run_grpo(
+            cfg.model_copy(
+                update={
+                    "environment": cfg.environment.model_copy(update={"modules": ["no_such_envs"]})
+                }
+            )
+        )
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_policy_evaluates_fewer_rows_than_workers_without_hanging(
+    ray_local, tiny, tmp_path
+):
+    write_rows(digits_rows(1, "eval"), tmp_path / "one.parquet")
+    cfg = _config(
+        tmp_path,
+        tiny,
+        "trainer.placement.num_cpu_workers=2",
+        "trainer.policy.model.lora.rank=0",
+        "trainer.strategy=fsdp",
+        f"data.val_data=['{tmp_path / 'one.parquet'}']",
+        "trainer.max_steps=1",
+        "trainer.eval_interval=1",
+    )
+    run_grpo(cfg)
+    history = _history(tmp_path / "runs" / "dp")
+    assert any("eval/all/pass_at_1" in h for h in history)
+
+
+def test_sft_on_two_cpu_workers_takes_the_steps_of_one_worker(ray_local, tiny, tmp_path):
+    write_rows(generate_rows("test/line", 6), tmp_path / "line.parquet")
+    write_rows(generate_rows("test/line", 2, "eval"), tmp_path / "line-eval.parquet")
+
+    def sft(workers: int):
+        cfg = load_config(
+            None,
+            [
+                f"sft.model_path={tiny}",
+                f"data.train_data=['{tmp_path / 'line.parquet'}']",
+                f"data.val_data=['{tmp_path / 'line-eval.parquet'}']",
+                f"trainer.log_path={tmp_path / f'runs{workers}'}",
+                "trainer.logger=jsonl",
+                "trainer.strategy=ddp",
+                f"trainer.placement.num_cpu_workers={workers}",
+                "sft.steps=4",
+                "sft.batch_size=3",
+                "sft.eval_interval=4",
+                "sft.dagger.interval=2",
+                "sft.dagger.rows=2",
+                "sft.optimizer_config.lr=1e-3",
+            ],
+        )
+        return run_sft_stage(cfg)
+
+    one, two = sft(1), sft(2)
+    h1, h2 = read_history(one.run_dir), read_history(two.run_dir)
+    assert [h["step"] for h in h1] == [h["step"] for h in h2] == [1, 2, 3, 4]
+    assert any("sft/dagger_demonstrations" in h for h in h2)  # a DAgger round ran on Ray
+    for a, b in zip(h1, h2, strict=True):
+        assert b["sft/loss"] == pytest.approx(a["sft/loss"], rel=1e-4)
+        assert ("sft/dagger_demonstrations" in a) == ("sft/dagger_demonstrations" in b)
+    assert two.last_eval == pytest.approx(one.last_eval) and "eval/all/pass_at_1" in two.last_eval
+    from safetensors.torch import load_file
+
+    w1 = load_file(Path(one.final_policy) / "model.safetensors")
+    w2 = load_file(Path(two.final_policy) / "model.safetensors")
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], atol=2e-5, rtol=0)
+
+
 # The runs above take the instance's 2 CPUs for their workers: they must come before the
 # module's `group`, which holds both until the module ends.
 
@@ -228,3 +342,20 @@ def test_an_error_in_a_workers_code_is_not_taken_for_a_lost_worker(group):
         group.load_state_dict({})
     assert not isinstance(err.value, WorkerLost)
     assert group.trainable_fingerprints()  # both workers still answer
+
+
+def test_workers_the_busy_cluster_cannot_place_fail_after_the_timeout_saying_what_is_free(
+    group, tiny, tmp_path
+):
+    cfg = _config(
+        tmp_path, tiny, "trainer.placement.num_cpu_workers=2", "trainer.placement.timeout_s=2"
+    )
+    with pytest.raises(ClewError, match=r"could not place 2 CPU workers.*timeout_s = 2 s.*0 free"):
+        run_grpo(cfg)
+
+
+def test_more_cpu_workers_than_the_cluster_has_are_refused_at_once(group, tiny, tmp_path):
+    three = ("trainer.train_batch_size=3", "trainer.policy_mini_batch_size=3")
+    cfg = _config(tmp_path, tiny, "trainer.placement.num_cpu_workers=3", *three)
+    with pytest.raises(ConfigError, match=r"num_cpu_workers = 3 CPU workers asked.*has 2 CPUs"):
+        run_grpo(cfg)

@@ -411,3 +411,29 @@ def test_pass_at_n_counts_mazes_solved_by_any_sample_and_pass_at_1_every_sample(
         for k in eval_metrics(trajs[::4], [], 8)
         if k.startswith("eval/all/pass_at_") and k != "eval/all/pass_at_1"
     ]
+
+
+def test_a_rollout_leaves_no_kv_cache_behind_for_the_update(policy, rows):
+    """Colocated workers train right after sampling: the cache must be freed as the rollout
+    returns (by reference counting, not whenever the garbage collector runs)."""
+    import gc
+    import weakref
+
+    from clew.inference import engine as engine_module
+
+    model, chat = policy
+    caches: list[weakref.ref] = []
+    opened = engine_module.CacheBatch.__init__
+
+    def tracked(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        caches.append(weakref.ref(self))
+
+    gc.disable()
+    try:
+        engine_module.CacheBatch.__init__ = tracked
+        play(InferenceEngine(model, chat), rows[:2], _settings(max_turns=2), seed=0)
+        assert caches and all(ref() is None for ref in caches)
+    finally:
+        engine_module.CacheBatch.__init__ = opened
+        gc.enable()

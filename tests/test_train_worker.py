@@ -19,7 +19,7 @@ from clew.rollout.trajectory import Trajectory
 from clew.train import worker as worker_module
 from clew.train.batch import Sample, collate, micro_batches, target_values
 from clew.train.lora import merged_for_rollouts
-from clew.train.training_batch import TrainingBatch
+from clew.train.training_batch import TrainingBatch, share_sizes
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
@@ -111,8 +111,12 @@ def test_a_split_gives_each_worker_its_share_of_every_mini_batch():
         seqs[:2], [torch.tensor([1.0]), torch.tensor([2.0])], [torch.zeros(2)] * 2
     )
     assert [s.advantages[0].item() for s in turns.split(2)] == [1.0, 2.0]
-    with pytest.raises(ValueError, match="mini-batch of 4 sequences does not split into 3"):
-        batch.split(3, mini_batch_size=4)
+    # Three workers: each mini-batch of 4 goes 2/1/1, and a batch smaller than the group
+    # leaves a worker an empty share (it still joins every collective).
+    uneven = batch.split(3, mini_batch_size=4)
+    assert [s.advantages.tolist() for s in uneven] == [[0, 1, 4, 5], [2, 6], [3, 7]]
+    assert share_sizes(8, 4, 3) == [[2, 2], [1, 1], [1, 1]]
+    assert [len(s) for s in turns.split(3)] == [1, 1, 0] and share_sizes(2, None, 3)[2] == [0]
 
 
 def test_collate_rejects_placeholders_without_images(model_dir):

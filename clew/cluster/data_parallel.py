@@ -244,5 +244,24 @@ class DataParallelWorker:
         if self.rank == 0:
             self.worker.chat.processor.save_pretrained(path)
 
+    def sft_step(self, demos: Sequence[Any], micro_batch_size: int) -> dict[str, float]:
+        """One SFT optimizer step on this worker's share of the batch (summed gradients)."""
+        return self.worker.sft_step(demos, micro_batch_size)
+
+    def with_policy(self, fn: Any, *args: Any) -> Any:
+        """``fn(model, chat, *args)`` on the whole current weights (SFT's evaluation and
+        DAgger episodes)."""
+        self.worker.model.eval()
+        with fsdp.gathered(self.worker.model):
+            return fn(self.worker.model, self.worker.chat, *args)
+
+    def write_policy(self, path: str | Path) -> None:
+        """Rank 0 writes the policy with LoRA merged in, and its processor."""
+        if self.rank and not self.sharded:
+            return
+        self.worker.save_pretrained(path, merged=True)
+        if self.rank == 0:
+            self.worker.chat.processor.save_pretrained(path)
+
     def close(self) -> None:
         self.sync.close()

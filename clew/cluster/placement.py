@@ -2,19 +2,25 @@
 
 A run with several workers needs Ray. ``connect_ray`` joins the cluster named by
 ``RAY_ADDRESS`` (a ``ray job submit`` entrypoint has it set), or else starts an embedded
-instance on this machine that listens on loopback only and is shut down with the run.
+instance on this machine that listens on loopback only and is shut down with the run. An
+address that does not answer fails within seconds, saying so: ``ray.init`` itself would
+retry for minutes.
 
-GPU workers (``policy_num_nodes * policy_num_gpus_per_node`` of them) go into one placement
-group with one ``{GPU: 1, CPU: 1}`` bundle each: ``STRICT_PACK`` on one node, ``PACK``
-over several, so a node's workers sit together. A placement the cluster cannot hold is
-refused before any model loads, naming the keys and the GPUs found, and a placement group
-that is not placed within ``timeout_s`` fails with what was asked, never hangs.
+Workers go into one placement group with one bundle each: ``{GPU: 1, CPU: 1}`` for the
+``policy_num_nodes * policy_num_gpus_per_node`` GPU workers (``STRICT_PACK`` on one node,
+``PACK`` over several, so a node's workers sit together), ``{CPU: 1}`` for
+``num_cpu_workers`` (``PACK``). A placement the cluster cannot hold is refused before any
+model loads, naming the keys and what the cluster has, and a placement group that is not
+placed within ``trainer.placement.timeout_s`` (the cluster is busy, or an autoscaler is
+slow) fails with what was asked and what is free, never hangs.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
@@ -22,6 +28,28 @@ from clew.config.schema import PlacementConfig
 from clew.errors import ClewError, ConfigError
 
 GPU_KEYS = "trainer.placement.policy_num_nodes x trainer.placement.policy_num_gpus_per_node"
+CPU_KEY = "trainer.placement.num_cpu_workers"
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Fail unless something listens at ``address`` (``host:port``, ``ray://host:port``);
+    ``auto`` and addresses without a port are left to Ray."""
+    parsed = urlparse(address if "://" in address else f"ray://{address}")
+    try:
+        host, port = parsed.hostname, parsed.port
+    except ValueError:
+        host, port = None, None
+    if not host or not port:
+        return
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ClewError(
+            f"the Ray cluster at RAY_ADDRESS={address} does not answer ({host}:{port}: "
+            f"{e.strerror or e}): start it there (`ray start --head`), correct RAY_ADDRESS, "
+            "or unset it to run on an embedded Ray on this machine"
+        ) from None
 
 
 def connect_ray(num_cpus: int | None) -> bool:
@@ -32,6 +60,7 @@ def connect_ray(num_cpus: int | None) -> bool:
     if ray.is_initialized():
         return False
     if address := os.environ.get("RAY_ADDRESS"):
+        check_reachable(address)
         try:
             ray.init(address="auto", log_to_driver=True)
         except Exception as e:  # an address that does not answer: say which
@@ -57,21 +86,37 @@ def check_gpus(pl: PlacementConfig, found: float, where: str) -> None:
         )
 
 
-def gpu_placement_group(pl: PlacementConfig, timeout_s: float = 120.0) -> Any:
-    """A ready placement group of one ``{GPU: 1, CPU: 1}`` bundle per policy worker."""
+def worker_placement_group(pl: PlacementConfig, on_gpus: bool) -> Any:
+    """A ready placement group of one bundle per policy worker: ``{GPU: 1, CPU: 1}`` for
+    GPU workers, ``{CPU: 1}`` for CPU workers."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    check_gpus(pl, ray.cluster_resources().get("GPU", 0), "the Ray cluster")
-    strategy = "STRICT_PACK" if pl.policy_num_nodes == 1 else "PACK"
-    pg = placement_group([{"GPU": 1, "CPU": 1}] * pl.num_gpus, strategy=strategy)
-    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    resources = ray.cluster_resources()
+    if on_gpus:
+        check_gpus(pl, resources.get("GPU", 0), "the Ray cluster")
+        bundle, count = {"GPU": 1, "CPU": 1}, pl.num_gpus
+        strategy = "STRICT_PACK" if pl.policy_num_nodes == 1 else "PACK"
+        shape = f"{pl.policy_num_nodes} x {pl.policy_num_gpus_per_node}"
+        asked, kind = f"{count} GPU workers ({strategy}, {GPU_KEYS} = {shape})", "GPU"
+    else:
+        bundle, count, strategy = {"CPU": 1}, pl.num_cpu_workers, "PACK"
+        if count > (found := resources.get("CPU", 0)):
+            raise ConfigError(
+                f"{CPU_KEY} = {count} CPU workers asked, but the Ray cluster has {found:g} "
+                "CPUs: lower it"
+            )
+        asked, kind = f"{count} CPU workers ({CPU_KEY} = {count})", "CPU"
+    pg = placement_group([bundle] * count, strategy=strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=pl.timeout_s)
     if not ready:
         remove_placement_group(pg)
+        free = ray.available_resources().get(kind, 0)
         raise ClewError(
-            f"Ray could not place {pl.num_gpus} GPU workers ({strategy}, {GPU_KEYS} = "
-            f"{pl.policy_num_nodes} x {pl.policy_num_gpus_per_node}) within {timeout_s:g} s; "
-            f"the cluster has {ray.available_resources().get('GPU', 0):g} GPUs free"
+            f"Ray could not place {asked} within trainer.placement.timeout_s = "
+            f"{pl.timeout_s:g} s: the cluster has {resources.get(kind, 0):g} {kind}s, "
+            f"{free:g} free now (other jobs hold the rest, or one node cannot hold a "
+            "STRICT_PACK group); free them, lower the count, or raise the timeout"
         )
     return pg
 

@@ -5,13 +5,13 @@ it loads the policy itself and joins a ``torch.distributed`` group. CPU workers 
 127.0.0.1; GPU workers sit in a placement group (``clew.cluster.placement``), one bundle
 each, and meet on the node of the first bundle.
 
-``generate`` spreads the rows over the workers in contiguous chunks of whole GRPO groups
-(a row is one group of ``n_samples_per_prompt`` episodes), balanced by count, and returns
-the trajectories in row order with group ids numbered over the whole batch. The chunk that
-starts at row 0 plays with ``seed`` itself, so one worker reproduces ``LocalWorkerGroup``;
-another chunk plays with a seed derived from ``seed`` and its first row (``chunk_seed``).
-The samples therefore depend on the number of workers: making them independent of it
-would take one random stream per row inside the batched sampler.
+``generate`` spreads the rows over the workers in whole GRPO groups (a row is one group of
+``n_samples_per_prompt`` episodes), balanced by expected cost (``clew.cluster.balance``),
+and returns the trajectories in row order with group ids numbered over the whole batch.
+The worker holding row 0 plays with ``seed`` itself, so one worker reproduces
+``LocalWorkerGroup``; another plays with a seed derived from ``seed`` and its first row
+(``chunk_seed``). The samples therefore depend on the number of workers: making them
+independent of it would take one random stream per row inside the batched sampler.
 
 ``update`` hands each worker its share of every mini-batch and returns the workers' mean
 metrics; after it every worker holds the same weights, those one worker would have reached
@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from clew.cluster.balance import assign_rows, expected_cost
 from clew.cluster.data_parallel import DataParallelWorker, free_loopback_address
 from clew.cluster.placement import rendezvous_in
 from clew.data.rows import Row
@@ -40,11 +42,31 @@ from clew.errors import ClewError
 from clew.rollout.loop import RolloutSettings
 from clew.rollout.trajectory import Trajectory
 from clew.train.settings import PPOSettings, WorkerSettings
-from clew.train.training_batch import TrainingBatch
+from clew.train.training_batch import TrainingBatch, share_sizes
 
 
 class WorkerLost(ClewError):
     """A policy worker's actor died: its process or node is gone, not an error in its code."""
+
+
+class WorkerStartFailed(ClewError):
+    """A policy worker raised while starting (loading the policy, joining the group): the
+    same error would come again, so the run fails rather than restart."""
+
+
+def _cause(exc: Exception) -> str:
+    """The original error of a Ray actor that failed in its constructor, from the last line
+    of the traceback Ray wraps it in, with the node's address where Ray gives it."""
+    text = str(exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    last = lines[-1] if lines else type(exc).__name__
+    kind, sep, message = last.partition(": ")
+    if sep and kind.startswith("clew.errors."):  # clew's errors say what and where already
+        last = message
+    elif sep:
+        last = f"{kind.rsplit('.', 1)[-1]}: {message}"
+    node = re.search(r"\bip=([^,)\s]+)", text)
+    return f"{last} (on node {node.group(1)})" if node else last
 
 
 def _dead_ranks(workers: Sequence[Any], wait_s: float = 5.0) -> list[int]:
@@ -117,11 +139,16 @@ class RayWorkerGroup:
         num_threads: int | None = None,
         timeout_s: float = 300.0,
         placement_group: Any = None,
+        on_this_machine: bool = False,
+        env_vars: dict[str, str] | None = None,
         **worker_options: Any,
     ) -> None:
-        """``placement_group``: one ``{GPU: 1, CPU: 1}`` bundle per worker, each worker a
-        GPU in its bundle; without it, workers take ``num_cpus/gpus_per_worker`` anywhere.
-        ``worker_options`` go to ``DataParallelWorker`` (seed, cache budget, ...)."""
+        """``placement_group``: one bundle per worker (``clew.cluster.placement``), a GPU
+        each when the bundles hold GPUs; without it, workers take
+        ``num_cpus/gpus_per_worker`` anywhere. ``on_this_machine``: every worker runs here
+        (an embedded Ray), so they meet on loopback. ``env_vars`` are set in the workers'
+        processes. ``worker_options`` go to ``DataParallelWorker`` (seed, cache budget, ...).
+        """
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -133,25 +160,33 @@ class RayWorkerGroup:
         self.placement_group = placement_group
         self.device = device
         self.owns_ray = False  # set by whoever started Ray for this group alone
+        self.model_path = Path(model_path)
+        self._chat: Any = None
         actor = ray.remote(DataParallelWorker)
+        runtime_env = {"env_vars": dict(env_vars)} if env_vars else {}
         if placement_group is None:
-            options = [{"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}]
-            options *= num_workers
-            address = free_loopback_address()
+            options = [
+                {"num_cpus": num_cpus_per_worker, "num_gpus": num_gpus_per_worker}
+                for _ in range(num_workers)
+            ]
         else:
+            gpus = int(placement_group.bundle_specs[0].get("GPU", 0))
             options = [
                 {
                     "num_cpus": 1,
-                    "num_gpus": 1,
+                    "num_gpus": gpus,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                         placement_group, placement_group_bundle_index=rank
                     ),
                 }
                 for rank in range(num_workers)
             ]
+        if placement_group is None or on_this_machine:
+            address = free_loopback_address()
+        else:
             address = rendezvous_in(placement_group)
         self.workers = [
-            actor.options(**options[rank]).remote(
+            actor.options(**options[rank], runtime_env=runtime_env).remote(
                 str(model_path),
                 settings,
                 rank,
@@ -166,48 +201,84 @@ class RayWorkerGroup:
             for rank in range(num_workers)
         ]
         try:
-            _gather([w.ready.remote() for w in self.workers], self.workers)
-        except Exception:
+            self._await_start()
+            self.sharded = bool(
+                _gather([self.workers[0].__ray_call__.remote(_is_sharded)], self.workers)[0]
+            )
+        except BaseException:
             self.shutdown()
             raise
+
+    def _await_start(self) -> None:
+        """Wait until every worker has loaded the policy and joined the group; a worker
+        that could not start fails naming its rank, node and cause."""
+        import ray
+
+        refs = [w.ready.remote() for w in self.workers]
+        rank_of = {r: i for i, r in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as exc:
+                if not exc.actor_init_failed:
+                    raise WorkerLost(
+                        f"worker {rank_of[done[0]]} died while starting: {exc}"
+                    ) from exc
+                rank = rank_of[done[0]]
+                raise WorkerStartFailed(
+                    f"worker {rank} of {self.world_size} could not start: {_cause(exc)}"
+                ) from None
 
     def generate(
         self, rows: Sequence[Row], settings: RolloutSettings, seed: int, progress=None
     ) -> list[Trajectory]:
-        """Every row played ``n_samples_per_prompt`` times, spread over the workers; the
-        trajectories in (row, sample) order, ``group_id`` the row's index in ``rows``."""
+        """Every row played ``n_samples_per_prompt`` times, spread over the workers by
+        expected cost; the trajectories in (row, sample) order, ``group_id`` the row's
+        index in ``rows``."""
         import ray
 
+        parts = assign_rows([expected_cost(r) for r in rows], self.world_size)
+        if self.sharded:  # gathering sharded weights takes every worker, one with no rows too
+            parts += [[] for _ in range(self.world_size - len(parts))]
         refs = [
-            self.workers[i].generate.remote(rows[lo:hi], settings, chunk_seed(seed, lo), lo)
-            for i, (lo, hi) in enumerate(chunks(len(rows), self.world_size))
+            self.workers[w].generate.remote(
+                [rows[i] for i in part], settings, chunk_seed(seed, part[0] if part else 0)
+            )
+            for w, part in enumerate(parts)
         ]
         pending, order = list(refs), {r: i for i, r in enumerate(refs)}
-        played: list[list[Trajectory]] = [[] for _ in refs]
+        by_row: dict[int, list[Trajectory]] = {}
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
+            w = order[done[0]]
             try:
-                played[order[done[0]]] = ray.get(done[0])
+                played = ray.get(done[0])
             except ray.exceptions.RayError as exc:
                 lost = _lost(exc, self.workers)
                 if lost is None:
                     raise
                 raise lost from exc
+            for t in played:  # the worker numbered its rows' groups 0, 1, ...
+                t.group_id = parts[w][t.group_id]
+                by_row.setdefault(t.group_id, []).append(t)
             if progress:
-                progress(len(played[order[done[0]]]))
-        return [t for part in played for t in part]
+                progress(len(played))
+        return [t for i in sorted(by_row) for t in by_row[i]]
 
     def update(self, batch: TrainingBatch, settings: PPOSettings) -> dict[str, float]:
-        """PPO on ``batch``: each worker takes its share of every mini-batch, with
-        ``mini_batch_size`` divided by the number of workers. Metrics are worker means."""
+        """PPO on ``batch``: each worker takes its share of every mini-batch (shares differ
+        by at most one sequence; a batch smaller than the group leaves some empty). Metrics
+        are worker means."""
         n = self.world_size
-        if len(batch) < n:
-            raise ClewError(f"a batch of {len(batch)} sequences cannot feed {n} workers")
         shares = batch.split(n, settings.mini_batch_size)
-        mini = settings.mini_batch_size
-        per_worker = dataclasses.replace(settings, mini_batch_size=mini // n if mini else None)
+        sizes = share_sizes(len(batch), settings.mini_batch_size, n)
         metrics = _gather(
-            [w.update.remote(s, per_worker) for w, s in zip(self.workers, shares, strict=True)],
+            [
+                w.update.remote(s, dataclasses.replace(settings, mini_batch_sizes=tuple(k)))
+                for w, s, k in zip(self.workers, shares, sizes, strict=True)
+            ],
             self.workers,
         )
         self.check_in_step()
@@ -247,6 +318,43 @@ class RayWorkerGroup:
         every worker takes part, as for ``state_dict``."""
         _gather([w.export.remote(str(path)) for w in self.workers], self.workers)
 
+    # -- SFT (``clew.train.sft_policy.SFTPolicy``) ------------------------------------
+    @property
+    def chat(self) -> Any:
+        """The policy's chat format, loaded here from the model's processor: SFT encodes
+        its demonstrations in the driver."""
+        if self._chat is None:
+            from clew.models.chat import ChatFormat
+            from clew.models.loading import load_processor
+
+            self._chat = ChatFormat(load_processor(self.model_path))
+        return self._chat
+
+    def sft_step(self, demos: Sequence[Any], micro_batch_size: int) -> dict[str, float]:
+        """One SFT optimizer step on ``demos``, spread over the workers by count (a worker
+        may get none); the step one worker takes on the whole batch. Metrics: worker 0's
+        (the loss and gradient norm are the whole batch's on every worker)."""
+        shares = [demos[lo:hi] for lo, hi in _count_split(len(demos), self.world_size)]
+        metrics = _gather(
+            [
+                w.sft_step.remote(s, micro_batch_size)
+                for w, s in zip(self.workers, shares, strict=True)
+            ],
+            self.workers,
+        )
+        self.check_in_step()
+        return metrics[0]
+
+    def with_policy(self, fn: Any, *args: Any) -> Any:
+        """``fn(model, chat, *args)`` on worker 0's weights (on every worker when they are
+        sharded, as gathering them takes all), worker 0's result."""
+        targets = self.workers if self.sharded else self.workers[:1]
+        return _gather([w.with_policy.remote(fn, *args) for w in targets], self.workers)[0]
+
+    def write_policy(self, directory: str | Path) -> None:
+        """Worker 0 writes the policy with LoRA merged in, and its processor."""
+        _gather([w.write_policy.remote(str(directory)) for w in self.workers], self.workers)
+
     def peak_memory_gb(self) -> float | None:
         """The largest of the workers' peak device memory since the previous call, in GB
         (``clew.cluster.group.peak_memory_gb``); None for CPU workers."""
@@ -273,16 +381,6 @@ class RayWorkerGroup:
             ray.shutdown()
 
 
-def chunks(num_rows: int, num_workers: int) -> list[tuple[int, int]]:
-    """Contiguous ``[lo, hi)`` row ranges for at most ``num_workers`` workers, sizes differing
-    by at most one; no empty range."""
-    k = min(num_rows, num_workers)
-    bounds = [0]
-    for i in range(k):
-        bounds.append(bounds[-1] + num_rows // k + (i < num_rows % k))
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
-
-
 def _worker_peak(actor: Any) -> float | None:
     """Run in a worker's process (Ray's ``__ray_call__``): its GPU's peak memory, None
     where the process has no GPU."""
@@ -296,7 +394,20 @@ def _worker_peak(actor: Any) -> float | None:
 
 
 def chunk_seed(seed: int, first_row: int) -> int:
-    """The rollout seed of the chunk starting at ``first_row``: ``seed`` itself for the first
-    chunk, else a value mixed from both (kept below 2**31 so ``play``'s own arithmetic on it
+    """The rollout seed of a worker's rows, the first of them ``first_row``: ``seed`` itself
+    for the worker with row 0, else a value mixed from both (kept below 2**31 so ``play``'s own arithmetic on it
     stays in a generator's range)."""
     return seed if first_row == 0 else (seed * 1_000_003 + first_row * 7_919) % 2**31
+
+
+def _count_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[lo, hi)`` ranges over ``n`` items, sizes differing by one
+    at most (the first ones larger), some empty when ``n < parts``."""
+    bounds = [0]
+    for p in range(parts):
+        bounds.append(bounds[-1] + n // parts + (p < n % parts))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _is_sharded(worker: DataParallelWorker) -> bool:
+    return worker.sharded

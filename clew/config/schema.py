@@ -52,6 +52,13 @@ class EnvironmentConfig(Section):
         default_factory=dict,
         description="Keyword options passed to every environment constructor.",
     )
+    modules: list[str] = Field(
+        default_factory=list,
+        description="Python modules that register environments (clew.envs.register), imported "
+        "before any env is made, in the driver and in every Ray worker: a module of the "
+        "current directory or of an installed package. Installed packages can declare a "
+        "'clew.envs' entry point instead.",
+    )
 
     @field_validator("env_class")
     @classmethod
@@ -329,6 +336,12 @@ class PlacementConfig(Section):
         1,
         description="On a machine without GPUs, the number of CPU workers (Ray actors on an "
         "embedded or joined Ray) for laptops and tests; 1 runs in the driver's process.",
+    )
+    timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Seconds to wait for Ray to place the workers (one bundle each) before "
+        "failing with what was asked and what the cluster has free.",
     )
     ref_num_nodes: int = Field(1, description="SkyRL: nodes for the reference model.")
     ref_num_gpus_per_node: int = Field(1, description="SkyRL: GPUs per node for the reference.")

@@ -239,6 +239,9 @@ def list_envs() -> list[EnvSpec]:
 def _load_builtin_envs() -> None:
     # Imported lazily so that `clew.envs.base` stays free of the maze code it registers.
     import clew.envs.maze  # noqa: F401
+    from clew.envs.plugins import load_plugins
+
+    load_plugins()
 
 
 def text_corpus(samples_per_env: int = 4) -> list[str]:

@@ -32,16 +32,19 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from clew.data.rows import Row
 from clew.envs import expert_for, make
 from clew.errors import ConfigError
 from clew.models.chat import ChatFormat
 from clew.train.demonstrations import Demonstration, play_demonstration
+
+if TYPE_CHECKING:
+    from clew.rollout import RolloutSettings
+    from clew.rollout.trajectory import Trajectory
 
 
 @dataclass(frozen=True)
@@ -120,18 +123,23 @@ def branch_demonstrations(
     return out
 
 
+PlayFn = Callable[[Sequence[Row], "RolloutSettings", int], "list[Trajectory]"]
+"""``play(rows, settings, seed)``: the current policy's episodes of ``rows``, one each."""
+
+
 def dagger_round(
-    model: torch.nn.Module,
+    play: PlayFn,
     chat: ChatFormat,
     rows: Sequence[Row],
     settings: DaggerSettings,
     rng: random.Random,
     *,
     image_window: int | None = None,
-    autocast: bool = False,
 ) -> tuple[list[Demonstration], dict[str, float]]:
-    """The current policy plays ``settings.rows`` of ``rows``; its branch demonstrations."""
-    from clew.rollout import RolloutSettings, SamplingParams, play_model
+    """The current policy (``play``) plays ``settings.rows`` of ``rows``; its branch
+    demonstrations. ``rng`` picks the rows, the episodes' seed and the branches here, so a
+    policy that plays in another process leaves this generator where a local one would."""
+    from clew.rollout import RolloutSettings, SamplingParams
 
     begun = time.monotonic()
     picked = rng.sample(list(rows), min(settings.rows, len(rows)))
@@ -142,7 +150,7 @@ def dagger_round(
         SamplingParams(temperature=settings.temperature, max_tokens=settings.max_generate_length),
         keep_last_k_images=image_window,
     )
-    trajs = play_model(model, chat, picked, rollout, seed=rng.randrange(2**31), autocast=autocast)
+    trajs = play(picked, rollout, rng.randrange(2**31))
     demos = branch_demonstrations(picked, [t.actions for t in trajs], chat, rng)
     for demo in demos:
         demo.image_window = image_window

@@ -56,7 +56,9 @@ class PPOSettings:
     The geometry: ``epochs`` passes over the batch, one optimizer step per mini-batch of
     ``mini_batch_size`` trajectories (None: the whole batch), each accumulated over micro
     batches of ``micro_batch_size`` trajectories. ``mini_batch_size`` counts the whole
-    worker group's trajectories; a group of several workers hands each its share.
+    worker group's trajectories; a group of several workers hands each its share, with
+    ``mini_batch_sizes`` the sizes of that share's mini-batches in order (some may be 0:
+    every worker takes part in every optimizer step).
     """
 
     policy_loss: str = "ppo_clip"
@@ -72,6 +74,7 @@ class PPOSettings:
     temperature: float = 1.0
     allowed_tokens: tuple[str, ...] = ()
     mini_batch_size: int | None = None
+    mini_batch_sizes: tuple[int, ...] = ()
     micro_batch_size: int = 1
     forward_micro_batch_size: int = 8
     epochs: int = 1

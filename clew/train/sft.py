@@ -50,10 +50,13 @@ from clew.stopping import GracefulStop
 from clew.train.dagger import DaggerSettings, dagger_round, mix_in
 from clew.train.demonstrations import Demonstration, demonstrations
 from clew.train.optim import MAX_DROPPED_STEPS
+from clew.train.sft_policy import LocalSFTPolicy, SFTPolicy, play_policy
 from clew.train.worker import PolicyWorker
 
 EvalFn = Callable[[torch.nn.Module, ChatFormat, int], dict[str, float]]
-"""``eval_fn(model, chat, step)``: evaluation metrics (``eval/all/pass_at_1`` among them)."""
+"""``eval_fn(model, chat, step)``: evaluation metrics (``eval/all/pass_at_1`` among them).
+It may run in another process (a Ray worker's): it must pickle, as a module-level function
+or a closure over plain data does."""
 
 BEST_KEY = "eval/all/pass_at_1"
 
@@ -155,10 +158,11 @@ def _unpng(data: bytes) -> Image.Image:
 
 
 class SFTTrainer:
-    """Drives a ``PolicyWorker`` through SFT steps on ``rows``' expert demonstrations.
+    """Drives a policy (``SFTPolicy``: a ``PolicyWorker`` or a worker group) through SFT
+    steps on ``rows``' expert demonstrations.
 
     ``checkpointer`` (``clew.checkpoint.state.Checkpointer`` of the ``sft`` stage) saves and
-    restores ``{"sft": self, "worker": worker}`` and writes the exports; ``eval_fn`` runs
+    restores ``{"sft": self, "worker": policy}`` and writes the exports; ``eval_fn`` runs
     every ``sft.eval_interval`` steps and after the last; ``loggers`` get one flat dict a
     step (``clew.metrics.make_loggers``).
     """
@@ -166,7 +170,7 @@ class SFTTrainer:
     def __init__(
         self,
         cfg: ClewConfig,
-        worker: PolicyWorker,
+        policy: SFTPolicy | PolicyWorker,
         rows: Sequence[Row],
         checkpointer: Any,
         loggers: Any,
@@ -176,7 +180,7 @@ class SFTTrainer:
     ) -> None:
         s = cfg.sft
         self.cfg = cfg
-        self.worker = worker
+        self.policy = LocalSFTPolicy(policy) if isinstance(policy, PolicyWorker) else policy
         self.checkpointer = checkpointer
         self.loggers = loggers
         self.eval_fn = eval_fn
@@ -188,7 +192,7 @@ class SFTTrainer:
             )
         self.image_window = cfg.generator.keep_last_k_images
         self.stream = DemonstrationStream(
-            self.rows, worker.chat, s.batch_size, s.seed, s.detour_prob, s.start_anywhere,
+            self.rows, self.policy.chat, s.batch_size, s.seed, s.detour_prob, s.start_anywhere,
             self.image_window,
         )  # fmt: skip
         d = s.dagger
@@ -276,8 +280,8 @@ class SFTTrainer:
             return
         with self.metrics.timer("dagger"):
             demos, stats = dagger_round(
-                self.worker.model, self.worker.chat, self.rows, d, self.dagger_rng,
-                image_window=self.image_window, autocast=self.autocast,
+                self._play, self.policy.chat, self.rows, d, self.dagger_rng,
+                image_window=self.image_window,
             )  # fmt: skip
         number = self.rounds[-1][0] + 1 if self.rounds else 1
         self.rounds.append((number, demos))
@@ -292,7 +296,7 @@ class SFTTrainer:
 
     def train(self, batch: list[Demonstration]) -> None:
         with self.metrics.timer("update"):
-            stats = self.worker.sft_step(batch, self.cfg.sft.micro_batch_size or len(batch))
+            stats = self.policy.sft_step(batch, self.cfg.sft.micro_batch_size or len(batch))
         self.state.dropped = self.state.dropped + 1 if stats["sft/skipped"] else 0
         self.metrics.add_many(stats)
 
@@ -300,7 +304,7 @@ class SFTTrainer:
         """Evaluate, keep the best; True when ``sft.stop_at_pass`` is reached."""
         assert self.eval_fn is not None
         with self.metrics.timer("evaluate"):
-            metrics = self.eval_fn(self.worker.model, self.worker.chat, step)
+            metrics = self.policy.with_policy(self.eval_fn, step)
         self.metrics.add_many(metrics)
         s, target = self.state, self.cfg.sft.stop_at_pass
         s.last_eval = dict(metrics)
@@ -316,13 +320,15 @@ class SFTTrainer:
 
     def write_policy(self, directory: Path) -> None:
         """A loadable policy directory: full weights (LoRA merged in) and the processor."""
-        self.worker.save_pretrained(directory, merged=True)
-        self.worker.chat.processor.save_pretrained(directory)
+        self.policy.write_policy(directory)
+
+    def _play(self, rows: Sequence[Row], settings: Any, seed: int) -> list[Any]:
+        return self.policy.with_policy(play_policy, rows, settings, seed, self.autocast)
 
     # -- state ----------------------------------------------------------------------
     def checkpointed(self) -> dict[str, Any]:
         """What a checkpoint saves and a resume restores, by name."""
-        return {"sft": self, "worker": self.worker}
+        return {"sft": self, "worker": self.policy}
 
     def state_dict(self) -> dict[str, Any]:
         for number, demos in self.rounds:

@@ -88,17 +88,30 @@ class TrainingBatch:
         """``parts`` shares for as many workers, each with its share of every mini-batch of
         ``mini_batch_size`` sequences (None: the whole batch), in order: mini-batch ``k`` of
         every share together is the batch's mini-batch ``k``, so workers that each step on
-        their own mini-batch ``k`` with gradients averaged take the one-worker steps.
+        their own mini-batch ``k`` with gradients summed take the one-worker steps. Shares
+        of a mini-batch differ in size by at most one and may be empty
+        (``share_sizes`` gives each share's mini-batch sizes).
         """
-        n = len(self)
-        mini = mini_batch_size or n
-        if mini % parts:
-            raise ValueError(f"a mini-batch of {mini} sequences does not split into {parts} shares")
-        share = mini // parts
-        starts = range(0, n, mini)
-        return [
-            self.select(
-                [i for s in starts for i in range(s + p * share, min(s + (p + 1) * share, n))]
-            )
-            for p in range(parts)
-        ]
+        sizes = share_sizes(len(self), mini_batch_size, parts)
+        mini = mini_batch_size or len(self)
+        shares = []
+        for p in range(parts):
+            idx = []
+            for k, start in enumerate(range(0, len(self), mini)):
+                lo = start + sum(sizes[q][k] for q in range(p))
+                idx.extend(range(lo, lo + sizes[p][k]))
+            shares.append(self.select(idx))
+        return shares
+
+
+def share_sizes(batch_size: int, mini_batch_size: int | None, parts: int) -> list[list[int]]:
+    """For each of ``parts`` workers, the sizes of its share of every mini-batch of a batch
+    of ``batch_size`` sequences (None: one mini-batch), in mini-batch order; the shares of
+    a mini-batch differ by at most one, the first ones the larger."""
+    mini = mini_batch_size or batch_size
+    sizes: list[list[int]] = [[] for _ in range(parts)]
+    for start in range(0, batch_size, mini):
+        m = min(mini, batch_size - start)
+        for p in range(parts):
+            sizes[p].append(m // parts + (p < m % parts))
+    return sizes

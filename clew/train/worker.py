@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -403,10 +404,15 @@ class PolicyWorker:
         """PPO on ``batch`` as ``settings`` say: ``epochs`` passes, one optimizer step per
         mini-batch. Returns ``policy/*`` metrics, means over the optimizer steps."""
         inputs = self._ppo_inputs(batch, settings)
-        mini = settings.mini_batch_size or len(batch)
+        sizes = settings.mini_batch_sizes or [
+            len(c) for c in chunked(range(len(batch)), settings.mini_batch_size or len(batch) or 1)
+        ]
+        if sum(sizes) != len(batch):
+            raise ValueError(f"mini-batch sizes {list(sizes)} do not add up to {len(batch)}")
+        bounds = [0, *itertools.accumulate(sizes)]
         steps: list[dict[str, float]] = []
         for _ in range(settings.epochs):
-            for indices in chunked(list(range(len(batch))), mini):
+            for indices in (range(lo, hi) for lo, hi in itertools.pairwise(bounds)):
                 stats = self._ppo_accumulate(batch, indices, inputs, settings)
                 if stats is not None:
                     steps.append(stats | self._optimizer_step())

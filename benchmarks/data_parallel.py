@@ -1,0 +1,145 @@
+"""GRPO steps on 1 and N data-parallel workers in one run: step time, tokens/s, speed-up.
+
+Runs the same short GRPO job once per worker count (``--workers 1 2``), each a real
+``clew train`` run (``clew.launch.run_grpo``): one worker in this process (the baseline,
+no Ray), more as Ray actors, one per GPU (``trainer.placement.policy_num_gpus_per_node``)
+or, with ``--device cpu``, per CPU (``num_cpu_workers``). Prints each run's median step
+time and phases after a warm-up step, generated tokens/s, the peak device memory of a
+worker, and the speed-up and scaling efficiency against 1 worker.
+
+``--scaling strong`` keeps the batch (``--prompts`` x ``--samples``) whatever the worker
+count; ``weak`` gives each worker ``--prompts`` prompts (the batch grows with the count).
+
+    python benchmarks/data_parallel.py --preset base --device cuda --workers 1 2
+    python benchmarks/data_parallel.py --preset tiny --device cpu --workers 1 2 \\
+        --prompts 4 --samples 2 --max-turns 3 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from clew.config import load_config
+from clew.data.rows import generate_rows, write_rows
+from clew.envs.base import text_corpus
+from clew.launch import run_dir_of, run_grpo
+from clew.models import build_model
+
+PHASES = ("generate", "update", "step")
+
+
+def run(args: argparse.Namespace, model: Path, data: Path, out: Path, workers: int) -> dict:
+    prompts = args.prompts * (workers if args.scaling == "weak" else 1)
+    if args.device == "cpu":
+        placement = [f"trainer.placement.num_cpu_workers={workers}"]
+    else:
+        placement = [f"trainer.placement.policy_num_gpus_per_node={workers}"]
+    cfg = load_config(
+        None,
+        [
+            f"data.train_data=['{data}']",
+            f"trainer.policy.model.path={model}",
+            f"trainer.policy.model.lora.rank={args.lora_rank}",
+            "trainer.policy.model.lora.alpha=32",
+            f"trainer.log_path={out}",
+            f"trainer.run_name=workers{workers}",
+            "trainer.logger=jsonl",
+            f"trainer.device={args.device}",
+            f"trainer.strategy={args.strategy}",
+            f"trainer.train_batch_size={prompts}",
+            f"trainer.policy_mini_batch_size={prompts}",
+            f"trainer.micro_train_batch_size_per_gpu={args.micro_batch}",
+            f"trainer.micro_forward_batch_size_per_gpu={args.micro_batch}",
+            f"trainer.max_steps={args.steps}",
+            "trainer.eval_before_train=false",
+            "trainer.eval_interval=-1",
+            "trainer.ckpt_interval=-1",
+            "trainer.export_best=false",
+            "trainer.resume_mode=none",
+            f"generator.n_samples_per_prompt={args.samples}",
+            f"generator.max_turns={args.max_turns}",
+            f"generator.sampling_params.max_generate_length={args.max_tokens}",
+            "generator.max_input_length=8192",
+            "trainer.max_prompt_length=1024",
+            "trainer.policy.optimizer_config.lr=1.0e-5",
+            *placement,
+        ],
+    )
+    begun = time.perf_counter()
+    run_grpo(cfg)
+    wall = time.perf_counter() - begun
+    lines = (run_dir_of(cfg) / "metrics.jsonl").read_text().splitlines()
+    steps = [h for h in map(json.loads, lines) if "timing/step" in h][1:]  # after a warm-up
+    if not steps:
+        raise SystemExit("no step after the warm-up: raise --steps")
+
+    def median(key: str) -> float:
+        values = [h[key] for h in steps if key in h]
+        return statistics.median(values) if values else float("nan")
+
+    memory = [v for h in steps for k, v in h.items() if k.startswith("perf/peak_memory_gb")]
+    return {
+        "workers": workers,
+        "episodes": prompts * args.samples,
+        "wall": wall,
+        **{ph: median(f"timing/{ph}") for ph in PHASES},
+        "tokens_per_s": median("throughput/generated_tokens_per_s"),
+        "peak_gb": max(memory) if memory else float("nan"),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--env-id", default="maze_2d/easy")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--scaling", choices=["strong", "weak"], default="strong")
+    p.add_argument("--prompts", type=int, default=24, help="per run (strong) or per worker")
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--max-turns", type=int, default=5)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--steps", type=int, default=3, help="steps per run, the first a warm-up")
+    p.add_argument("--lora-rank", type=int, default=32)
+    p.add_argument("--strategy", default="fsdp", help="trainer.strategy")
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = p.parse_args()
+    if 1 not in args.workers:
+        args.workers = [1, *args.workers]  # the baseline
+    opts = {"cell_px": 28, "action_format": "keyword"}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        most = args.prompts * (max(args.workers) if args.scaling == "weak" else 1)
+        rows = generate_rows(args.env_id, most * args.steps, env_options=opts)
+        write_rows(rows, tmp / "train.parquet")
+        model = build_model(args.preset, tmp / "model", corpus=text_corpus(), overwrite=True).path
+        results = [run(args, model, tmp / "train.parquet", tmp / "runs", n) for n in args.workers]
+    base = next(r for r in results if r["workers"] == 1)
+    print(
+        f"GRPO on data-parallel workers ({args.scaling} scaling, {args.device}): {args.preset}, "
+        f"{args.env_id}, {args.prompts} prompts x {args.samples} samples"
+        f"{' per worker' if args.scaling == 'weak' else ''}, up to {args.max_turns} turns of "
+        f"{args.max_tokens} tokens, LoRA rank {args.lora_rank}, strategy {args.strategy}; "
+        f"medians of steps 2-{args.steps}"
+    )
+    print(
+        "workers  episodes  step_s  generate_s  update_s  gen_tok/s  peak_GB  speed-up  efficiency"
+    )
+    for r in results:
+        # Speed-up in episodes per second of step, so weak and strong read alike.
+        rate = r["episodes"] / r["step"]
+        speedup = rate / (base["episodes"] / base["step"])
+        print(
+            f"{r['workers']:>7}  {r['episodes']:>8}  {r['step']:>6.2f}  {r['generate']:>10.2f}  "
+            f"{r['update']:>8.2f}  {r['tokens_per_s']:>9.0f}  {r['peak_gb']:>7.2f}  "
+            f"{speedup:>7.2f}x  {speedup / r['workers']:>9.0%}"
+        )
+
+
+if __name__ == "__main__":
+    main()
