@@ -299,9 +299,10 @@ class RayWorkerGroup:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        """Worker 0's state, with whole tensors. Every worker takes part: sharded workers
-        (``trainer.strategy=fsdp``) gather their shards for it; the others answer empty."""
-        return _gather([w.state_dict.remote() for w in self.workers], self.workers)[0]
+        """Worker 0's state, with whole tensors. Sharded workers (``trainer.strategy=fsdp``)
+        all take part, gathering their shards for it; else worker 0 alone answers, so the
+        checkpoint of a step whose other worker died is still written."""
+        return _gather([w.state_dict.remote() for w in self._holders()], self.workers)[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         import ray
@@ -314,9 +315,14 @@ class RayWorkerGroup:
         return _gather([w.trainable_fingerprint.remote() for w in self.workers], self.workers)
 
     def export(self, path: str | Path) -> None:
-        """Worker 0 writes the inference-ready policy (a path every worker's node sees);
-        every worker takes part, as for ``state_dict``."""
-        _gather([w.export.remote(str(path)) for w in self.workers], self.workers)
+        """Worker 0 writes the inference-ready policy (a path every worker's node sees),
+        with every worker's help when they are sharded, as for ``state_dict``."""
+        _gather([w.export.remote(str(path)) for w in self._holders()], self.workers)
+
+    def _holders(self) -> list[Any]:
+        """The workers that hold the whole policy between them: all when sharded, else
+        worker 0."""
+        return self.workers if self.sharded else self.workers[:1]
 
     # -- SFT (``clew.train.sft_policy.SFTPolicy``) ------------------------------------
     @property
@@ -348,12 +354,12 @@ class RayWorkerGroup:
     def with_policy(self, fn: Any, *args: Any) -> Any:
         """``fn(model, chat, *args)`` on worker 0's weights (on every worker when they are
         sharded, as gathering them takes all), worker 0's result."""
-        targets = self.workers if self.sharded else self.workers[:1]
+        targets = self._holders()
         return _gather([w.with_policy.remote(fn, *args) for w in targets], self.workers)[0]
 
     def write_policy(self, directory: str | Path) -> None:
         """Worker 0 writes the policy with LoRA merged in, and its processor."""
-        _gather([w.write_policy.remote(str(directory)) for w in self.workers], self.workers)
+        _gather([w.write_policy.remote(str(directory)) for w in self._holders()], self.workers)
 
     def peak_memory_gb(self) -> float | None:
         """The largest of the workers' peak device memory since the previous call, in GB
