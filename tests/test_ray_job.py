@@ -23,7 +23,7 @@ import pytest
 from clew.data.rows import generate_rows, write_rows
 from clew.models import build_model
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = pytest.mark.ray  # about 45 s on 2 CPUs: in the default suite
 
 RAY = Path(sys.executable).with_name("ray")
 MAZE = {"cell_px": 28, "action_format": "keyword"}
