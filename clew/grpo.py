@@ -141,6 +141,7 @@ class GRPOTrainer:
         self.run_dir = run_dir
         self.checkpointer = checkpointer
         self.state = LoopState()
+        self.restarts = 0  # worker-group restarts so far (clew.launch.run_grpo sets it)
         self._saved_step = 0
         self._dropped_updates = 0  # training steps in a row whose every optimizer step was dropped
         self.metrics = MetricsCollector()
@@ -371,6 +372,8 @@ class GRPOTrainer:
                 self.checkpointer.export_best(self.group.export, self.state.global_step, value)
 
     def log(self, step: int) -> None:
+        # Every step, so a dashboard's series is continuous (a gauge of the run's state).
+        self.metrics.add("train/restarts", self.restarts)
         self.loggers.log(self.metrics.flush(step), step)
 
     # -- state ----------------------------------------------------------------------

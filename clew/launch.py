@@ -19,7 +19,7 @@ from clew.checkpoint.layout import find_resume_step
 from clew.checkpoint.state import Checkpointer
 from clew.cluster.group import LocalWorkerGroup, WorkerGroup
 from clew.cluster.placement import check_gpus, connect_ray, local_gpus, worker_placement_group
-from clew.cluster.ray_group import WorkerLost
+from clew.cluster.ray_calls import WorkerLost
 from clew.config import ClewConfig, save_config
 from clew.config.schema import LoraConfig, OptimizerConfig
 from clew.data.rows import read_rows
@@ -232,8 +232,7 @@ def _grpo_attempt(
         )
         checkpointer = Checkpointer(cfg, run_dir)
         trainer = GRPOTrainer(cfg, group, train_rows, eval_rows, loggers, run_dir, checkpointer)
-        # With the attempt's first step: 0 on the first, so a dashboard has the series.
-        trainer.metrics.add("train/restarts", restarts)
+        trainer.restarts = restarts
         try:
             return trainer.fit()
         finally:

@@ -1,9 +1,10 @@
 """A worker group of N data-parallel policy workers, each a Ray actor.
 
 Each actor is a thin wrapper around ``DataParallelWorker`` (``clew.cluster.data_parallel``):
-it loads the policy itself and joins a ``torch.distributed`` group. CPU workers meet on
-127.0.0.1; GPU workers sit in a placement group (``clew.cluster.placement``), one bundle
-each, and meet on the node of the first bundle.
+it loads the policy itself and joins a ``torch.distributed`` group. Workers sit in a placement
+group (``clew.cluster.placement``), one bundle each, and meet on the node of the first
+bundle, or on 127.0.0.1 when all run on this machine. The same workers run SFT
+(``sft_step``, ``with_policy``, ``write_policy``: ``clew.train.sft_policy.SFTPolicy``).
 
 ``generate`` spreads the rows over the workers in whole GRPO groups (a row is one group of
 ``n_samples_per_prompt`` episodes), balanced by expected cost (``clew.cluster.balance``),
@@ -19,17 +20,14 @@ on the whole batch. It then compares the workers' fingerprints of their trainabl
 and stops the run on any difference: silent weight desync would otherwise train diverged
 copies and sample from them unnoticed.
 
-A worker whose actor dies (killed, its process crashed, its node gone) raises ``WorkerLost``
-from whichever call noticed it: the group is then unusable, but a run can go on from its
-latest checkpoint on a new one. An exception raised by a worker's own code is not a death
-and propagates as it is.
+A worker whose actor dies raises ``WorkerLost``; one that cannot start raises
+``WorkerStartFailed`` (``clew.cluster.ray_calls``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,90 +35,13 @@ from typing import Any
 from clew.cluster.balance import assign_rows, expected_cost
 from clew.cluster.data_parallel import DataParallelWorker, free_loopback_address
 from clew.cluster.placement import rendezvous_in
+from clew.cluster.ray_calls import WorkerLost, WorkerStartFailed, gather, lost_worker, start_cause
 from clew.data.rows import Row
 from clew.errors import ClewError
 from clew.rollout.loop import RolloutSettings
 from clew.rollout.trajectory import Trajectory
 from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.training_batch import TrainingBatch, share_sizes
-
-
-class WorkerLost(ClewError):
-    """A policy worker's actor died: its process or node is gone, not an error in its code."""
-
-
-class WorkerStartFailed(ClewError):
-    """A policy worker raised while starting (loading the policy, joining the group): the
-    same error would come again, so the run fails rather than restart."""
-
-
-def _cause(exc: Exception) -> str:
-    """The original error of a Ray actor that failed in its constructor, from the last line
-    of the traceback Ray wraps it in, with the node's address where Ray gives it."""
-    text = str(exc)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    last = lines[-1] if lines else type(exc).__name__
-    kind, sep, message = last.partition(": ")
-    if sep and kind.startswith("clew.errors."):  # clew's errors say what and where already
-        last = message
-    elif sep:
-        last = f"{kind.rsplit('.', 1)[-1]}: {message}"
-    node = re.search(r"\bip=([^,)\s]+)", text)
-    return f"{last} (on node {node.group(1)})" if node else last
-
-
-def _dead_ranks(workers: Sequence[Any], wait_s: float = 5.0) -> list[int]:
-    """The ranks whose actors are dead. A live worker blocked in a collective with a dead
-    peer does not answer the ping in time and counts as alive."""
-    import ray
-
-    pings = [w.__ray_ready__.remote() for w in workers]
-    ray.wait(pings, num_returns=len(pings), timeout=wait_s)
-    dead = []
-    for rank, ping in enumerate(pings):
-        ready, _ = ray.wait([ping], timeout=0)
-        if ready:
-            try:
-                ray.get(ping)
-            except ray.exceptions.RayActorError:
-                dead.append(rank)
-    return dead
-
-
-def _lost(exc: Exception, workers: Sequence[Any]) -> WorkerLost | None:
-    """``exc`` as a ``WorkerLost`` when a worker died, else None. A worker's own exception
-    counts only when a peer is dead too: the survivor of a collective fails with a
-    connection error, sometimes before Ray reports the death."""
-    import ray
-
-    if not isinstance(exc, ray.exceptions.RayError):
-        return None
-    died = isinstance(exc, ray.exceptions.RayActorError)
-    dead = _dead_ranks(workers) if workers else []
-    if not (died or dead):
-        return None
-    cause = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    who = f"worker(s) {dead}" if dead else "a worker"
-    return WorkerLost(f"{who} of the policy group died ({type(exc).__name__}: {cause})")
-
-
-def _gather(refs: list[Any], workers: Sequence[Any] = ()) -> list[Any]:
-    """``ray.get`` of ``refs``, raising the first failure as soon as it comes (a failed
-    worker leaves the others waiting for it at the next collective); ``WorkerLost`` when
-    one of ``workers`` died."""
-    import ray
-
-    pending = list(refs)
-    try:
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            ray.get(done)  # raises the worker's error, if any
-        return ray.get(refs)
-    except ray.exceptions.RayError as exc:
-        lost = _lost(exc, workers)
-        if lost is None:
-            raise
-        raise lost from exc
 
 
 class RayWorkerGroup:
@@ -203,7 +124,7 @@ class RayWorkerGroup:
         try:
             self._await_start()
             self.sharded = bool(
-                _gather([self.workers[0].__ray_call__.remote(_is_sharded)], self.workers)[0]
+                gather([self.workers[0].__ray_call__.remote(_is_sharded)], self.workers)[0]
             )
         except BaseException:
             self.shutdown()
@@ -228,7 +149,7 @@ class RayWorkerGroup:
                     ) from exc
                 rank = rank_of[done[0]]
                 raise WorkerStartFailed(
-                    f"worker {rank} of {self.world_size} could not start: {_cause(exc)}"
+                    f"worker {rank} of {self.world_size} could not start: {start_cause(exc)}"
                 ) from None
 
     def generate(
@@ -256,7 +177,7 @@ class RayWorkerGroup:
             try:
                 played = ray.get(done[0])
             except ray.exceptions.RayError as exc:
-                lost = _lost(exc, self.workers)
+                lost = lost_worker(exc, self.workers)
                 if lost is None:
                     raise
                 raise lost from exc
@@ -274,7 +195,7 @@ class RayWorkerGroup:
         n = self.world_size
         shares = batch.split(n, settings.mini_batch_size)
         sizes = share_sizes(len(batch), settings.mini_batch_size, n)
-        metrics = _gather(
+        metrics = gather(
             [
                 w.update.remote(s, dataclasses.replace(settings, mini_batch_sizes=tuple(k)))
                 for w, s, k in zip(self.workers, shares, sizes, strict=True)
@@ -302,22 +223,22 @@ class RayWorkerGroup:
         """Worker 0's state, with whole tensors. Sharded workers (``trainer.strategy=fsdp``)
         all take part, gathering their shards for it; else worker 0 alone answers, so the
         checkpoint of a step whose other worker died is still written."""
-        return _gather([w.state_dict.remote() for w in self._holders()], self.workers)[0]
+        return gather([w.state_dict.remote() for w in self._holders()], self.workers)[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         import ray
 
         ref = ray.put(state)
-        _gather([w.load_state_dict.remote(ref) for w in self.workers], self.workers)
+        gather([w.load_state_dict.remote(ref) for w in self.workers], self.workers)
 
     def trainable_fingerprints(self) -> list[float]:
         """Each worker's ``trainable_fingerprint``, by rank."""
-        return _gather([w.trainable_fingerprint.remote() for w in self.workers], self.workers)
+        return gather([w.trainable_fingerprint.remote() for w in self.workers], self.workers)
 
     def export(self, path: str | Path) -> None:
         """Worker 0 writes the inference-ready policy (a path every worker's node sees),
         with every worker's help when they are sharded, as for ``state_dict``."""
-        _gather([w.export.remote(str(path)) for w in self._holders()], self.workers)
+        gather([w.export.remote(str(path)) for w in self._holders()], self.workers)
 
     def _holders(self) -> list[Any]:
         """The workers that hold the whole policy between them: all when sharded, else
@@ -341,7 +262,7 @@ class RayWorkerGroup:
         may get none); the step one worker takes on the whole batch. Metrics: worker 0's
         (the loss and gradient norm are the whole batch's on every worker)."""
         shares = [demos[lo:hi] for lo, hi in _count_split(len(demos), self.world_size)]
-        metrics = _gather(
+        metrics = gather(
             [
                 w.sft_step.remote(s, micro_batch_size)
                 for w, s in zip(self.workers, shares, strict=True)
@@ -355,18 +276,18 @@ class RayWorkerGroup:
         """``fn(model, chat, *args)`` on worker 0's weights (on every worker when they are
         sharded, as gathering them takes all), worker 0's result."""
         targets = self._holders()
-        return _gather([w.with_policy.remote(fn, *args) for w in targets], self.workers)[0]
+        return gather([w.with_policy.remote(fn, *args) for w in targets], self.workers)[0]
 
     def write_policy(self, directory: str | Path) -> None:
         """Worker 0 writes the policy with LoRA merged in, and its processor."""
-        _gather([w.write_policy.remote(str(directory)) for w in self._holders()], self.workers)
+        gather([w.write_policy.remote(str(directory)) for w in self._holders()], self.workers)
 
     def peak_memory_gb(self) -> float | None:
         """The largest of the workers' peak device memory since the previous call, in GB
         (``clew.cluster.group.peak_memory_gb``); None for CPU workers."""
         if self.device != "cuda":
             return None
-        peaks = _gather([w.__ray_call__.remote(_worker_peak) for w in self.workers], self.workers)
+        peaks = gather([w.__ray_call__.remote(_worker_peak) for w in self.workers], self.workers)
         measured = [p for p in peaks if p is not None]
         return max(measured) if measured else None
 

@@ -104,8 +104,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec("train/env_errors", "Episodes that ended because the environment raised."),
     MetricSpec(
         "train/restarts",
-        "Worker-group restarts so far after a Ray worker died (trainer.max_restarts); logged "
-        "with the run's first step (0) and with the first step after each restart.",
+        "Worker-group restarts so far after a Ray worker died (trainer.max_restarts), with "
+        "every training step.",
     ),
     MetricSpec(
         "train/end_reason/<reason>",
