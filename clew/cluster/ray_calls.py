@@ -26,7 +26,7 @@ class WorkerStartFailed(ClewError):
     same error would come again, so the run fails rather than restart."""
 
 
-def startstart_cause(exc: Exception) -> str:
+def start_cause(exc: Exception) -> str:
     """The original error of a Ray actor that failed in its constructor, from the last line
     of the traceback Ray wraps it in, with the node's address where Ray gives it."""
     text = str(exc)
