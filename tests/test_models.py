@@ -274,7 +274,7 @@ def test_build_model_rejects_bad_arguments(tmp_path: Path) -> None:
 
 
 def test_presets_are_documented_sizes() -> None:
-    assert set(PRESETS) == {"tiny", "small", "deep", "medium", "base"}
+    assert set(PRESETS) == {"tiny", "small", "deep", "medium", "base", "qwen3vl-8b"}
     assert PRESETS["small"].hidden_size == 256 and PRESETS["small"].num_hidden_layers == 6
 
 

@@ -70,11 +70,37 @@ def _three_floats(flag: str, text: str | None) -> list[float] | None:
 @command("init-model", "build a Qwen-VL policy with random weights, offline")
 def _init_model(p: argparse.ArgumentParser) -> Handler:
     p.add_argument(
-        "--preset", default="tiny", help="tiny | small | deep | base (see clew.models.factory)"
+        "--preset",
+        default="tiny",
+        help="tiny | small | deep | medium | base | qwen3vl-8b (see clew.models.presets)",
     )
     p.add_argument("--output", required=True, help="folder for the Hugging Face checkpoint")
     p.add_argument("--image-size", type=positive_int, default=None, help="largest image side in px")
-    p.add_argument("--arch", default="qwen2_vl", help="qwen2_vl | qwen3_vl")
+    p.add_argument(
+        "--arch",
+        default=None,
+        help="qwen2_vl | qwen3_vl (default: the preset's own, qwen3_vl for qwen3vl-8b; else "
+        "qwen2_vl)",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="make the weights directly on this device (cuda, cuda:N, cpu), in bfloat16 on "
+        "CUDA (qwen3vl-8b: no 35 GB float32 host copy); default: on the host in float32",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 | bfloat16 | float16 (default: bfloat16 with --device cuda, else float32)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="exactly N tokenizer entries: the task tokenizer padded with entries no text "
+        "encodes to (151936: a real Qwen vocabulary, e.g. to measure its output layer)",
+    )
     p.add_argument("--patch-size", type=positive_int, default=None, help="vision patch in px")
     p.add_argument("--merge-size", type=positive_int, default=2, help="patches merged per side")
     p.add_argument("--seed", type=int, default=0)
@@ -117,6 +143,9 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
             seed=args.seed,
             image_size=args.image_size,
             arch=args.arch,
+            device=args.device,
+            dtype=args.dtype,
+            padded_vocab_size=args.vocab_size,
             patch_size=args.patch_size,
             merge_size=args.merge_size,
             text_overrides=parse_fields(args.text, TEXT_FIELDS, "--text"),
@@ -126,7 +155,12 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
             position_table=args.position_table,
             overwrite=args.overwrite,
         )
-        print(f"wrote {args.preset} model ({built.num_parameters:,} parameters) to {built.path}")
+        where = f" on {args.device}" if args.device else ""
+        print(
+            f"wrote {args.preset} model ({built.num_parameters:,} parameters, "
+            f"{len(built.processor.tokenizer):,} vocabulary entries; weights made{where} in "
+            f"{built.build_s:.1f} s, saved in {built.save_s:.1f} s) to {built.path}"
+        )
         return 0
 
     return run

@@ -7,29 +7,9 @@ a small task tokenizer (``clew.models.tokenizer``) and the torchvision-free proc
 downstream (training, rollout, serving, ``load_policy``) then handles it exactly like a real
 Qwen checkpoint, and a real checkpoint can later replace it without code changes.
 
-Presets (parameter counts measured with the default tokenizer, 402 vocabulary entries;
-each extra entry adds ``2 * hidden`` parameters, input and output embeddings, so a full
-1024-entry vocabulary gives 1.68M / 7.77M / 149.6M)::
-
-    preset  text: hidden x layers (heads/kv, mlp)  vision: width x depth (heads)  parameters
-    tiny    128 x 3  (4/2, 512)                    128 x 1  (4)              1,519,232 (0.68M vision)
-    small   256 x 6  (4/2, 1024)                   128 x 4  (4)              7,448,320 (1.34M vision)
-    deep    256 x 12 (4/2, 1024)                   128 x 8  (4)             14,146,816 (2.13M vision)
-    base    768 x 12 (12/4, 3072)                  512 x 12 (8)            148,662,784 (44.2M vision)
-
-``tiny`` trains on a CPU (tests, the CPU main job); ``small`` learns mazes from pixels on
-one GPU (docs/learning-easy.md); ``deep`` is ``small`` with twice the layers, for a policy
-that must plan further in one forward pass (the ``easy`` maze's first moves); ``base`` is
-for GPU benchmarks (and multi-GPU runs once workers on Ray exist).
-
-``arch="qwen3_vl"`` builds ``Qwen3VLForConditionalGeneration`` from the same presets
-(``clew.models.qwen3`` says what differs: a learned, interpolated absolute position
-embedding in the vision tower, deepstack taps, Qwen3 attention, interleaved M-RoPE,
-patch 16 by default). Its vision tower is larger: one more merger per deepstack tap
-(``Preset.vision_deepstack``: tiny (0,), small (1, 3), deep (1, 3, 5), base (3, 7, 11)) and the position
-table, ``(image_size / patch_size) ** 2`` entries (Qwen3-VL's 2304 without ``image_size``).
-Measured, 402 vocabulary entries, patch 16 and ``image_size=256``: tiny 1,926,976
-(1.09M vision), small 8,315,008 (2.21M), deep 15,406,208 (3.39M), base 166,287,104 (61.8M).
+The presets' sizes and parameter counts are ``clew.models.presets``; ``preset_parameters``
+counts one from its config without building it. ``clew.models.qwen2`` and
+``clew.models.qwen3`` turn a preset into each architecture's config.
 
 Image geometry (Qwen2-VL's; Qwen3-VL's default patch is 16, so read 16 and 32 px for 14 and
 28 there unless ``patch_size=14`` is given): ``patch_size`` (14) and ``spatial_merge_size``
@@ -50,6 +30,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,58 +40,41 @@ import torch
 import transformers
 from transformers import (
     GenerationConfig,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
-    Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
 )
 
 from clew.errors import ConfigError
+from clew.models.on_device import instantiate_on_device
+from clew.models.presets import PRESETS, QWEN_VOCAB_SIZE, Preset
 from clew.models.processor import ClewVLProcessor, make_image_processor
+from clew.models.qwen2 import build_qwen2_config, mrope_section
 from clew.models.qwen3 import DEFAULT_PATCH_SIZE as QWEN3_PATCH_SIZE
 from clew.models.qwen3 import IMAGE_MEAN as QWEN3_IMAGE_MEAN
 from clew.models.qwen3 import IMAGE_STD as QWEN3_IMAGE_STD
 from clew.models.qwen3 import POSITION_TABLES, build_qwen3_config, init_position_table
-from clew.models.text_config import base_text_config
-from clew.models.tokenizer import (
-    IMAGE_TOKEN,
-    VIDEO_TOKEN,
-    VISION_END_TOKEN,
-    VISION_START_TOKEN,
-    build_tokenizer,
-)
+from clew.models.sizes import config_parameters
+from clew.models.tokenizer import build_tokenizer
+from clew.models.vocab import pad_vocabulary
 
-__all__ = ["ARCHS", "PRESETS", "BuiltModel", "Preset", "build_model", "count_parameters"]
+__all__ = [
+    "ARCHS",
+    "PRESETS",
+    "QWEN_VOCAB_SIZE",
+    "BuiltModel",
+    "Preset",
+    "build_model",
+    "count_parameters",
+    "mrope_section",
+    "preset_config",
+    "preset_parameters",
+]
 
 BUILD_INFO_FILE = "clew_build.json"
 
-
-@dataclass(frozen=True)
-class Preset:
-    """The sizes of one model preset; ``approx_parameters`` is the measured count (see table)."""
-
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vision_embed_dim: int
-    vision_depth: int
-    vision_num_heads: int
-    vision_mlp_ratio: int
-    approx_parameters: str
-    # Qwen3-VL only: vision layers whose features are added after language layers 0, 1, ...
-    vision_deepstack: tuple[int, ...] = ()
-
-
-PRESETS: dict[str, Preset] = {
-    "tiny": Preset(128, 3, 4, 2, 512, 128, 1, 4, 4, "1.5M", vision_deepstack=(0,)),
-    "small": Preset(256, 6, 4, 2, 1024, 128, 4, 4, 4, "7.5M", vision_deepstack=(1, 3)),
-    "deep": Preset(256, 12, 4, 2, 1024, 128, 8, 4, 4, "14.2M", vision_deepstack=(1, 3, 5)),
-    "medium": Preset(384, 8, 6, 2, 1536, 128, 4, 4, 4, "19.1M", vision_deepstack=(1, 3)),
-    "base": Preset(768, 12, 12, 4, 3072, 512, 12, 8, 4, "149M", vision_deepstack=(3, 7, 11)),
-}
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -127,6 +91,8 @@ class BuiltModel:
     model: PreTrainedModel  # Qwen2VLForConditionalGeneration or Qwen3VLForConditionalGeneration
     processor: ClewVLProcessor
     num_parameters: int
+    build_s: float = 0.0  # wall seconds to make the weights (not to save them)
+    save_s: float = 0.0
 
 
 def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> int:
@@ -139,72 +105,6 @@ def count_parameters(model: torch.nn.Module, trainable_only: bool = False) -> in
         seen.add(id(parameter))
         total += parameter.numel()
     return total
-
-
-def mrope_section(head_dim: int) -> list[int]:
-    """Split ``head_dim / 2`` rotary frequencies over (time, height, width) as Qwen2-VL does.
-
-    Qwen2-VL uses [16, 24, 24] for head_dim 128, i.e. 1/4, 3/8, 3/8; the model requires the
-    sum to be exactly ``head_dim // 2``.
-    """
-    if head_dim % 2:
-        raise ConfigError(f"attention head_dim must be even for rotary embeddings, got {head_dim}")
-    half = head_dim // 2
-    temporal = half // 4
-    height = (half - temporal) // 2
-    return [temporal, height, half - temporal - height]
-
-
-def _text_config(
-    preset: Preset, tokenizer: PreTrainedTokenizerFast, overrides: Mapping[str, Any]
-) -> dict[str, Any]:
-    config: dict[str, Any] = {**base_text_config(preset, tokenizer), "use_sliding_window": False}
-    config.update(overrides)
-    if config["hidden_size"] % config["num_attention_heads"]:
-        raise ConfigError(
-            f"text hidden_size {config['hidden_size']} is not divisible by "
-            f"num_attention_heads {config['num_attention_heads']}"
-        )
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
-    config.setdefault(
-        "rope_parameters",
-        {
-            "rope_type": "default",
-            "rope_theta": 1_000_000.0,
-            "mrope_section": mrope_section(head_dim),
-        },
-    )
-    return config
-
-
-def _vision_config(
-    preset: Preset,
-    hidden_size: int,
-    patch_size: int,
-    merge_size: int,
-    temporal_patch_size: int,
-    overrides: Mapping[str, Any],
-) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "depth": preset.vision_depth,
-        "embed_dim": preset.vision_embed_dim,
-        "num_heads": preset.vision_num_heads,
-        "mlp_ratio": preset.vision_mlp_ratio,
-        "hidden_act": "quick_gelu",
-        "in_channels": 3,
-        "patch_size": patch_size,
-        "spatial_merge_size": merge_size,
-        "temporal_patch_size": temporal_patch_size,
-    }
-    config.update(overrides)
-    # The merger projects vision features straight into the language model's embedding
-    # space, so its output width is not a free choice.
-    config["hidden_size"] = hidden_size
-    if config["embed_dim"] % config["num_heads"]:
-        raise ConfigError(
-            f"vision embed_dim {config['embed_dim']} is not divisible by num_heads {config['num_heads']}"
-        )
-    return config
 
 
 def _prepare_output_dir(output_dir: Path, overwrite: bool) -> None:
@@ -225,31 +125,69 @@ ARCHS = ("qwen2_vl", "qwen3_vl")
 _DEFAULT_PATCH_SIZE = {"qwen2_vl": 14, "qwen3_vl": QWEN3_PATCH_SIZE}
 
 
-def _qwen2_config(
+def _resolve_arch(name: str, spec: Preset, arch: str | None) -> str:
+    chosen = arch or spec.arch or "qwen2_vl"
+    if chosen not in ARCHS:
+        raise ConfigError(f"unknown model arch {chosen!r}; accepted: {', '.join(ARCHS)}")
+    if spec.arch is not None and chosen != spec.arch:
+        raise ConfigError(
+            f"preset {name!r} is {spec.arch}'s architecture; build it with arch {spec.arch!r} "
+            f"(or leave arch out), not {chosen!r}"
+        )
+    return chosen
+
+
+def _model_config(
     spec: Preset,
+    arch: str,
     tokenizer: PreTrainedTokenizerFast,
     geometry: Mapping[str, int],
-    text_overrides: Mapping[str, Any],
-    vision_overrides: Mapping[str, Any],
-) -> Qwen2VLConfig:
-    text_config = _text_config(spec, tokenizer, text_overrides)
-    vision_config = _vision_config(
-        spec,
-        text_config["hidden_size"],
-        geometry["patch_size"],
-        geometry["merge_size"],
-        geometry["temporal_patch_size"],
-        vision_overrides,
-    )
-    return Qwen2VLConfig(
-        text_config=text_config,
-        vision_config=vision_config,
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
-        video_token_id=tokenizer.convert_tokens_to_ids(VIDEO_TOKEN),
-        vision_start_token_id=tokenizer.convert_tokens_to_ids(VISION_START_TOKEN),
-        vision_end_token_id=tokenizer.convert_tokens_to_ids(VISION_END_TOKEN),
-        tie_word_embeddings=False,
-    )
+    image_size: int | None,
+    text_overrides: Mapping[str, Any] | None,
+    vision_overrides: Mapping[str, Any] | None,
+) -> PretrainedConfig:
+    text = {**spec.text_fields, **(text_overrides or {})}
+    vision = {**spec.vision_fields, **(vision_overrides or {})}
+    if arch == "qwen3_vl":
+        return build_qwen3_config(spec, tokenizer, geometry, image_size, text, vision)
+    return build_qwen2_config(spec, tokenizer, geometry, text, vision)
+
+
+def preset_config(
+    preset: str,
+    arch: str | None = None,
+    vocab_size: int | None = None,
+    text_overrides: Mapping[str, Any] | None = None,
+    vision_overrides: Mapping[str, Any] | None = None,
+    corpus: Sequence[str] | None = None,
+) -> PretrainedConfig:
+    """The ``Qwen2VLConfig`` / ``Qwen3VLConfig`` ``build_model`` gives ``preset`` with the
+    default geometry, nothing built; ``vocab_size`` pads the vocabulary to that many entries
+    (None: the task tokenizer's own, of ``corpus`` as ``build_model`` takes it)."""
+    spec = _preset(preset)
+    arch = _resolve_arch(preset, spec, arch)
+    tokenizer = build_tokenizer(corpus)
+    if vocab_size is not None:
+        tokenizer = pad_vocabulary(tokenizer, vocab_size)
+    geometry = {"patch_size": _DEFAULT_PATCH_SIZE[arch], "merge_size": 2, "temporal_patch_size": 2}
+    return _model_config(spec, arch, tokenizer, geometry, None, text_overrides, vision_overrides)
+
+
+def preset_parameters(
+    preset: str,
+    arch: str | None = None,
+    vocab_size: int | None = None,
+    corpus: Sequence[str] | None = None,
+) -> int:
+    """Parameters of ``preset`` (see ``preset_config``), from its config alone: an 8B count
+    without 17 GB of weights."""
+    return config_parameters(preset_config(preset, arch, vocab_size, corpus=corpus))
+
+
+def _preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; accepted: {', '.join(PRESETS)}")
+    return PRESETS[name]
 
 
 def build_model(
@@ -257,14 +195,16 @@ def build_model(
     output_dir: str | Path,
     corpus: Sequence[str] | None = None,
     *,
-    arch: str = "qwen2_vl",
+    arch: str | None = None,
     seed: int = 0,
     image_size: int | None = None,
     patch_size: int | None = None,
     merge_size: int = 2,
     temporal_patch_size: int = 2,
     vocab_size: int = 1024,
-    dtype: str = "float32",
+    padded_vocab_size: int | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
     text_overrides: Mapping[str, Any] | None = None,
     vision_overrides: Mapping[str, Any] | None = None,
     image_mean: Sequence[float] | None = None,
@@ -275,8 +215,11 @@ def build_model(
     """Build a random-weight Qwen-VL policy and save it as a Hugging Face directory.
 
     ``arch``: "qwen2_vl" (``Qwen2VLForConditionalGeneration``) or "qwen3_vl"
-    (``Qwen3VLForConditionalGeneration``, see ``clew.models.qwen3``). ``corpus`` is task
-    text for the tokenizer, added to ``default_corpus()``. ``image_size`` (pixels, square
+    (``Qwen3VLForConditionalGeneration``, see ``clew.models.qwen3``); None takes the
+    preset's own (``qwen3vl-8b``: qwen3_vl), else qwen2_vl. ``corpus`` is task
+    text for the tokenizer, added to ``default_corpus()``; ``vocab_size`` caps its BPE, and
+    ``padded_vocab_size`` pads it to exactly that many entries with ones no text encodes to
+    (``clew.models.vocab``; 151936 is a real Qwen vocabulary). ``image_size`` (pixels, square
     side) caps the image processor at that many pixels and must be a multiple of
     ``patch_size * merge_size`` (see the module docstring); ``patch_size`` defaults to the
     architecture's own (14 for Qwen2-VL, 16 for Qwen3-VL). ``text_overrides`` and
@@ -288,14 +231,20 @@ def build_model(
     ``position_table`` ("sincos" or "centered", Qwen3-VL only) starts the vision position
     table (see ``clew.models.qwen3.init_position_table``).
 
+    ``device`` None builds on the CPU in float32 and casts to ``dtype`` (default float32).
+    A device ("cuda", "cuda:1", "cpu") builds there directly (``clew.models.on_device``:
+    nothing made on the host, no float32 pass) in ``dtype``, by default bfloat16
+    on CUDA and float32 elsewhere; its random draws are that device's, so its weights are
+    not the host build's.
+
     The directory holds config.json, generation_config.json, model.safetensors, the
     tokenizer (tokenizer.json, tokenizer_config.json), chat_template.jinja,
     processor_config.json, preprocessor_config.json and clew_build.json (how it was built).
     """
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown model preset {preset!r}; accepted: {', '.join(PRESETS)}")
-    if arch not in ARCHS:
-        raise ConfigError(f"unknown model arch {arch!r}; accepted: {', '.join(ARCHS)}")
+    spec = _preset(preset)
+    arch = _resolve_arch(preset, spec, arch)
+    if dtype is None:
+        dtype = "bfloat16" if device is not None and device.startswith("cuda") else "float32"
     if dtype not in _DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; accepted: {', '.join(_DTYPES)}")
     if image_mean is not None and len(image_mean) != 3:
@@ -323,27 +272,26 @@ def build_model(
             f"{factor}; the processor would resize such images. Use e.g. "
             f"{max(factor, image_size // factor * factor)} or {(image_size // factor + 1) * factor}"
         )
-    spec = PRESETS[preset]
+    target = None if device is None else _device(device)
     output_dir = Path(output_dir)
     _prepare_output_dir(output_dir, overwrite)
 
     tokenizer = build_tokenizer(corpus, vocab_size=vocab_size)
+    if padded_vocab_size is not None:
+        tokenizer = pad_vocabulary(tokenizer, padded_vocab_size)
     geometry = {
         "patch_size": patch_size,
         "merge_size": merge_size,
         "temporal_patch_size": temporal_patch_size,
     }
+    config = _model_config(
+        spec, arch, tokenizer, geometry, image_size, text_overrides, vision_overrides
+    )
     model_class: type[PreTrainedModel]
     if arch == "qwen3_vl":
-        config = build_qwen3_config(
-            spec, tokenizer, geometry, image_size, text_overrides or {}, vision_overrides or {}
-        )
         model_class = Qwen3VLForConditionalGeneration
         normalize = {"image_mean": QWEN3_IMAGE_MEAN, "image_std": QWEN3_IMAGE_STD}
     else:
-        config = _qwen2_config(
-            spec, tokenizer, geometry, text_overrides or {}, vision_overrides or {}
-        )
         model_class = Qwen2VLForConditionalGeneration
         normalize = {}
     if image_mean is not None:
@@ -351,14 +299,22 @@ def build_model(
     if image_std is not None:
         normalize["image_std"] = list(image_std)
 
-    # fork_rng: building a model must not reseed the caller's global generator.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_class(config)
+    started = time.perf_counter()
+    if target is None:
+        # fork_rng: building a model must not reseed the caller's global generator.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_class(config)
+    else:
+        model = instantiate_on_device(model_class, config, target, _DTYPES[dtype], seed)
     if arch == "qwen3_vl":
         init_position_table(model, centered=position_table == "centered")
-    model = model.to(_DTYPES[dtype])
+    if target is None:
+        model = model.to(_DTYPES[dtype])
     model.eval()
+    if target is not None and target.type == "cuda":
+        torch.cuda.synchronize(target)
+    build_s = time.perf_counter() - started
     # Stop on <|im_end|> (end of turn) or <|endoftext|>; greedy unless the caller samples.
     text = config.text_config
     model.generation_config = GenerationConfig(
@@ -377,11 +333,13 @@ def build_model(
     )
     processor = ClewVLProcessor(image_processor, tokenizer, chat_template=tokenizer.chat_template)
 
+    started = time.perf_counter()
     model.save_pretrained(output_dir)
     processor.save_pretrained(output_dir)
     # preprocessor_config.json too: the file older loaders and other tools (vLLM, TGI)
     # look for; the composite processor_config.json is transformers 5's.
     image_processor.save_pretrained(output_dir)
+    save_s = time.perf_counter() - started
     num_parameters = count_parameters(model)
     info = {
         "preset": preset,
@@ -389,6 +347,7 @@ def build_model(
         "seed": seed,
         "num_parameters": num_parameters,
         "vocab_size": len(tokenizer),
+        "padded_vocab": padded_vocab_size is not None,
         "image_size": image_size,
         "patch_size": patch_size,
         "merge_size": merge_size,
@@ -397,9 +356,18 @@ def build_model(
         "image_std": list(image_processor.image_std),
         "position_table": position_table if arch == "qwen3_vl" else None,
         "dtype": dtype,
+        "device": None if target is None else str(target),
         "transformers_version": transformers.__version__,
     }
     (output_dir / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    return BuiltModel(
-        path=output_dir, model=model, processor=processor, num_parameters=num_parameters
-    )
+    return BuiltModel(output_dir, model, processor, num_parameters, build_s, save_s)
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"unknown device {name!r}; accepted: cpu, cuda, cuda:N") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} asked for, but this machine has no CUDA device")
+    return device
