@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from bounds import add_hardware_flags, grpo_step_floor, hardware, model_sizes  # noqa: E402
 from rollout import baseline  # noqa: E402
 
 from clew.config import load_config  # noqa: E402
@@ -53,6 +54,7 @@ def main() -> None:
         action="store_true",
         help="the engine writes <action> and </action>, the policy samples one token a turn",
     )
+    add_hardware_flags(p)
     args = p.parse_args()
     forced = ["generator.reply_prefix=<action>", "generator.reply_suffix=</action>"]
     opts = {"cell_px": 28, "action_format": "keyword"}
@@ -105,6 +107,23 @@ def main() -> None:
             print(
                 f"{h['step']:>4} {cells}   {args.prompts * args.samples:>8} {h.get('train/turns_mean', 0):>9.1f}"
             )
+        last = history[-1]
+        floor = grpo_step_floor(
+            model_sizes(model),
+            hardware(args),
+            episodes=args.prompts * args.samples,
+            episode_tokens=last.get("train/episode_tokens_mean", 0.0),
+            generated_tokens=last.get("train/generated_tokens_mean", 0.0),
+        )
+        measured = {ph: last.get(f"timing/{ph}", float("nan")) for ph in PHASES}
+        print(
+            f"floor of the last step ({args.peak_tflops:g} TFLOP/s, {args.bandwidth_tbs:g} TB/s; "
+            "benchmarks/bounds.py): "
+            f"generate {floor.generate:.2f} s (prefill {floor.prefill:.2f} + decode "
+            f"{floor.decode:.2f}), update {floor.update:.2f} s, step {floor.step:.2f} s; "
+            f"measured/floor: generate {measured['generate'] / floor.generate:.1f}x, update "
+            f"{measured['update'] / floor.update:.1f}x, step {measured['step'] / floor.step:.1f}x"
+        )
         if not args.skip_baseline:
             from clew.inference.runtime import open_policy
 
