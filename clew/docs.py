@@ -15,6 +15,11 @@ SKYRL_DEPARTURES: tuple[str, ...] = (
     "The KL penalty's log-ratio is clamped to +-20 for every estimator (SkyRL: `k3` only), and "
     "the `k3` estimate is not clamped to [-10, 10] afterwards, so a token far from the "
     "reference keeps the penalty's gradient.",
+    "PPO's old logprobs are the engine's sampling logprobs unless "
+    "`trainer.algorithm.recompute_old_logprobs` (or `use_tis`) is set (SkyRL always scores "
+    "the batch with the trainer's forward first): clew's engine samples from the trainer's "
+    "own weights, so the two differ by the kernels' rounding only, which "
+    "`policy/logprob_diff_*` reports every step.",
 )
 
 

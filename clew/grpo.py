@@ -109,6 +109,9 @@ def ppo_settings(cfg: ClewConfig) -> PPOSettings:
         micro_batch_size=t.micro_train_batch_size_per_gpu,
         forward_micro_batch_size=t.micro_forward_batch_size_per_gpu,
         epochs=t.update_epochs_per_batch,
+        recompute_old_logprobs=a.recompute_old_logprobs,
+        use_tis=a.use_tis,
+        tis_imp_ratio_cap=a.tis_imp_ratio_cap,
     )
 
 

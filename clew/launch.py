@@ -167,7 +167,10 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
     limit_host_threads(device)
     worker = PolicyWorker.from_pretrained(t.policy.model.path, settings, dtype=dtype, device=device)
     budget = cache_budget_bytes(device, ie.gpu_memory_utilization, ie.max_cache_mb)
-    engine = InferenceEngine(worker.model, worker.chat, max_cache_bytes=budget, autocast=autocast)
+    engine = InferenceEngine(
+        worker.model, worker.chat, max_cache_bytes=budget, autocast=autocast, kv_cache=ie.kv_cache
+    )
+            kv_cache=ie.kv_cache,
     # A token text that is not one token fails here, before any rollout.
     for tokens in allowed:
         engine.allowed_ids(tokens)

@@ -36,6 +36,11 @@ from clew.algorithms.kl import (
     kl_penalty,
     register_kl_estimator,
 )
+from clew.algorithms.logprob_gap import (
+    LOGPROB_DIFF_THRESHOLD,
+    LogprobGap,
+    tis_weights,
+)
 from clew.algorithms.losses import (
     LOG_RATIO_CLAMP,
     POLICY_LOSSES,
@@ -63,6 +68,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "KL_LOG_RATIO_CLAMP",
+    "LOGPROB_DIFF_THRESHOLD",
     "LOG_RATIO_CLAMP",
     "POLICY_LOSSES",
     "REDUCTIONS",
@@ -71,6 +77,7 @@ __all__ = [
     "EstimatorBatch",
     "EstimatorSettings",
     "EstimatorSpec",
+    "LogprobGap",
     "compute_advantages",
     "compute_policy_loss",
     "discounted_returns",
@@ -94,6 +101,7 @@ __all__ = [
     "rloo_advantages",
     "setting",
     "step_advantages",
+    "tis_weights",
     "token_advantages",
     "turn_discounted_rewards",
     "turn_token_advantages",

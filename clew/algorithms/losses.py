@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from clew.algorithms.logprob_gap import tis_weights
 from clew.algorithms.stats import masked_mean, masked_sum, upcast_float
 from clew.registry import lookup, register
 
@@ -120,8 +121,11 @@ def ppo_clip_loss(
     eps_clip_low: float = 0.2,
     eps_clip_high: float = 0.2,
     clip_ratio_c: float | None = None,
+    rollout_logprobs: Tensor | None = None,
+    tis_imp_ratio_cap: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate, with asymmetric clip range and optional dual clip.
+    """PPO clipped surrogate, with asymmetric clip range, optional dual clip and optional
+    truncated importance sampling (TIS).
 
     Per token, with ``ratio = exp(clamp(logprobs - old_logprobs, -20, 20))`` (see
     :data:`LOG_RATIO_CLAMP`) and advantage ``A``::
@@ -133,6 +137,10 @@ def ppo_clip_loss(
     ``A > 0`` or below ``1 - eps_clip_low`` when ``A < 0`` (the gradient there is 0); a larger
     ``eps_clip_high`` ("clip-higher", DAPO) leaves room for rare tokens to grow. Dual clip
     (Ye et al. 2020) bounds the loss of a token with ``A < 0`` whose ratio has blown up.
+    With ``rollout_logprobs`` (the engine's, where ``old_logprobs`` are the trainer's) each
+    token's loss is then multiplied by ``min(exp(old_logprobs - rollout_logprobs),
+    tis_imp_ratio_cap)`` before the reduction, as SkyRL's ``use_tis``
+    (``clew.algorithms.logprob_gap.tis_weights``).
 
     Args:
         logprobs: ``Float[N, T]`` current policy log-probs of the sampled tokens (with grad).
@@ -142,6 +150,9 @@ def ppo_clip_loss(
         reduction, max_seq_len: see :func:`reduce_loss`.
         eps_clip_low, eps_clip_high: clip range ``[1 - low, 1 + high]``; both >= 0.
         clip_ratio_c: dual-clip bound (> 1), or None for off.
+        rollout_logprobs: ``Float[N, T]`` the engine's sampling logprobs, or None: no TIS.
+        tis_imp_ratio_cap: the TIS weights' upper bound (> 0); required with
+            ``rollout_logprobs``.
 
     Returns:
         ``(loss, stats)``: a 0-dim tensor, and floats over masked tokens (0.0 when the mask is
@@ -149,7 +160,8 @@ def ppo_clip_loss(
         ``dual_clip_fraction`` (share where the dual clip is in effect; 0 when off),
         ``approx_kl`` (mean k3 estimate of KL(old || current): ``r - 1 - log r`` with
         ``r = exp(logprobs - old_logprobs)``; unbiased under samples from the old policy and
-        never negative), ``ratio_mean`` and ``ratio_max``.
+        never negative), ``ratio_mean`` and ``ratio_max``; with TIS also ``tis_weight_mean``
+        and ``tis_capped_fraction`` (share of tokens whose weight the cap bounds).
     """
     _check_2d(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
@@ -178,6 +190,15 @@ def ppo_clip_loss(
         bound = -clip_ratio_c * adv
         dual = (adv < 0) & (bound < losses)
         losses = torch.where(dual, bound, losses)
+    weights = None
+    if rollout_logprobs is not None:
+        if tis_imp_ratio_cap is None:
+            raise ValueError("TIS (rollout_logprobs given) needs a tis_imp_ratio_cap > 0")
+        _check_2d(logprobs=logprobs, rollout_logprobs=rollout_logprobs)
+        weights = torch.where(
+            active, tis_weights(old_logprobs, rollout_logprobs, tis_imp_ratio_cap), 0.0
+        )
+        losses = losses * weights
 
     loss = reduce_loss(losses, loss_mask, reduction, max_seq_len)
 
@@ -189,4 +210,8 @@ def ppo_clip_loss(
             "ratio_mean": masked_mean(ratio, active.float()).item(),
             "ratio_max": ratio[active].max().item() if bool(active.any()) else 0.0,
         }
+        if weights is not None:
+            capped = (weights >= tis_imp_ratio_cap) & active
+            stats["tis_weight_mean"] = masked_mean(weights, active.float()).item()
+            stats["tis_capped_fraction"] = masked_mean(capped.float(), active.float()).item()
     return loss, stats

@@ -153,6 +153,7 @@ class DataParallelWorker:
         seed: int = 0,
         gpu_memory_utilization: float = 0.45,
         max_cache_mb: int = 4096,
+        kv_cache: str = "static",
         allowed_tokens: Sequence[Sequence[str]] = (),
         strategy: str = "fsdp",
     ) -> None:
@@ -188,6 +189,7 @@ class DataParallelWorker:
             self.worker.chat,
             max_cache_bytes=budget,
             autocast=settings.autocast_bf16,
+            kv_cache=kv_cache,
         )
         for tokens in allowed_tokens:  # a token text that is not one token fails here
             self.engine.allowed_ids(tuple(tokens))

@@ -191,7 +191,7 @@ class RayWorkerGroup:
     def update(self, batch: TrainingBatch, settings: PPOSettings) -> dict[str, float]:
         """PPO on ``batch``: each worker takes its share of every mini-batch (shares differ
         by at most one sequence; a batch smaller than the group leaves some empty). Metrics
-        are worker means."""
+        are worker means, ``*_max`` ones the largest of the workers'."""
         n = self.world_size
         shares = batch.split(n, settings.mini_batch_size)
         sizes = share_sizes(len(batch), settings.mini_batch_size, n)
@@ -203,7 +203,10 @@ class RayWorkerGroup:
             self.workers,
         )
         self.check_in_step()
-        return {k: sum(m[k] for m in metrics) / n for k in metrics[0]}
+        return {
+            k: max(m[k] for m in metrics) if k.endswith("_max") else sum(m[k] for m in metrics) / n
+            for k in metrics[0]
+        }
 
     def check_in_step(self) -> None:
         """Raise ``ClewError`` unless every worker's trainable weights match worker 0's.

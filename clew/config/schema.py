@@ -104,6 +104,13 @@ class InferenceEngineConfig(Section):
         description="On GPU, the share of device memory the KV cache may take, in (0, 1].",
     )
     max_cache_mb: int = Field(4096, description="On CPU, the memory budget of the KV cache in MiB.")
+    kv_cache: Literal["static", "dynamic"] = Field(
+        "static",
+        description="The engine's KV cache: 'static' writes each row's keys in place into "
+        "preallocated slots and attends over each row's live part with grouped-query SDPA "
+        "(its budget counts rows by their real lengths); 'dynamic' is transformers' "
+        "DynamicCache (concatenated every forward, rows padded to one width), the reference.",
+    )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="SkyRL engine options; clew reads `max_model_len` (the engine's context "
@@ -263,6 +270,25 @@ class AlgorithmConfig(Section):
     )
     use_entropy_loss: bool = Field(False, description="Add an entropy bonus to the loss.")
     entropy_loss_coef: float = Field(0.01, description="Weight of the entropy bonus.")
+    recompute_old_logprobs: bool = Field(
+        False,
+        description="Score each batch with the trainer's own forward before the update and "
+        "use those logprobs as PPO's old policy instead of the engine's sampling logprobs (what "
+        "SkyRL and verl always do): one more forward pass over the batch, in micro batches of "
+        "micro_forward_batch_size_per_gpu. Every step logs policy/logprob_diff_* (engine "
+        "against trainer) either way.",
+    )
+    use_tis: bool = Field(
+        False,
+        description="Truncated importance sampling (SkyRL's key): each token's policy loss is "
+        "multiplied by min(exp(trainer - engine logprob), tis_imp_ratio_cap), correcting for "
+        "the engine sampling from a slightly different distribution than the trainer scores; "
+        "implies recompute_old_logprobs.",
+    )
+    tis_imp_ratio_cap: float = Field(
+        -1.0,
+        description="Upper bound of the TIS weights; must be > 0 when use_tis is on (e.g. 2.0).",
+    )
 
 
 class LoraConfig(Section):

@@ -267,6 +267,12 @@ def _rules(cfg: ClewConfig) -> list[str]:
             fail("eps-clip", f"trainer.algorithm.{name} must be in (0, 1), got {eps}")
     if (c := alg.clip_ratio_c) is not None and c <= 1:
         fail("clip-ratio-c", f"trainer.algorithm.clip_ratio_c must be > 1 or null, got {c}")
+    if alg.use_tis and alg.tis_imp_ratio_cap <= 0:
+        fail(
+            "tis-cap",
+            "trainer.algorithm.use_tis needs trainer.algorithm.tis_imp_ratio_cap > 0 (e.g. "
+            f"2.0), got {alg.tis_imp_ratio_cap}",
+        )
 
     _sft_rules(cfg, fail)
 

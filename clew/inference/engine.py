@@ -6,15 +6,22 @@ have), and an engine inside the training process shares the policy's weights, Lo
 adapters included, as the very module objects the optimizer updates, so "weight sync"
 after each step costs nothing and can never go stale.
 
-How it works. A ``CacheBatch`` holds a batch of sequences in one transformers cache. Each
-turn appends a chunk to every sequence (the previous reply's last token plus the new
+How it works. A ``CacheBatch`` holds a batch of sequences in one KV cache. Each turn
+appends a chunk to every sequence (the previous reply's last token plus the new
 observation) and then decodes the reply one token per step, so a turn only prefills the
-new tokens, never the history. Sequences are padded to a common cache length, and the
-attention mask hides the padding; M-RoPE positions are given explicitly per sequence
-(``clew.models.positions``), so padding never shifts a position. Finished sequences
-leave the batch, and cache columns that hold only padding are dropped, so the cache stays
-close to the real tokens. It is token in, token out: the engine returns sampled ids and
-their logprobs, and nothing is re-tokenized from text.
+new tokens, never the history. A turn's chunks are left-padded to one width, so every
+row's last real token is the last column and one logit row per sequence comes out; M-RoPE
+positions are given explicitly per sequence (``clew.models.positions``), so padding never
+shifts a position. Finished sequences leave the batch. It is token in, token out: the
+engine returns sampled ids and their logprobs, and nothing is re-tokenized from text.
+
+Two caches (``generator.inference_engine.kv_cache``, ``clew.inference.kv_cache``):
+``static`` (the default) writes every row's keys in place into preallocated per-layer slots
+and attends over each row's live columns with grouped-query SDPA
+(``clew.inference.attention``); ``dynamic`` is transformers' ``DynamicCache``, which
+concatenates onto the whole cache every forward, kept as the reference path. Both give the
+same tokens and logprobs (to float summation order). A decode step builds its inputs, mask
+and positions on the device; the one host copy per step is the sampled tokens and logprobs.
 
 Logprobs are those of the distribution sampled from before top-k/top-p truncation, at the
 sampling temperature (at temperature 1 for greedy decoding), which is what the trainer
@@ -25,20 +32,24 @@ trainer masks the same ids (``banned_token_ids``) so its logprobs match.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
 from clew.errors import ConfigError
+from clew.inference.attention import engine_attention
+from clew.inference.kv_cache import DynamicKV, SlotCache
 from clew.inference.sampling import SamplingParams, filter_logits
 from clew.models.chat import ChatFormat, Chunk
 from clew.models.logit_masks import AllowedIds, banned_token_ids, keep_allowed, mask_banned
 from clew.models.pixels import as_patches, cat_pixels
 from clew.models.positions import mrope_positions
 from clew.models.precision import bf16_autocast
+
+KV_CACHES = ("static", "dynamic")
 
 
 @dataclass
@@ -57,10 +68,14 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _text_config(model: torch.nn.Module):
+    cfg = model.config
+    return getattr(cfg, "text_config", cfg)
+
+
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of KV cache one token takes across all layers."""
-    cfg = model.config
-    text = getattr(cfg, "text_config", cfg)
+    text = _text_config(model)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     elem = next(model.parameters()).element_size()
@@ -95,24 +110,46 @@ class InferenceEngine:
         max_cache_bytes: int | None = None,
         stop_token_ids: tuple[int, ...] | None = None,
         autocast: bool = False,
+        kv_cache: str = "static",
     ) -> None:
+        if kv_cache not in KV_CACHES:
+            raise ConfigError(
+                f"generator.inference_engine.kv_cache={kv_cache!r} is not a KV cache; "
+                f"choose one of {', '.join(KV_CACHES)}"
+            )
         self.model = model
+        self.kv_cache = kv_cache
         # bfloat16 compute over float32 weights (clew.models.precision), as the trainer scores.
         self.autocast = autocast
         self.chat = chat
         self.device = next(model.parameters()).device
         self.bytes_per_token = kv_bytes_per_token(model)
+        self.num_layers = _text_config(model).num_hidden_layers
         self.max_cache_bytes = max_cache_bytes
         self.stop_token_ids = stop_token_ids or (chat.im_end_id,)
-        self.banned_token_ids = banned_token_ids(chat)
+        # On the device once: a per-step upload would be a host transfer every decode step.
+        self.banned_token_ids = banned_token_ids(chat).to(self.device)
+        self._stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
         # The ids of SamplingParams.allowed_tokens; a text that is not one token raises.
         self.allowed_ids = AllowedIds(chat, self.device)
         self._cache_kw = _cache_kwarg(model)
 
+    @property
+    def counts_real_lengths(self) -> bool:
+        """Whether a batch's budget counts its rows' real lengths (the static cache) rather
+        than one padded width for all (the dynamic cache)."""
+        return self.kv_cache == "static"
+
     def open_batch(
-        self, size: int, seed: int | None = None, keep_last_k_images: int | None = None
+        self,
+        size: int,
+        seed: int | None = None,
+        keep_last_k_images: int | None = None,
+        capacity_hint: int | None = None,
     ) -> CacheBatch:
-        return CacheBatch(self, size, seed, keep_last_k_images)
+        """A batch of ``size`` sequences; ``capacity_hint``: the longest a row is expected to
+        grow, in tokens, which the static cache allocates at once when a budget is set."""
+        return CacheBatch(self, size, seed, keep_last_k_images, capacity_hint)
 
     def max_sequences(self, tokens_per_sequence: int) -> int:
         """How many sequences of this length fit the cache budget (at least 1 if any fits)."""
@@ -139,15 +176,19 @@ class CacheBatch:
         size: int,
         seed: int | None,
         keep_last_k_images: int | None = None,
+        capacity_hint: int | None = None,
     ) -> None:
         self.engine = engine
         self.keep_last_k = keep_last_k_images
-        # Which image (per sequence, counted from 0) each cache column holds; -1 for text.
-        self.image_of_col = torch.zeros(size, 0, dtype=torch.long, device=engine.device)
+        dev = engine.device
+        budget = {"bytes_per_token": engine.bytes_per_token, "budget_bytes": engine.max_cache_bytes}
+        self.kv: SlotCache | DynamicKV
+        if engine.kv_cache == "static":
+            self.kv = SlotCache(engine.num_layers, size, dev, capacity_hint=capacity_hint, **budget)
+        else:
+            self.kv = DynamicKV(size, dev, **budget)
         self.images_seen = [0] * size
         self.rows: list[int] = list(range(size))  # sequence ids, in cache row order
-        self.cache = DynamicCache()
-        self.mask = torch.zeros(size, 0, dtype=torch.long, device=engine.device)
         self.next_pos = [0] * size
         self.lengths = [0] * size  # real tokens per sequence (fed + pending)
         self.pending: list[int | None] = [None] * size
@@ -155,49 +196,33 @@ class CacheBatch:
         self._seed = 0 if seed is None else seed
         self.generator.manual_seed(self._seed)
         self._dev_generator: torch.Generator | None = None
+        # Rows in sequence order, when the cache keeps them in another (see _sample).
+        self._draw_order: torch.Tensor | None = None
+
+    @property
+    def cache(self):
+        """The transformers cache the model reads and writes."""
+        return self.kv if isinstance(self.kv, SlotCache) else self.kv.cache
 
     @property
     def cache_tokens(self) -> int:
-        return int(self.mask.shape[1])
-
-    def cache_bytes_after(self, extra_tokens: int) -> int:
-        return (self.cache_tokens + extra_tokens) * len(self.rows) * self.engine.bytes_per_token
+        """The cache's width: the longest row (static) or the padded width (dynamic)."""
+        return self.kv.width
 
     def fits(self, extra_tokens: int) -> bool:
-        budget = self.engine.max_cache_bytes
-        return budget is None or self.cache_bytes_after(extra_tokens) <= budget
+        """Whether every sequence can grow by ``extra_tokens`` within the cache budget."""
+        return self.kv.fits(extra_tokens)
 
     def drop(self, seq_ids: list[int]) -> None:
-        """Remove finished sequences from the batch and compact the cache."""
+        """Remove finished sequences from the batch (their cache rows are freed)."""
         gone = set(seq_ids)
-        keep = [i for i, s in enumerate(self.rows) if s not in gone]
-        if len(keep) == len(self.rows):
+        kept = [i for i, s in enumerate(self.rows) if s not in gone]
+        if len(kept) == len(self.rows):
             return
-        self.rows = [self.rows[i] for i in keep]
-        idx = torch.tensor(keep, dtype=torch.long, device=self.engine.device)
-        self.mask = self.mask.index_select(0, idx)
-        self.image_of_col = self.image_of_col.index_select(0, idx)
-        for name in ("next_pos", "lengths", "pending", "images_seen"):
+        order = self.kv.keep(kept)
+        for name in ("rows", "next_pos", "lengths", "pending", "images_seen"):
             values = getattr(self, name)
-            setattr(self, name, [values[i] for i in keep])
-        self._select(batch=idx)
-        if self.rows:
-            cols = self.mask.any(0).nonzero().squeeze(-1)
-            if len(cols) < self.mask.shape[1]:
-                self.mask = self.mask.index_select(1, cols)
-                self.image_of_col = self.image_of_col.index_select(1, cols)
-                self._select(cols=cols)
-
-    def _select(self, batch: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> None:
-        for layer in getattr(self.cache, "layers", []):
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            if batch is not None:
-                layer.keys = layer.keys.index_select(0, batch)
-                layer.values = layer.values.index_select(0, batch)
-            if cols is not None:
-                layer.keys = layer.keys.index_select(2, cols)
-                layer.values = layer.values.index_select(2, cols)
+            setattr(self, name, [values[i] for i in order])
 
     @torch.no_grad()
     def extend_and_generate(
@@ -239,19 +264,39 @@ class CacheBatch:
         seen = np.asarray(self.images_seen, dtype=np.int64)[:, None]
         image_np = np.where(is_image, seen + np.cumsum(starts, 1) - 1, -1)
         self.images_seen = (seen[:, 0] + starts.sum(1)).tolist()
-        input_ids, positions = torch.from_numpy(ids_np), torch.from_numpy(pos_np)
-        new_mask, image_ids = torch.from_numpy(mask_np), torch.from_numpy(image_np)
         self._hide_old_images()
         self._compact()
+        # Room for the chunk (its padding included) and every decode step of the reply.
+        self.kv.reserve(self.kv.width + width + params.max_tokens)
+        attention_mask = self.kv.prefill(
+            torch.from_numpy(mask_np).to(dev),
+            torch.from_numpy(image_np).to(dev),
+            [len(t) for t in token_lists],
+        )
         extra = {}
         if pix:
             extra["pixel_values"] = as_patches(cat_pixels(pix), dev)
             extra["image_grid_thw"] = torch.cat(grids).to(dev)
-        logits = self._forward(input_ids, positions, new_mask, image_ids, **extra)
-        gens = {seq: Generation() for seq in self.rows}
+        in_order = self.rows == sorted(self.rows)
+        self._draw_order = (
+            None if in_order else torch.tensor(np.argsort(self.rows), dtype=torch.long, device=dev)
+        )
+        logits = self._forward(
+            torch.from_numpy(ids_np), torch.from_numpy(pos_np), attention_mask, **extra
+        )
+        return self._decode(logits, params)
+
+    def _decode(self, logits: torch.Tensor, params: SamplingParams) -> dict[int, Generation]:
+        """Sample the replies, one token a row per step, from the chunk's last logits."""
+        eng, dev = self.engine, self.engine.device
+        b = len(self.rows)
+        gens = {seq: Generation() for seq in sorted(self.rows)}
         active = [True] * b
+        active_dev = torch.ones(b, dtype=torch.bool, device=dev)
+        next_pos: torch.Tensor | None = None
         for step in range(params.max_tokens):
-            tokens, logprobs = self._sample(logits, params)
+            tokens_dev, tokens, logprobs = self._sample(logits, params)
+            by_string = False
             for r, seq in enumerate(self.rows):
                 if not active[r]:
                     continue
@@ -260,63 +305,45 @@ class CacheBatch:
                 g.logprobs.append(logprobs[r])
                 self.lengths[r] += 1
                 self.pending[r] = tokens[r]
-                if tokens[r] in eng.stop_token_ids or self._hit_stop_string(g, params):
-                    g.finish_reason = "stop"
-                    active[r] = False
+                if tokens[r] in eng.stop_token_ids:
+                    g.finish_reason, active[r] = "stop", False
+                elif self._hit_stop_string(g, params):
+                    g.finish_reason, active[r], by_string = "stop", False, True
             if not any(active) or step == params.max_tokens - 1:
                 break
-            # Feed each active sequence its sampled token; finished ones get masked padding.
-            step_ids = [self.pending[r] if active[r] else chat.pad_id for r in range(b)]
-            step_pos = [self.next_pos[r] if active[r] else 0 for r in range(b)]
+            # The step's inputs on the device: each active row feeds its sampled token at its
+            # next position; finished rows feed padding their cache never shows.
+            active_dev = active_dev & ~torch.isin(tokens_dev, eng._stop_ids)
+            if by_string:  # only the host saw those stops
+                active_dev = torch.tensor(active, dtype=torch.bool, device=dev)
+            if next_pos is None:
+                next_pos = torch.tensor(self.next_pos, dtype=torch.long, device=dev)
+            step_ids = torch.where(active_dev, tokens_dev, eng.chat.pad_id).view(b, 1)
+            step_pos = torch.where(active_dev, next_pos, 0).view(1, b, 1).repeat(3, 1, 1)
+            next_pos = next_pos + active_dev
             for r in range(b):
                 if active[r]:
                     self.next_pos[r] += 1
                     self.pending[r] = None
-            logits = self._forward(
-                torch.tensor(step_ids, dtype=torch.long).view(b, 1),
-                torch.tensor(step_pos, dtype=torch.long).view(1, b, 1).repeat(3, 1, 1),
-                torch.tensor(active, dtype=torch.long).view(b, 1),
-            )
+            logits = self._forward(step_ids, step_pos, self.kv.decode(active_dev, active))
         return gens
 
     def _hide_old_images(self) -> None:
         """Mask the cache columns of images older than the last ``keep_last_k`` of each row."""
-        if not self.keep_last_k or self.image_of_col.numel() == 0:
+        if not self.keep_last_k:
             return
-        limit = torch.tensor(self.images_seen, device=self.mask.device)[:, None] - self.keep_last_k
-        hidden = (self.image_of_col >= 0) & (self.image_of_col < limit)
-        self.mask = self.mask.masked_fill(hidden, 0)
+        seen = torch.tensor(self.images_seen, dtype=torch.long, device=self.engine.device)
+        self.kv.hide_images(seen - self.keep_last_k)
 
     def _compact(self) -> None:
-        """Drop the cache columns a row can no longer see (hidden images, padding), row by row.
+        """Drop the cache columns a row can no longer see (hidden images, padding).
 
-        A hidden column is never shown again and a masked column adds exactly nothing to
-        attention, so removing it changes no logit (up to float summation order); the cached
-        keys already carry their rotary positions, so moving a column changes nothing either.
         With ``keep_last_k_images`` most of a long episode's cache is old images: without
-        this, every decode step would still read, concatenate and expand them.
+        this, every decode step would still read them. A copy, so only once they are a
+        quarter of the width (``_COMPACT_WHEN_VISIBLE_BELOW``); the cached keys carry their
+        rotary positions, so moving a column changes no logit (up to summation order).
         """
-        b, n = self.mask.shape
-        if n == 0:
-            return
-        visible = self.mask.bool()
-        width = int(visible.sum(1).max())
-        # A copy of the whole cache per compaction: only worth it once a quarter is dead.
-        if width > _COMPACT_WHEN_VISIBLE_BELOW * n:
-            return
-        # Visible columns keep their order and are right-aligned; a row with fewer than
-        # ``width`` is left-padded with some of its masked columns.
-        order = torch.argsort(visible.to(torch.int8), dim=1, stable=True)
-        idx = order[:, n - width :]
-        self.mask = self.mask.gather(1, idx)
-        self.image_of_col = self.image_of_col.gather(1, idx)
-        for layer in getattr(self.cache, "layers", []):
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                index = idx[:, None, :, None].expand(b, t.shape[1], width, t.shape[3])
-                setattr(layer, name, t.gather(2, index))
+        self.kv.compact(_COMPACT_WHEN_VISIBLE_BELOW)
 
     def _hit_stop_string(self, g: Generation, params: SamplingParams) -> bool:
         if not params.stop:
@@ -328,31 +355,36 @@ class CacheBatch:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        new_mask: torch.Tensor,
-        image_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor,
         **extra,
     ) -> torch.Tensor:
-        dev = self.engine.device
-        self.mask = torch.cat([self.mask, new_mask.to(dev)], dim=1)
-        if image_ids is None:
-            image_ids = torch.full(input_ids.shape, -1, dtype=torch.long)
-        self.image_of_col = torch.cat([self.image_of_col, image_ids.to(dev)], dim=1)
-        with bf16_autocast(dev, self.engine.autocast):
-            out = self.engine.model(
+        eng = self.engine
+        dev = eng.device
+        static = isinstance(self.kv, SlotCache)
+        with (
+            bf16_autocast(dev, eng.autocast),
+            engine_attention(eng.model) if static else contextlib.nullcontext(),
+        ):
+            out = eng.model(
                 input_ids=input_ids.to(dev),
-                attention_mask=self.mask,
+                attention_mask=attention_mask,
                 position_ids=positions.to(dev),
                 use_cache=True,
                 logits_to_keep=1,
-                **{self.engine._cache_kw: self.cache},
+                **{eng._cache_kw: self.cache},
                 **extra,
             )
-        return mask_banned(out.logits[:, -1, :].float(), self.engine.banned_token_ids)
+        return mask_banned(out.logits[:, -1, :].float(), eng.banned_token_ids)
 
     def _sample(
         self, logits: torch.Tensor, params: SamplingParams
-    ) -> tuple[list[int], list[float]]:
-        """One token per row and its logprob, as Python lists (one device-to-host copy)."""
+    ) -> tuple[torch.Tensor, list[int], list[float]]:
+        """One token per row (on the device) and, as Python lists, the tokens and their
+        logprobs (one device-to-host copy).
+
+        Draws are made in sequence order: the static cache may keep rows in other slots
+        (``SlotCache.keep``), and a seeded draw must not depend on where a row lives.
+        """
         temperature = 1.0 if params.greedy else params.temperature
         if params.allowed_tokens:
             logits = keep_allowed(logits, self.engine.allowed_ids(params.allowed_tokens))
@@ -360,16 +392,20 @@ class CacheBatch:
         if params.greedy:
             tokens = logits.argmax(-1)
         else:
-            probs = filter_logits(logits / temperature, params.top_k, params.top_p).softmax(-1)
+            order = self._draw_order
+            drawn_from = logits if order is None else logits.index_select(0, order)
+            probs = filter_logits(drawn_from / temperature, params.top_k, params.top_p).softmax(-1)
             if probs.device.type == "cpu":
                 tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
             else:
                 # On an accelerator the draw stays there: copying [rows, vocab] probabilities
                 # to the host and drawing there was 1.5 s of a 10.5 s batch (profile_rollout).
                 tokens = torch.multinomial(probs, 1, generator=self._device_generator()).squeeze(-1)
+            if order is not None:
+                tokens = torch.empty_like(tokens).index_copy_(0, order, tokens)
         picked = logp.gather(-1, tokens.view(-1, 1)).squeeze(-1)
         both = torch.stack([tokens.double(), picked.double()]).cpu()
-        return [int(t) for t in both[0].tolist()], both[1].tolist()
+        return tokens, [int(t) for t in both[0].tolist()], both[1].tolist()
 
     def _device_generator(self) -> torch.Generator:
         if self._dev_generator is None:

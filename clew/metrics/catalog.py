@@ -130,6 +130,35 @@ CATALOG: tuple[MetricSpec, ...] = (
         "policy/skipped_steps",
         "Optimizer steps dropped because the gradient norm was NaN or infinite (should be 0).",
     ),
+    MetricSpec(
+        "policy/logprob_diff_mean",
+        "Mean |engine - trainer| logprob of the rollout's generated tokens: the engine's "
+        "sampling logprobs against the trainer's own forward on the same weights and tokens "
+        "(clew.train.logprob_guard). 0 up to float rounding when both compute alike; new "
+        "kernels, bf16 and merged weights move it. Over every token with "
+        "trainer.algorithm.recompute_old_logprobs or use_tis, else over the first "
+        "mini-batch's (from the update's own first forward, at no cost).",
+        "lpdiff",
+    ),
+    MetricSpec(
+        "policy/logprob_diff_max",
+        "Largest |engine - trainer| logprob over the same tokens as policy/logprob_diff_mean "
+        "(the largest over the workers).",
+    ),
+    MetricSpec(
+        "policy/logprob_diff_frac_over_0.1",
+        "Share of those tokens whose |engine - trainer| logprob exceeds 0.1 (their first-step "
+        "PPO ratio is off by more than 10%).",
+    ),
+    MetricSpec(
+        "policy/tis_weight_mean",
+        "trainer.algorithm.use_tis: mean truncated importance weight min(exp(trainer - "
+        "engine logprob), tis_imp_ratio_cap) over the generated tokens (1 when both agree).",
+    ),
+    MetricSpec(
+        "policy/tis_capped_fraction",
+        "trainer.algorithm.use_tis: share of generated tokens whose weight the cap bounds.",
+    ),
     # timing/ and throughput/.
     MetricSpec(
         "timing/<phase>",

@@ -46,8 +46,8 @@ __all__ = ["PRESETS", "QWEN_VOCAB_SIZE", "Preset"]
 
 @dataclass(frozen=True)
 class Preset:
-    """The sizes of one model preset; ``approx_parameters`` is its count as ``clew init-model``
-    builds it (the environments' text in the tokenizer)."""
+    """The sizes of one model preset; ``approx_parameters`` is its rounded count in the table
+    above (default architecture and tokenizer)."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -70,10 +70,10 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(128, 3, 4, 2, 512, 128, 1, 4, 4, "1.55M", vision_deepstack=(0,)),
-    "small": Preset(256, 6, 4, 2, 1024, 128, 4, 4, 4, "7.5M", vision_deepstack=(1, 3)),
-    "deep": Preset(256, 12, 4, 2, 1024, 128, 8, 4, 4, "14.2M", vision_deepstack=(1, 3, 5)),
-    "medium": Preset(384, 8, 6, 2, 1536, 128, 4, 4, 4, "19.1M", vision_deepstack=(1, 3)),
+    "tiny": Preset(128, 3, 4, 2, 512, 128, 1, 4, 4, "1.52M", vision_deepstack=(0,)),
+    "small": Preset(256, 6, 4, 2, 1024, 128, 4, 4, 4, "7.45M", vision_deepstack=(1, 3)),
+    "deep": Preset(256, 12, 4, 2, 1024, 128, 8, 4, 4, "14.1M", vision_deepstack=(1, 3, 5)),
+    "medium": Preset(384, 8, 6, 2, 1536, 128, 4, 4, 4, "19.0M", vision_deepstack=(1, 3)),
     "base": Preset(768, 12, 12, 4, 3072, 512, 12, 8, 4, "149M", vision_deepstack=(3, 7, 11)),
     # Qwen3-VL-8B-Instruct's architecture. Every size is its published config.json's
     # (huggingface.co/Qwen/Qwen3-VL-8B-Instruct/blob/main/config.json) as transformers'

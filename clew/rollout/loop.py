@@ -1,13 +1,14 @@
 """The multi-turn agent loop: dataset rows in, finished trajectories out.
 
 Every row is played ``n_samples`` times (one GRPO group per row, all on the row's seeded
-maze). Episodes run in waves sized to the engine's cache budget; within a wave all
-episodes advance turn by turn together, so each turn is one batched prefill plus one
-batched decode. An episode ends on the env's ``done``, on ``max_turns`` (the smaller of
-``generator.max_turns`` and the env's own budget), when its context would exceed
-``max_input_length``, or when the cache budget runs out (``cache_budget``: finished
-cleanly, never an out-of-memory crash). An exception inside an env ends that episode with
-reward 0 (``env_error``) and never takes down the batch.
+maze). Episodes run in waves sized to the engine's cache budget (``_expected_length``: the
+static cache counts an episode by the length it is expected to reach, the dynamic cache by
+``max_input_length``); within a wave all episodes advance turn by turn together, so each
+turn is one batched prefill plus one batched decode. An episode ends on the env's ``done``,
+on ``max_turns`` (the smaller of ``generator.max_turns`` and the env's own budget), when its
+context would exceed ``max_input_length``, or when a turn would outgrow the cache budget
+(``cache_budget``: finished cleanly, never an out-of-memory crash). An exception inside an
+env ends that episode with reward 0 (``env_error``) and never takes down the batch.
 
 ``reply_prefix`` / ``reply_suffix`` fix the reply's format around what is sampled, as
 structured-output decoding does: the prefix's tokens end every observation chunk (after
@@ -87,47 +88,71 @@ def play(
 
     prefix = chat.encode_text(settings.reply_prefix)
     suffix = chat.encode_text(settings.reply_suffix)
-    wave = engine.max_sequences(settings.max_input_length)
+    # A row must be able to reach max_input_length alone (a ConfigError otherwise).
+    engine.max_sequences(settings.max_input_length)
+    todo = list(reversed(specs))
+    held: tuple[_Episode, Any, Chunk] | None = None  # started, but the last wave was full
     done: list[Trajectory] = []
-    for w, lo in enumerate(range(0, len(specs), wave)):
+    w = 0
+    while todo or held:
         episodes: dict[int, _Episode] = {}
-        chunks = {}
-        for i, (g, s, row) in enumerate(specs[lo : lo + wave]):
-            try:
-                ep, obs = _start(row, g, s, env_factory)
-            except Exception as exc:  # an env that cannot even reset is that episode's failure
-                traj = Trajectory(row.env_id, row.options(), int(row.seed), g, s)
-                _fail(traj, exc)
-                done.append(traj)
-                continue
-            chunk = _framed(chat.user_turn(obs.text, obs.images, first=True), [], prefix)
-            if len(chunk.token_ids) + settings.sampling.max_tokens > settings.max_input_length:
-                raise ConfigError(
-                    f"generator.max_input_length={settings.max_input_length} cannot hold one turn: "
-                    f"the first observation of {row.env_id} takes {len(chunk.token_ids)} tokens and "
-                    f"a reply up to {settings.sampling.max_tokens}; raise max_input_length to at "
-                    f"least {len(chunk.token_ids) + settings.sampling.max_tokens}"
-                )
+        chunks: dict[int, Chunk] = {}
+        peak = 0  # the longest any episode of the wave is expected to grow
+        while todo or held:
+            if held is None:
+                g, s, row = todo.pop()
+                try:
+                    ep, obs = _start(row, g, s, env_factory)
+                except Exception as exc:  # an env that cannot even reset is that episode's failure
+                    traj = Trajectory(row.env_id, row.options(), int(row.seed), g, s)
+                    _fail(traj, exc)
+                    done.append(traj)
+                    continue
+                chunk = _framed(chat.user_turn(obs.text, obs.images, first=True), [], prefix)
+                if len(chunk.token_ids) + settings.sampling.max_tokens > settings.max_input_length:
+                    raise ConfigError(
+                        f"generator.max_input_length={settings.max_input_length} cannot hold one "
+                        f"turn: the first observation of {row.env_id} takes {len(chunk.token_ids)} "
+                        f"tokens and a reply up to {settings.sampling.max_tokens}; raise "
+                        "max_input_length to at least "
+                        f"{len(chunk.token_ids) + settings.sampling.max_tokens}"
+                    )
+                held = (ep, obs, chunk)
+            ep, obs, chunk = held
+            expected = _expected_length(engine, settings, ep, len(chunk.token_ids))
+            if episodes and engine.max_sequences(max(peak, expected)) <= len(episodes):
+                break
+            held, peak = None, max(peak, expected)
             ep.traj.add_observation(chunk, obs.images, keyed(obs))
             ep.traj.image_window = settings.keep_last_k_images
-            episodes[i] = ep
-            chunks[i] = chunk
+            episodes[len(episodes)] = ep
+            chunks[len(chunks)] = chunk
+        if not episodes:
+            break
         cached = engine.open_batch(
-            len(specs[lo : lo + wave]),
+            len(episodes),
             seed=seed * 100_003 + w,
             keep_last_k_images=settings.keep_last_k_images,
+            capacity_hint=peak,
         )
-        cached.drop([i for i in range(len(specs[lo : lo + wave])) if i not in episodes])
+        w += 1
         turn_cap = settings.max_turns
         while episodes:
-            if not cached.fits(
+            # A turn that outgrows the budget ends as few episodes as it takes (the last
+            # admitted first) with ``cache_budget``: finished cleanly, never out of memory.
+            over: list[int] = []
+            while episodes and not cached.fits(
                 max(len(c.token_ids) for c in chunks.values()) + 1 + settings.sampling.max_tokens
             ):
-                for ep in episodes.values():
-                    ep.traj.end_reason = "cache_budget"
-                    done.append(ep.traj)
-                if progress:
-                    progress(len(episodes))
+                last = max(episodes)
+                episodes[last].traj.end_reason = "cache_budget"
+                done.append(episodes.pop(last).traj)
+                chunks.pop(last)
+                cached.drop([last])
+                over.append(last)
+            if progress and over:
+                progress(len(over))
+            if not episodes:
                 break
             gens = cached.extend_and_generate(chunks, settings.sampling)
             cache_row = {seq: r for r, seq in enumerate(cached.rows)}
@@ -182,6 +207,25 @@ def play(
             cached.drop(finished)
     done.sort(key=lambda t: (t.group_id, t.sample_index))
     return done
+
+
+def _expected_length(
+    engine: InferenceEngine, settings: RolloutSettings, ep: _Episode, first_chunk: int
+) -> int:
+    """The tokens the cache is sized for per episode when packing a wave.
+
+    The dynamic cache pads every row to one width, so it is sized for the longest row
+    allowed, ``max_input_length``. The static cache counts rows by their real lengths:
+    an episode is expected to grow by its first observation and a whole reply every turn
+    (later observations carry no system prompt, so they are usually shorter), up to
+    ``max_input_length``. Should a turn still outgrow the budget (observations that grow),
+    it ends as few episodes as it takes with ``cache_budget``.
+    """
+    if not engine.counts_real_lengths:
+        return settings.max_input_length
+    turns = min(settings.max_turns, ep.max_turns)
+    per_turn = first_chunk + settings.sampling.max_tokens + 1
+    return min(settings.max_input_length, turns * per_turn)
 
 
 def play_model(

@@ -42,6 +42,12 @@ def ppo_objective(settings: PPOSettings) -> Objective:
         dev = logprobs.device
         mask = batch.target_mask.to(dev)
         reduction = {"reduction": settings.loss_reduction, "max_seq_len": settings.max_seq_len}
+        tis = {}
+        if settings.use_tis:  # old_logprobs are the trainer's; rollout_logprobs the engine's
+            tis = {
+                "rollout_logprobs": batch.values["rollout_logprobs"].to(dev),
+                "tis_imp_ratio_cap": settings.tis_imp_ratio_cap,
+            }
         loss, pg = compute_policy_loss(
             settings.policy_loss,
             logprobs,
@@ -51,9 +57,11 @@ def ppo_objective(settings: PPOSettings) -> Objective:
             eps_clip_low=settings.eps_clip_low,
             eps_clip_high=settings.eps_clip_high,
             clip_ratio_c=settings.clip_ratio_c,
+            **tis,
             **reduction,
         )
         stats = {"clip_fraction": pg["clip_fraction"], "approx_kl": pg["approx_kl"]}
+        stats |= {k: pg[k] for k in ("tis_weight_mean", "tis_capped_fraction") if k in pg}
         if "ref_logprobs" in batch.values:
             ref = batch.values["ref_logprobs"].to(dev)
             kl = kl_loss(logprobs, ref, mask, settings.kl_estimator, **reduction)

@@ -59,6 +59,12 @@ class PPOSettings:
     worker group's trajectories; a group of several workers hands each its share, with
     ``mini_batch_sizes`` the sizes of that share's mini-batches in order (some may be 0:
     every worker takes part in every optimizer step).
+
+    Engine against trainer (``clew.algorithms.logprob_gap``): ``recompute_old_logprobs``
+    makes the PPO "old" logprobs the trainer's own forward before the update (in micro
+    batches of ``forward_micro_batch_size``) instead of the engine's sampling ones;
+    ``use_tis`` implies it and weighs each token's loss by ``min(exp(old - engine),
+    tis_imp_ratio_cap)``.
     """
 
     policy_loss: str = "ppo_clip"
@@ -78,3 +84,6 @@ class PPOSettings:
     micro_batch_size: int = 1
     forward_micro_batch_size: int = 8
     epochs: int = 1
+    recompute_old_logprobs: bool = False
+    use_tis: bool = False
+    tis_imp_ratio_cap: float = -1.0

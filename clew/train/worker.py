@@ -41,7 +41,7 @@ import torch
 import transformers.modeling_utils
 from torch import Tensor
 
-from clew.algorithms import logprobs_from_logits
+from clew.algorithms import LogprobGap, logprobs_from_logits
 from clew.cluster import fsdp
 from clew.errors import ClewError
 from clew.models import count_parameters, load_policy
@@ -59,6 +59,7 @@ from clew.train.batch import (
     pack_rows,
 )
 from clew.train.batch import micro_batches as chunked
+from clew.train.logprob_guard import gap_of_scores, guard_metrics, observing
 from clew.train.lora import apply_lora, is_lora
 from clew.train.objectives import Objective, TargetOutputs, ppo_objective, sft_objective
 from clew.train.optim import build_optimizer, clipped_step, to_cpu
@@ -371,6 +372,15 @@ class PolicyWorker:
                 adapter_enabled=False,
                 allowed=settings.allowed_tokens,
             )
+        if settings.recompute_old_logprobs or settings.use_tis:
+            # PPO's "old" policy becomes the trainer's forward; the engine's stay for TIS.
+            values["rollout_logprobs"] = batch.old_logprobs
+            values["old_logprobs"] = self.compute_logprobs(
+                batch.sequences,
+                settings.temperature,
+                settings.forward_micro_batch_size,
+                allowed=settings.allowed_tokens,
+            )
         return values, self._vision(batch.sequences)
 
     def _ppo_accumulate(
@@ -379,6 +389,7 @@ class PolicyWorker:
         indices: Sequence[int],
         inputs: tuple[dict[str, Sequence[Tensor]], list[Vision]],
         settings: PPOSettings,
+        gap: LogprobGap | None = None,
     ) -> dict[str, float] | None:
         values, vision = inputs
         return self._accumulate(
@@ -387,7 +398,7 @@ class PolicyWorker:
             vision,
             values,
             settings.micro_batch_size,
-            ppo_objective(settings),
+            observing(ppo_objective(settings), gap),
             settings.temperature,
             settings.loss_reduction == "token_mean",
             allowed=settings.allowed_tokens,
@@ -402,8 +413,11 @@ class PolicyWorker:
 
     def train_batch(self, batch: TrainingBatch, settings: PPOSettings) -> dict[str, float]:
         """PPO on ``batch`` as ``settings`` say: ``epochs`` passes, one optimizer step per
-        mini-batch. Returns ``policy/*`` metrics, means over the optimizer steps."""
+        mini-batch. Returns ``policy/*`` metrics, means over the optimizer steps, and the
+        engine-against-trainer logprob guard (``clew.train.logprob_guard``)."""
         inputs = self._ppo_inputs(batch, settings)
+        gap = gap_of_scores(batch.sequences, inputs[0])
+        watch = None if "rollout_logprobs" in inputs[0] else gap
         sizes = settings.mini_batch_sizes or [
             len(c) for c in chunked(range(len(batch)), settings.mini_batch_size or len(batch) or 1)
         ]
@@ -413,11 +427,14 @@ class PolicyWorker:
         steps: list[dict[str, float]] = []
         for _ in range(settings.epochs):
             for indices in (range(lo, hi) for lo, hi in itertools.pairwise(bounds)):
-                stats = self._ppo_accumulate(batch, indices, inputs, settings)
+                stats = self._ppo_accumulate(batch, indices, inputs, settings, watch)
                 if stats is not None:
                     steps.append(stats | self._optimizer_step())
+                    watch = None  # the weights are no longer those the engine sampled with
         keys = ("loss", "clip_fraction", "approx_kl", "kl_loss", "entropy", "grad_norm", "lr")
+        keys += ("tis_weight_mean", "tis_capped_fraction") if settings.use_tis else ()
         out = {f"policy/{k}": _mean(steps, k) for k in keys}
+        out |= guard_metrics(gap, None if self.sync is None else self.sync.total)
         out["policy/optimizer_steps"] = float(len(steps))
         out["policy/skipped_steps"] = sum(s["skipped"] for s in steps)
         return out

@@ -1,0 +1,181 @@
+"""Decode steps of the engine: the static KV cache against the dynamic one, in one run.
+
+Each batch size gets a batch of text rows whose lengths spread evenly over
+``--min-width``..``--max-width`` tokens (the shape of a 5-turn maze rollout's cache), one
+engine batch per KV cache (``generator.inference_engine.kv_cache``), and ``--steps`` decode
+steps timed after a warm-up; no row stops early (no stop token). Printed per cache and batch:
+the decode step time, generated tokens/s, the bandwidth bound of a step (the text weights
+read once plus every row's live KV cache, at ``--bandwidth-tbs``) and the share of it
+reached, and the static cache's speed-up over the dynamic one. ``--generate`` adds the
+re-encoding baseline on the same rows: ``model.generate`` from the whole context (its
+prefill included, as a turn of ``benchmarks/rollout.py``'s ``baseline`` pays it).
+
+    python benchmarks/decode.py --preset tiny --batch 8,16 --min-width 40 --max-width 120 --steps 8
+    python benchmarks/decode.py --preset qwen3vl-8b --device cuda --batch 96,192 --generate
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import tempfile
+import time
+
+import torch
+
+from clew.envs.base import text_corpus
+from clew.inference.engine import InferenceEngine, kv_bytes_per_token
+from clew.inference.sampling import SamplingParams
+from clew.models import build_model
+from clew.models.chat import ChatFormat, Chunk
+
+PREFILL_CHUNK = 256  # tokens a row per prefill forward, to bound the attention's memory
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _text_weight_bytes(model: torch.nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for name, p in model.named_parameters():
+        if id(p) not in seen and ".visual." not in f".{name}":
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _rows(chat: ChatFormat, batch: int, lo: int, hi: int) -> list[list[int]]:
+    words = chat.encode_text(" ".join(["left right up down stop wall"] * (hi // 4 + 1)))
+    lengths = [lo + (hi - lo) * r // max(1, batch - 1) for r in range(batch)]
+    return [words[:n] for n in lengths]
+
+
+def _decode(engine: InferenceEngine, rows: list[list[int]], steps: int, warmup: int) -> dict:
+    """Prefill ``rows`` in chunks, then time ``steps`` decode forwards."""
+    batch = engine.open_batch(len(rows), seed=0)
+    one = SamplingParams(temperature=1.0, max_tokens=1)
+    for start in range(0, max(map(len, rows)), PREFILL_CHUNK):
+        batch.extend_and_generate(
+            {i: Chunk(r[start : start + PREFILL_CHUNK]) for i, r in enumerate(rows)}, one
+        )
+    empty = {i: Chunk([]) for i in range(len(rows))}
+    batch.extend_and_generate(empty, SamplingParams(temperature=1.0, max_tokens=warmup))
+    # Room for the timed steps now: a growth of the static cache is a copy, not a step.
+    batch.kv.reserve(batch.cache_tokens + 1 + steps)
+    before = sum(batch.lengths)
+    _sync(engine.device)
+    t0 = time.perf_counter()
+    # A one-token chunk (the pending token) and steps - 1 decode steps: every forward is one
+    # token a row.
+    batch.extend_and_generate(empty, SamplingParams(temperature=1.0, max_tokens=steps))
+    _sync(engine.device)
+    seconds = time.perf_counter() - t0
+    after = sum(batch.lengths)
+    return {
+        "step_s": seconds / steps,
+        "tokens_s": len(rows) * steps / seconds,
+        "mean_cache": (before + after) / 2 / len(rows),
+        "widths": (min(batch.lengths), max(batch.lengths)),
+    }
+
+
+def _generate(model, chat: ChatFormat, rows: list[list[int]], steps: int) -> dict:
+    """``model.generate`` from the whole context, left-padded: a re-encoding turn."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), chat.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row) :] = torch.tensor(row)
+        mask[r, width - len(row) :] = 1
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            min_new_tokens=steps,
+            max_new_tokens=steps,
+            pad_token_id=chat.pad_id,
+        )
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    return {"step_s": seconds / steps, "tokens_s": len(rows) * steps / seconds}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--arch", default=None, help="qwen2_vl or qwen3_vl (default: the preset's)")
+    p.add_argument("--batch", default="96,192", help="batch sizes, comma-separated")
+    p.add_argument("--min-width", type=int, default=180)
+    p.add_argument("--max-width", type=int, default=775)
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--caches", default="dynamic,static")
+    p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--bandwidth-tbs", type=float, default=4.8, help="memory bandwidth, TB/s")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        built = build_model(
+            args.preset,
+            tmp,
+            corpus=text_corpus(),
+            arch=args.arch,
+            device=args.device if device.type == "cuda" else None,
+            overwrite=True,
+        )
+    model = built.model.to(device).eval()
+    chat = ChatFormat(built.processor)
+    weights = _text_weight_bytes(model)
+    kv_token = kv_bytes_per_token(model)
+    print(
+        f"{args.preset} ({built.num_parameters / 1e6:,.1f}M parameters, text weights "
+        f"{weights / 1e9:.3f} GB, KV {kv_token / 1e3:.1f} kB a token) on {device}; rows "
+        f"{args.min_width}-{args.max_width} tokens, {args.steps} decode steps; bound at "
+        f"{args.bandwidth_tbs} TB/s"
+    )
+    print(
+        f"{'cache':<9} {'batch':>5} {'widths':>9} {'step ms':>8} {'gen tok/s':>10} "
+        f"{'bound ms':>8} {'of bound':>8} {'vs dynamic':>10}"
+    )
+    for size in (int(b) for b in args.batch.split(",")):
+        rows = _rows(chat, size, args.min_width, args.max_width)
+        results = {}
+        for cache in args.caches.split(","):
+            # No stop token, so every row decodes every step.
+            engine = InferenceEngine(model, chat, kv_cache=cache, stop_token_ids=(-1,))
+            r = results[cache] = _decode(engine, rows, args.steps, args.warmup)
+            bound_s = (weights + size * r["mean_cache"] * kv_token) / (args.bandwidth_tbs * 1e12)
+            ratio = (
+                f"{results['dynamic']['step_s'] / r['step_s']:.2f}x" if "dynamic" in results else ""
+            )
+            print(
+                f"{cache:<9} {size:>5} {r['widths'][0]:>4}-{r['widths'][1]:<4} "
+                f"{r['step_s'] * 1e3:>8.2f} {r['tokens_s']:>10.0f} {bound_s * 1e3:>8.3f} "
+                f"{bound_s / r['step_s']:>8.1%} {ratio:>10}"
+            )
+            del engine
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        if args.generate:
+            g = _generate(model, chat, rows, args.steps)
+            best = max(r["tokens_s"] for r in results.values())
+            print(
+                f"{'generate':<9} {size:>5} {'':>9} {g['step_s'] * 1e3:>8.2f} "
+                f"{g['tokens_s']:>10.0f} {'':>8} {'':>8} {'':>10}  (engine: "
+                f"{best / g['tokens_s']:.1f}x its tokens/s)"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""The engine's KV caches: ``SlotCache`` (in place, the default) and ``DynamicKV`` (the reference).
+
+``SlotCache`` (``generator.inference_engine.kv_cache=static``) is a transformers ``Cache``
+whose layers are preallocated ``[slots, kv_heads, capacity, head_dim]`` buffers. A row of
+the batch lives in one slot and has its own length (``fill``): a forward writes each row's
+new keys and values at that row's next columns, in place (``index_put_``), and hands the
+attention ``[rows, kv_heads, width, head_dim]`` views of the buffers, ``width`` being the
+longest live row, so nothing is concatenated, padded or copied per step and the keys are
+read as their KV heads are (``clew.inference.attention``). Which columns a row attends to
+is a boolean ``visible`` table per slot: a column is visible once written and until its
+image is hidden (``keep_last_k_images``); the attention mask of a forward is that table
+(a view of it for a decode step) and, for a prefill, causality within the new chunk.
+
+Rows live in slots ``[0, rows)``. A finished row frees its slot: the others stay where they
+are, except that the last rows move down into the freed slots (a copy of those rows alone),
+so a forward always runs over ``rows`` slots with no holes; the engine samples in the rows'
+sequence order whatever their slots (``CacheBatch._sample``), so seeded draws do not depend
+on where a row lives. Hidden image columns are removed within each row's slot (a gather of
+the visible columns to the front) only once they are a quarter of the width, as for the
+dynamic cache. Chunk padding (the batch's chunks are left-padded to one width) is written
+past each row's end, where the next real token overwrites it, and is never visible.
+
+Capacity: a slot holds ``capacity`` columns; before a turn the engine asks for its longest
+row plus the turn's growth (the longest chunk and every decode step) and the buffers grow
+when that is more: to twice the old capacity or, under a budget, to ``capacity_hint`` (the
+longest row the rollout loop expects), never past the budget. A growth copies the live part
+once; a turn never does. The budget counts ``rows x (longest row + the turn's
+growth)`` columns, the rows' real lengths rather than the longest a row could grow.
+
+``DynamicKV`` is the engine as it was: a transformers ``DynamicCache`` that concatenates
+every forward's keys onto the whole cache, rows left-padded to one width, a 0/1 padding
+mask, and ``index_select``/``gather`` for finished rows and hidden columns.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's keys and values, ``[slots, kv_heads, capacity, head_dim]``."""
+
+    is_sliding = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise NotImplementedError("SlotCache allocates its layers itself")
+
+    def update(self, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("SlotCache.update writes the layers")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys is None else int(self.keys.shape[2])
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SlotCache(Cache):
+    """The in-place KV cache of one engine batch (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        device: torch.device,
+        *,
+        bytes_per_token: int,
+        budget_bytes: int | None = None,
+        capacity_hint: int | None = None,
+    ) -> None:
+        super().__init__(layers=[SlotLayer() for _ in range(num_layers)])
+        self.device = device
+        self.rows = rows  # live rows, in slots [0, rows)
+        self.slots = rows
+        self.capacity = 0
+        self.bytes_per_token = bytes_per_token
+        self.budget_bytes = budget_bytes
+        self.capacity_hint = capacity_hint
+        self.fill = [0] * rows  # columns each row has written (host copy of fill_dev)
+        self.fill_dev = torch.zeros(rows, dtype=torch.long, device=device)
+        self.visible = torch.zeros(rows, 0, dtype=torch.bool, device=device)
+        self.image_of_col = torch.zeros(rows, 0, dtype=torch.long, device=device)
+        self.hidden_any = False
+        # Where the current forward writes: row and column indices [rows, T], and the width
+        # of the views the attention reads.
+        self._write: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self._arange = torch.arange(rows, device=device)
+
+    # What transformers calls.
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._write is None:
+            raise RuntimeError("SlotCache: a forward ran without prefill()/decode() planning it")
+        rows, cols, width = self._write
+        layer = self.layers[layer_idx]
+        if layer.keys is None:
+            shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[3])
+            layer.keys = key_states.new_zeros(shape)
+            layer.values = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
+            layer.is_initialized = True
+        b = key_states.shape[0]
+        # Advanced indices on dims 0 and 2 put their [B, T] first: [B, T, kv_heads, head_dim].
+        layer.keys[rows, :, cols] = key_states.transpose(1, 2)
+        layer.values[rows, :, cols] = value_states.transpose(1, 2)
+        return layer.keys[:b, :, :width], layer.values[:b, :, :width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    # What the engine calls.
+    @property
+    def width(self) -> int:
+        """Columns the longest live row holds."""
+        return max(self.fill[: self.rows], default=0)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every allocated key and value buffer (their storage never moves between growths)."""
+        return [
+            t for layer in self.layers if layer.keys is not None for t in (layer.keys, layer.values)
+        ]
+
+    def fits(self, extra: int) -> bool:
+        """Whether every row can grow by ``extra`` columns within the budget."""
+        need = self.width + extra
+        if need <= self.capacity or self.budget_bytes is None:
+            return True
+        return self.rows * need * self.bytes_per_token <= self.budget_bytes
+
+    def reserve(self, need: int) -> None:
+        """Make every slot hold at least ``need`` columns (see the module docstring)."""
+        if need <= self.capacity:
+            return
+        # The hint only under a budget: without one it could ask for more than the device has.
+        hint = (self.capacity_hint or 0) if self.budget_bytes is not None else 0
+        target = -(-max(need, 2 * self.capacity, hint) // 16) * 16
+        if self.budget_bytes is not None:
+            afford = self.budget_bytes // max(1, self.rows * self.bytes_per_token)
+            target = max(need, min(target, afford))
+        self._resize(target)
+
+    def _resize(self, capacity: int) -> None:
+        rows, width = self.rows, self.width
+        visible = torch.zeros(rows, capacity, dtype=torch.bool, device=self.device)
+        image = torch.full((rows, capacity), -1, dtype=torch.long, device=self.device)
+        visible[:, :width] = self.visible[:rows, :width]
+        image[:, :width] = self.image_of_col[:rows, :width]
+        self.visible, self.image_of_col = visible, image
+        for layer in self.layers:
+            if layer.keys is None:
+                continue
+            for name in ("keys", "values"):
+                old = getattr(layer, name)
+                new = old.new_zeros((rows, old.shape[1], capacity, old.shape[3]))
+                new[:, :, :width] = old[:rows, :, :width]
+                setattr(layer, name, new)
+                del old  # one layer's old buffer at a time: the peak is one layer over
+        self.slots, self.capacity = rows, capacity
+        self._arange = torch.arange(rows, device=self.device)
+
+    def prefill(
+        self, new_mask: torch.Tensor, image_ids: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor:
+        """Plan a forward of left-padded chunks ``[rows, T]`` (``new_mask`` 1 on real tokens,
+        ``counts`` real tokens per row); returns its attention mask ``[rows, 1, T, width]``."""
+        b, t = new_mask.shape
+        real = new_mask.bool()
+        n = real.sum(1, keepdim=True)
+        j = torch.arange(t, device=self.device)[None, :]
+        fill = self.fill_dev[:, None]
+        # Real tokens at the row's next columns; padding past them, never visible.
+        cols = torch.where(real, fill + j - (t - n), fill + n + j)
+        rows = self._arange[:b, None].expand(b, t)
+        self.visible[rows, cols] = real
+        self.image_of_col[rows, cols] = image_ids
+        self.fill_dev = self.fill_dev + n[:, 0]
+        self.fill = [f + c for f, c in zip(self.fill, counts, strict=True)]
+        width = self.width
+        self._write = (rows, cols, width)
+        causal = torch.arange(width, device=self.device)[None, None, :] <= cols[:, :, None]
+        return (self.visible[:b, None, :width] & causal)[:, None]
+
+    def decode(self, active: torch.Tensor, active_host: list[bool]) -> torch.Tensor:
+        """Plan a decode step (one token a row; inactive rows write nothing visible and keep
+        their length); returns its attention mask ``[rows, 1, 1, width]``."""
+        b = active.shape[0]
+        rows, cols = self._arange[:b], self.fill_dev
+        self.visible[rows, cols] = active
+        self.image_of_col[rows, cols] = -1
+        self.fill_dev = cols + active
+        self.fill = [f + a for f, a in zip(self.fill, active_host, strict=True)]
+        width = self.width
+        self._write = (rows[:, None], cols[:, None], width)
+        return self.visible[:b, None, None, :width]
+
+    def hide_images(self, limit: torch.Tensor) -> None:
+        """Hide, per row, the columns of images numbered below ``limit`` [rows]."""
+        w = self.width
+        img = self.image_of_col[: self.rows, :w]
+        hidden = (img >= 0) & (img < limit[:, None])
+        self.visible[: self.rows, :w] &= ~hidden
+        self.hidden_any = True
+
+    def compact(self, threshold: float) -> None:
+        """Move each row's visible columns to the front of its slot, once the longest row
+        sees at most ``threshold`` of the width (see ``CacheBatch._compact``)."""
+        b, w = self.rows, self.width
+        if not self.hidden_any or w == 0:
+            return
+        vis = self.visible[:b, :w]
+        counts = vis.sum(1)
+        keep = int(counts.max())
+        if keep > threshold * w:
+            return
+        order = torch.argsort((~vis).to(torch.int8), dim=1, stable=True)[:, :keep]
+        for layer in self.layers:
+            if layer.keys is None:
+                continue
+            for buf in (layer.keys, layer.values):
+                index = order[:, None, :, None].expand(b, buf.shape[1], keep, buf.shape[3])
+                buf[:b, :, :keep] = buf[:b, :, :w].gather(2, index)
+        self.image_of_col[:b, :keep] = self.image_of_col[:b, :w].gather(1, order)
+        self.visible[:b, :keep] = vis.gather(1, order)
+        self.visible[:b, keep:w] = False
+        self.fill_dev = counts
+        self.fill = counts.tolist()
+        self.hidden_any = False
+
+    def keep(self, kept: list[int]) -> list[int]:
+        """Keep the rows ``kept`` (ascending row indices); the last of them move into the
+        freed slots below. Returns the old row index now in each slot."""
+        n = len(kept)
+        keep_set = set(kept)
+        holes = [s for s in range(n) if s not in keep_set]
+        movers = [r for r in kept if r >= n]
+        order = list(range(n))
+        for h, m in zip(holes, movers, strict=True):
+            order[h] = m
+        if movers:
+            src = torch.tensor(movers, device=self.device)
+            dst = torch.tensor(holes, device=self.device)
+            w = max(self.fill[m] for m in movers)
+            for buf in self.buffers():
+                buf[dst, :, :w] = buf[src, :, :w]
+            for table in (self.visible, self.image_of_col):
+                table[dst] = table[src]
+        index = torch.tensor(order, dtype=torch.long, device=self.device)
+        self.fill_dev = self.fill_dev.index_select(0, index)
+        self.fill = [self.fill[o] for o in order]
+        self.rows = n
+        return order
+
+
+class DynamicKV:
+    """The reference cache: transformers' ``DynamicCache`` with left-padded rows."""
+
+    def __init__(
+        self, rows: int, device: torch.device, *, bytes_per_token: int, budget_bytes: int | None
+    ) -> None:
+        self.cache = DynamicCache()
+        self.device = device
+        self.bytes_per_token = bytes_per_token
+        self.budget_bytes = budget_bytes
+        # Which image (per sequence, counted from 0) each cache column holds; -1 for text.
+        self.image_of_col = torch.zeros(rows, 0, dtype=torch.long, device=device)
+        self.mask = torch.zeros(rows, 0, dtype=torch.long, device=device)
+
+    @property
+    def width(self) -> int:
+        return int(self.mask.shape[1])
+
+    def fits(self, extra: int) -> bool:
+        rows = self.mask.shape[0]
+        budget = self.budget_bytes
+        return budget is None or (self.width + extra) * rows * self.bytes_per_token <= budget
+
+    def reserve(self, need: int) -> None:
+        """Nothing to reserve: every forward concatenates."""
+
+    def prefill(
+        self, new_mask: torch.Tensor, image_ids: torch.Tensor, counts: list[int]
+    ) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, new_mask.to(self.device)], dim=1)
+        self.image_of_col = torch.cat([self.image_of_col, image_ids.to(self.device)], dim=1)
+        return self.mask
+
+    def decode(self, active: torch.Tensor, active_host: list[bool]) -> torch.Tensor:
+        step = active.long()[:, None]
+        self.mask = torch.cat([self.mask, step], dim=1)
+        self.image_of_col = torch.cat([self.image_of_col, torch.full_like(step, -1)], dim=1)
+        return self.mask
+
+    def keep(self, kept: list[int]) -> list[int]:
+        idx = torch.tensor(kept, dtype=torch.long, device=self.device)
+        self.mask = self.mask.index_select(0, idx)
+        self.image_of_col = self.image_of_col.index_select(0, idx)
+        self._select(batch=idx)
+        if kept:
+            cols = self.mask.any(0).nonzero().squeeze(-1)
+            if len(cols) < self.mask.shape[1]:
+                self.mask = self.mask.index_select(1, cols)
+                self.image_of_col = self.image_of_col.index_select(1, cols)
+                self._select(cols=cols)
+        return list(kept)
+
+    def _select(self, batch: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> None:
+        for layer in getattr(self.cache, "layers", []):
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            if batch is not None:
+                layer.keys = layer.keys.index_select(0, batch)
+                layer.values = layer.values.index_select(0, batch)
+            if cols is not None:
+                layer.keys = layer.keys.index_select(2, cols)
+                layer.values = layer.values.index_select(2, cols)
+
+    def hide_images(self, limit: torch.Tensor) -> None:
+        if self.image_of_col.numel() == 0:
+            return
+        hidden = (self.image_of_col >= 0) & (self.image_of_col < limit[:, None])
+        self.mask = self.mask.masked_fill(hidden, 0)
+
+    def compact(self, threshold: float) -> None:
+        """Drop the columns a row can no longer see (hidden images, padding), row by row.
+
+        A hidden column is never shown again and a masked column adds exactly nothing to
+        attention, so removing it changes no logit (up to float summation order); the cached
+        keys already carry their rotary positions, so moving a column changes nothing either.
+        """
+        b, n = self.mask.shape
+        if n == 0:
+            return
+        visible = self.mask.bool()
+        width = int(visible.sum(1).max())
+        # A copy of the whole cache per compaction: only worth it once a quarter is dead.
+        if width > threshold * n:
+            return
+        # Visible columns keep their order and are right-aligned; a row with fewer than
+        # ``width`` is left-padded with some of its masked columns.
+        order = torch.argsort(visible.to(torch.int8), dim=1, stable=True)
+        idx = order[:, n - width :]
+        self.mask = self.mask.gather(1, idx)
+        self.image_of_col = self.image_of_col.gather(1, idx)
+        for layer in getattr(self.cache, "layers", []):
+            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+                continue
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                index = idx[:, None, :, None].expand(b, t.shape[1], width, t.shape[3])
+                setattr(layer, name, t.gather(2, index))
