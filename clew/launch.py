@@ -162,6 +162,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
             on_gpus,
             gpu_memory_utilization=ie.gpu_memory_utilization,
             max_cache_mb=ie.max_cache_mb,
+            kv_cache=ie.kv_cache,
             allowed_tokens=allowed,
         )
     limit_host_threads(device)
@@ -170,7 +171,6 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
     engine = InferenceEngine(
         worker.model, worker.chat, max_cache_bytes=budget, autocast=autocast, kv_cache=ie.kv_cache
     )
-            kv_cache=ie.kv_cache,
     # A token text that is not one token fails here, before any rollout.
     for tokens in allowed:
         engine.allowed_ids(tokens)
