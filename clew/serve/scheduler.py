@@ -1,0 +1,437 @@
+"""The one seam between HTTP and the engine: requests in, batched engine steps, tokens out.
+
+The app submits a ``GenerationRequest`` and reads its ``Ticket``'s events (``Admitted``,
+then ``Delta``s and one ``Finished`` per choice, or ``Failed``); it never touches the
+engine, the model or the adapters. One thread owns those. Each turn of its loop it
+
+1. admits waiting requests: those with the same batch key (the adapter, and the sampling
+   settings one engine batch shares) join one new ``CacheBatch``, the adapter loaded into
+   the model first if it is not held (``LoadedAdapters``, fetched off-thread by the
+   ``AdapterStore``);
+2. advances every open batch by one decode step (``extend_and_generate`` with one token to
+   sample: the first call prefills the prompts, later ones feed each row its pending
+   token), peft switched to the batch's adapter between steps;
+3. turns each row's new token into text for its ticket, and ends rows on the stop token, a
+   stop string or their ``max_tokens``; ended rows leave the batch (``CacheBatch.drop``).
+
+So batches of different adapters interleave step by step, and a request that arrives while
+a batch of its key runs waits for that batch to end, then opens the next one together with
+everything else that waited. Rows of one request never wait on another's. Only this
+module's insides change when the engine lets a row join a running batch (continuous
+batching) or carry its own adapter (mixed-adapter batches).
+
+Batch keys: a greedy request shares a batch with every greedy request of its adapter (its
+tokens do not depend on the batch); an unseeded sampled one with those of the same
+temperature and top_p; a seeded one gets a batch of its own seeded by it, so the same
+request with the same seed samples the same tokens whatever else is running.
+
+Stop strings are matched on the decoded text, never split across stream deltas: while a
+row runs, the last ``len(longest stop) - 1`` characters (and a trailing partial UTF-8
+character) are held back, and the reply is cut before the stop string, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from clew.errors import ConfigError
+from clew.inference.engine import CacheBatch, InferenceEngine
+from clew.inference.sampling import SamplingParams
+from clew.models.chat import Chunk
+from clew.serve.adapters import AdapterStore, LoadedAdapters
+from clew.serve.errors import BadRequest, Overloaded, ServeError, ServerFault
+from clew.serve.metrics import ServeMetrics
+
+log = logging.getLogger(__name__)
+
+_CONTINUE = Chunk([])  # a step that only feeds each row its pending token
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate: ``n`` replies to ``prompt`` from the base (None) or an adapter."""
+
+    adapter: str | None
+    prompt: Chunk
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    allowed_tokens: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The request joined a batch (its adapter is loaded); tokens follow."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    index: int
+    reason: str  # "stop" | "length"
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: ServeError
+
+
+Event = Admitted | Delta | Finished | Failed
+
+
+class Ticket:
+    """A submitted request: its events in order (``next``), and ``cancel`` to drop it."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.cancelled = False
+        self.solo: int | None = None  # the batch key of a seeded request, its own
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._scheduler: Scheduler | None = None
+
+    async def next(self) -> Event:
+        return await self._events.get()
+
+    def cancel(self) -> None:
+        """Stop generating for this request (the client went away); safe to call twice."""
+        self.cancelled = True
+        if self._scheduler is not None:
+            self._scheduler.wake()
+
+    def post(self, event: Event) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancelled = True
+
+
+@dataclass
+class _Row:
+    ticket: Ticket
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    sent: int = 0  # characters of the reply already posted
+
+
+@dataclass
+class _Batch:
+    key: tuple[Any, ...]
+    adapter: str | None
+    cache: CacheBatch
+    params: SamplingParams
+    rows: dict[int, _Row]
+    started: bool = False
+
+
+class Scheduler:
+    """Runs every request through the engine on one thread (module docstring)."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        adapters: LoadedAdapters,
+        store: AdapterStore,
+        metrics: ServeMetrics | None = None,
+        *,
+        max_batch_rows: int = 64,
+        max_queue: int = 1024,
+    ) -> None:
+        self.engine = engine
+        self.adapters = adapters
+        self.store = store
+        self.metrics = metrics or ServeMetrics()
+        self.max_batch_rows = max_batch_rows
+        self.max_queue = max_queue
+        self._queue: deque[Ticket] = deque()
+        self._batches: list[_Batch] = []
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._solo = itertools.count()
+        self._fetching: set[str] = set()  # adapters whose fetch will wake the loop
+        self._thread = threading.Thread(target=self._run, name="clew-serve-scheduler", daemon=True)
+
+    # -- the app's side -------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Ticket:
+        """Queue ``request``; its ticket's events come on ``loop``. Raises ``BadRequest`` if
+        it can never fit the KV cache, ``Overloaded`` if the queue is full or the server is
+        stopping."""
+        longest = len(request.prompt.token_ids) + request.max_tokens + 1
+        try:
+            fits = self.engine.max_sequences(longest)
+        except ConfigError:
+            fits = 0
+        if fits < 1 or request.n > self.max_batch_rows:
+            raise BadRequest(
+                f"{request.n} sequence(s) of {longest} tokens do not fit this server's KV cache "
+                f"or batch size (--max-batch-size {self.max_batch_rows}); ask for fewer tokens "
+                "or a smaller n",
+                code="context_length_exceeded",
+            )
+        ticket = Ticket(request, loop)
+        ticket._scheduler = self
+        with self._cv:
+            if self._stopping:
+                raise Overloaded("the server is shutting down")
+            if len(self._queue) >= self.max_queue:
+                raise Overloaded(
+                    f"{len(self._queue)} requests are waiting already (--max-queue); retry later"
+                )
+            self._queue.append(ticket)
+            self.metrics.queue_depth.set(len(self._queue))
+            self._cv.notify()
+        return ticket
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish what is queued and running, then stop the thread."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the scheduler's thread -----------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._batches and not self._stopping:
+                    self._cv.wait()
+                if self._stopping and not self._queue and not self._batches:
+                    return
+            try:
+                self._admit()
+                for batch in list(self._batches):
+                    self._step(batch)
+            except Exception:  # a bug here must not leave requests hanging forever
+                log.exception("the scheduler failed; failing every request it holds")
+                self._fail_all(ServerFault("the server failed while scheduling this request"))
+            if not self._batches:
+                with self._cv:
+                    if self._queue and not self._stopping:
+                        # Waiting on an adapter fetch or on room: the fetch's callback or a
+                        # new request wakes the loop; the timeout is only a safety net.
+                        self._cv.wait(0.05)
+
+    def _admit(self) -> None:
+        with self._cv:
+            for t in [t for t in self._queue if t.cancelled]:
+                self._queue.remove(t)
+            waiting = list(self._queue)
+        running = {b.key for b in self._batches}
+        groups: dict[tuple[Any, ...], list[Ticket]] = {}
+        for t in waiting:
+            key = self._key(t)
+            if key not in running:
+                groups.setdefault(key, []).append(t)
+        for key, tickets in groups.items():
+            adapter = tickets[0].request.adapter
+            if adapter is not None and not self._ensure_adapter(adapter, tickets):
+                continue
+            chosen = self._fitting(tickets)
+            if not chosen:
+                continue
+            self._open(key, adapter, chosen)
+
+    def _ensure_adapter(self, name: str, tickets: list[Ticket]) -> bool:
+        """Whether ``name`` is in the model now (loaded here if fetched and room allows);
+        the tickets fail if it cannot be fetched or loaded."""
+        if self.adapters.has(name):
+            return True
+        fetch = self.store.prepare(name)
+        if not fetch.done():
+            if name not in self._fetching:
+                self._fetching.add(name)
+                fetch.add_done_callback(lambda _: self.wake())
+            return False
+        self._fetching.discard(name)
+        try:
+            files = fetch.result()
+            if not self.adapters.has_room():
+                return False  # every held adapter is in use; one frees when its batch ends
+            self.store.discard(name)
+            self.adapters.load(files)
+        except ServeError as error:
+            self.store.discard(name)
+            self.metrics.adapter_load_failures.inc()
+            self._reject(tickets, error)
+            return False
+        self.metrics.adapters_loaded.set(len(self.adapters.names()))
+        return True
+
+    def _fitting(self, tickets: list[Ticket]) -> list[Ticket]:
+        """The longest run of ``tickets`` (in arrival order) that one batch can hold now."""
+        room = self.max_batch_rows - sum(len(b.rows) for b in self._batches)
+        chosen: list[Ticket] = []
+        rows = longest = 0
+        for t in tickets:
+            r = t.request
+            length = max(longest, len(r.prompt.token_ids) + r.max_tokens + 1)
+            if rows + r.n > room or self.engine.max_sequences(length) < rows + r.n:
+                break
+            chosen.append(t)
+            rows, longest = rows + r.n, length
+        return chosen
+
+    def _open(self, key: tuple[Any, ...], adapter: str | None, tickets: list[Ticket]) -> None:
+        first = tickets[0].request
+        seed = first.seed % (1 << 63) if first.seed is not None else random.getrandbits(63)
+        rows = [_Row(t, i) for t in tickets for i in range(t.request.n)]
+        longest = max(len(t.request.prompt.token_ids) + t.request.max_tokens + 1 for t in tickets)
+        cache = self.engine.open_batch(len(rows), seed=seed, capacity_hint=longest)
+        params = SamplingParams(
+            temperature=first.temperature,
+            top_p=first.top_p,
+            max_tokens=1,
+            allowed_tokens=first.allowed_tokens,
+        )
+        if adapter is not None:
+            self.adapters.pin(adapter)
+        self._batches.append(_Batch(key, adapter, cache, params, dict(enumerate(rows))))
+        with self._cv:
+            for t in tickets:
+                self._queue.remove(t)
+            self.metrics.queue_depth.set(len(self._queue))
+        for t in tickets:
+            t.post(Admitted())
+        self.metrics.batches.inc()
+        self.metrics.batch_rows.observe(len(rows))
+        self._count_running()
+
+    def _step(self, batch: _Batch) -> None:
+        gone = [s for s, row in batch.rows.items() if row.ticket.cancelled]
+        if gone:
+            self._drop(batch, gone)
+        if not batch.rows:
+            return
+        try:
+            self.adapters.activate(batch.adapter)
+            chunks = {
+                s: (_CONTINUE if batch.started else row.ticket.request.prompt)
+                for s, row in batch.rows.items()
+            }
+            gens = batch.cache.extend_and_generate(chunks, batch.params)
+        except Exception:
+            log.exception("a decode step failed; failing the requests of its batch")
+            error = ServerFault("generation failed inside the server for this request")
+            for row in batch.rows.values():
+                row.ticket.post(Failed(error))
+                row.ticket.cancelled = True
+            self._drop(batch, list(batch.rows))
+            return
+        batch.started = True
+        ended = [s for s, gen in gens.items() if self._advance(batch.rows[s], gen)]
+        if ended:
+            self._drop(batch, ended)
+
+    def _advance(self, row: _Row, gen: Any) -> bool:
+        """Take a row's new token; post its text and, if it ended, why. True when ended."""
+        req = row.ticket.request
+        row.tokens.extend(gen.token_ids)
+        text = self.engine.chat.decode(row.tokens)
+        reason = "stop" if gen.finish_reason == "stop" else None
+        cut = _first_stop(text, req.stop, max(0, row.sent - _longest(req.stop)))
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        elif reason is None and len(row.tokens) >= req.max_tokens:
+            reason = "length"
+        end = len(text)
+        if reason is None:
+            end -= max(0, _longest(req.stop) - 1)
+            while end > row.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        if end > row.sent:
+            row.ticket.post(Delta(row.index, text[row.sent : end]))
+            row.sent = end
+        if reason is not None:
+            row.ticket.post(Finished(row.index, reason, len(row.tokens)))
+            self.metrics.completion_tokens.labels(_label(req.adapter)).inc(len(row.tokens))
+            return True
+        return False
+
+    def _drop(self, batch: _Batch, seqs: list[int]) -> None:
+        for s in seqs:
+            batch.rows.pop(s, None)
+        if batch.rows:
+            batch.cache.drop(seqs)
+        else:
+            self._batches.remove(batch)
+            if batch.adapter is not None:
+                self.adapters.unpin(batch.adapter)
+        self._count_running()
+
+    def _key(self, ticket: Ticket) -> tuple[Any, ...]:
+        r = ticket.request
+        if r.temperature == 0:
+            sampling: tuple[Any, ...] = ("greedy",)
+        elif r.seed is not None:
+            if ticket.solo is None:
+                ticket.solo = next(self._solo)
+            sampling = ("seeded", ticket.solo)
+        else:
+            sampling = ("sampled", r.temperature, r.top_p)
+        return (r.adapter, sampling, r.allowed_tokens)
+
+    def _reject(self, tickets: list[Ticket], error: ServeError) -> None:
+        with self._cv:
+            for t in tickets:
+                if t in self._queue:
+                    self._queue.remove(t)
+            self.metrics.queue_depth.set(len(self._queue))
+        for t in tickets:
+            t.post(Failed(error))
+
+    def _fail_all(self, error: ServeError) -> None:
+        for batch in list(self._batches):
+            for row in batch.rows.values():
+                row.ticket.post(Failed(error))
+            self._batches.remove(batch)
+            if batch.adapter is not None:
+                self.adapters.unpin(batch.adapter)
+        with self._cv:
+            waiting = list(self._queue)
+        self._reject(waiting, error)
+        self._count_running()
+
+    def _count_running(self) -> None:
+        self.metrics.running.set(sum(len(b.rows) for b in self._batches))
+
+
+def _label(adapter: str | None) -> str:
+    return "base" if adapter is None else adapter
+
+
+def _longest(stop: tuple[str, ...]) -> int:
+    return max((len(s) for s in stop), default=0)
+
+
+def _first_stop(text: str, stop: tuple[str, ...], start: int) -> int | None:
+    """Where the earliest stop string begins in ``text`` (searching from ``start``)."""
+    hits = [i for s in stop if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
