@@ -35,6 +35,7 @@ def make_adapter(base: Path, out: Path, *, rank: int, seed: int) -> Path:
     from clew.train.lora import apply_lora
 
     model, processor = load_policy(base)
+    torch.manual_seed(seed)  # peft draws the A factors from the global generator
     peft_model = apply_lora(model, rank=rank, alpha=2 * rank)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -246,9 +246,9 @@ def test_health_readiness_and_metrics(local):
 def test_an_s3_prefix_with_an_api_key_serves_the_same_adapters(
     tiny,
     local,
-    s3_bucket,
-    s3_endpoint,
-    monkeypatch,  # noqa: F811
+    s3_bucket,  # noqa: F811
+    s3_endpoint,  # noqa: F811
+    monkeypatch,
 ):
     from clew.checkpoint import Storage
 
@@ -273,3 +273,22 @@ def test_an_s3_prefix_with_an_api_key_serves_the_same_adapters(
             want = reply(client(local_url), model, [image_message()]).choices[0].message.content
             assert reply(c, model, [image_message()]).choices[0].message.content == want
         assert get(f"{url}/health")[0] == 200  # probes need no key
+
+
+def test_several_tokens_a_step_give_the_replies_and_usage_of_one(tiny, local):
+    base, prefix = tiny
+    _, one_url = local
+    one = client(one_url)
+    full = reply(one, f"{MODEL_ID}:beta", max_tokens=24).choices[0].message.content
+    asks = [
+        {"model": MODEL_ID, "max_tokens": 11},
+        {"model": f"{MODEL_ID}:alpha", "max_tokens": 7, "messages": [image_message()]},
+        {"model": f"{MODEL_ID}:beta", "max_tokens": 24, "stop": full[5:8]},
+    ]
+    with serving(open_server(base, adapters=str(prefix), tokens_per_step=4)) as url:
+        four = client(url)
+        for ask in asks:
+            a, b = reply(one, **ask), reply(four, **ask)
+            assert a.choices[0].message.content == b.choices[0].message.content
+            assert a.choices[0].finish_reason == b.choices[0].finish_reason
+            assert a.usage == b.usage

@@ -57,6 +57,12 @@ def _serve(p: argparse.ArgumentParser) -> Handler:
         help="completion tokens when a request sets no max_tokens",
     )
     p.add_argument("--max-batch-size", type=positive_int, default=64, help="sequences at once")
+    p.add_argument(
+        "--tokens-per-step",
+        type=positive_int,
+        default=1,
+        help="tokens each batch samples between scheduling rounds (1: stream token by token)",
+    )
     p.add_argument("--max-n", type=positive_int, default=16, help="largest n a request may ask")
     p.add_argument("--max-images", type=positive_int, default=8, help="images per request")
     p.add_argument(
@@ -93,6 +99,7 @@ def _serve(p: argparse.ArgumentParser) -> Handler:
             default_max_tokens=args.default_max_tokens,
             max_n=args.max_n,
             max_batch_rows=args.max_batch_size,
+            tokens_per_step=args.tokens_per_step,
             max_request_bytes=args.max_request_bytes,
             limits=PromptLimits(
                 max_images=args.max_images,

@@ -49,7 +49,7 @@ import torch
 
 from clew.checkpoint.storage import Storage, join
 from clew.errors import ClewError
-from clew.serve.errors import AdapterUnavailable, BadRequest, ModelNotFound
+from clew.serve.errors import AdapterUnavailable, BadRequest, ModelNotFound, ServeError
 
 log = logging.getLogger(__name__)
 
@@ -149,13 +149,23 @@ class AdapterStore:
         with self._lock:
             fut = self._pending.get(name)
             if fut is None or (fut.done() and fut.exception() is not None):
-                fut = self._pool.submit(self.read, name)
+                fut = self._pool.submit(self._read_any, name)
                 self._pending[name] = fut
             return fut
 
     def discard(self, name: str) -> None:
         with self._lock:
             self._pending.pop(name, None)
+
+    def _read_any(self, name: str) -> AdapterFiles:
+        """``read``, any failure of the storage it did not foresee made a 500 for this name."""
+        try:
+            return self.read(name)
+        except ServeError:
+            raise
+        except Exception as exc:
+            log.exception("fetching adapter %s failed", name)
+            raise AdapterUnavailable(f"adapter {name!r} cannot be fetched: {exc}") from exc
 
     def read(self, name: str) -> AdapterFiles:
         """``name``'s config and tensors; ``ModelNotFound`` if it is not under the prefix,

@@ -8,11 +8,16 @@ engine, the model or the adapters. One thread owns those. Each turn of its loop 
    settings one engine batch shares) join one new ``CacheBatch``, the adapter loaded into
    the model first if it is not held (``LoadedAdapters``, fetched off-thread by the
    ``AdapterStore``);
-2. advances every open batch by one decode step (``extend_and_generate`` with one token to
-   sample: the first call prefills the prompts, later ones feed each row its pending
-   token), peft switched to the batch's adapter between steps;
-3. turns each row's new token into text for its ticket, and ends rows on the stop token, a
+2. advances every open batch by ``tokens_per_step`` tokens (``extend_and_generate``: the
+   first call prefills the prompts, later ones feed each row its pending token with an
+   empty chunk), peft switched to the batch's adapter between calls;
+3. turns each row's new tokens into text for its ticket, and ends rows on the stop token, a
    stop string or their ``max_tokens``; ended rows leave the batch (``CacheBatch.drop``).
+
+One token a step (the default) streams token by token and ends every row exactly where it
+should. More tokens a step leave the engine's own decode loop running longer between
+admissions, for less host work per token; a row that ends inside a step has sampled up to
+``tokens_per_step - 1`` tokens it does not keep (its reply and usage count exclude them).
 
 So batches of different adapters interleave step by step, and a request that arrives while
 a batch of its key runs waits for that batch to end, then opens the next one together with
@@ -152,6 +157,7 @@ class Scheduler:
         *,
         max_batch_rows: int = 64,
         max_queue: int = 1024,
+        tokens_per_step: int = 1,
     ) -> None:
         self.engine = engine
         self.adapters = adapters
@@ -159,6 +165,7 @@ class Scheduler:
         self.metrics = metrics or ServeMetrics()
         self.max_batch_rows = max_batch_rows
         self.max_queue = max_queue
+        self.tokens_per_step = tokens_per_step
         self._queue: deque[Ticket] = deque()
         self._batches: list[_Batch] = []
         self._cv = threading.Condition()
@@ -179,7 +186,7 @@ class Scheduler:
         """Queue ``request``; its ticket's events come on ``loop``. Raises ``BadRequest`` if
         it can never fit the KV cache, ``Overloaded`` if the queue is full or the server is
         stopping."""
-        longest = len(request.prompt.token_ids) + request.max_tokens + 1
+        longest = len(request.prompt.token_ids) + request.max_tokens + self.tokens_per_step
         try:
             fits = self.engine.max_sequences(longest)
         except ConfigError:
@@ -292,7 +299,7 @@ class Scheduler:
         rows = longest = 0
         for t in tickets:
             r = t.request
-            length = max(longest, len(r.prompt.token_ids) + r.max_tokens + 1)
+            length = max(longest, len(r.prompt.token_ids) + r.max_tokens + self.tokens_per_step)
             if rows + r.n > room or self.engine.max_sequences(length) < rows + r.n:
                 break
             chosen.append(t)
@@ -303,12 +310,13 @@ class Scheduler:
         first = tickets[0].request
         seed = first.seed % (1 << 63) if first.seed is not None else random.getrandbits(63)
         rows = [_Row(t, i) for t in tickets for i in range(t.request.n)]
-        longest = max(len(t.request.prompt.token_ids) + t.request.max_tokens + 1 for t in tickets)
+        longest = max(len(t.request.prompt.token_ids) + t.request.max_tokens for t in tickets)
+        longest += self.tokens_per_step
         cache = self.engine.open_batch(len(rows), seed=seed, capacity_hint=longest)
         params = SamplingParams(
             temperature=first.temperature,
             top_p=first.top_p,
-            max_tokens=1,
+            max_tokens=self.tokens_per_step,
             allowed_tokens=first.allowed_tokens,
         )
         if adapter is not None:
@@ -351,13 +359,24 @@ class Scheduler:
             self._drop(batch, ended)
 
     def _advance(self, row: _Row, gen: Any) -> bool:
-        """Take a row's new token; post its text and, if it ended, why. True when ended."""
+        """Take a row's new tokens; post its text and, if it ended, why. True when ended."""
         req = row.ticket.request
-        row.tokens.extend(gen.token_ids)
-        text = self.engine.chat.decode(row.tokens)
-        reason = "stop" if gen.finish_reason == "stop" else None
-        cut = _first_stop(text, req.stop, max(0, row.sent - _longest(req.stop)))
+        kept = gen.token_ids[: req.max_tokens - len(row.tokens)]
+        row.tokens.extend(kept)
+        decode = self.engine.chat.decode
+        text = decode(row.tokens)
+        # The engine's stop token ends the row only if it was not cut off by max_tokens.
+        reason = "stop" if gen.finish_reason == "stop" and len(kept) == len(gen.token_ids) else None
+        start = max(0, row.sent - _longest(req.stop))
+        cut = _first_stop(text, req.stop, start)
         if cut is not None:
+            # Count the tokens up to the one that completed the stop string, not the rest
+            # of a multi-token step.
+            first_new = len(row.tokens) - len(kept)
+            for j in range(first_new + 1, len(row.tokens)):
+                if _first_stop(decode(row.tokens[:j]), req.stop, start) is not None:
+                    del row.tokens[j:]
+                    break
             text, reason = text[:cut], "stop"
         elif reason is None and len(row.tokens) >= req.max_tokens:
             reason = "length"

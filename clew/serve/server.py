@@ -51,6 +51,7 @@ class ServeSettings:
     max_request_bytes: int = 64 << 20
     limits: PromptLimits = field(default_factory=PromptLimits)
     encode_threads: int = 2
+    tokens_per_step: int = 1
 
     def __post_init__(self) -> None:
         if not MODEL_ID_RE.fullmatch(self.model_id):
@@ -83,6 +84,7 @@ class Server:
             self.metrics,
             max_batch_rows=settings.max_batch_rows,
             max_queue=settings.max_queue,
+            tokens_per_step=settings.tokens_per_step,
         )
         text = getattr(model.config, "text_config", model.config)
         self.max_model_len = settings.max_model_len or int(text.max_position_embeddings)
