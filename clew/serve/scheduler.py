@@ -103,13 +103,15 @@ Event = Admitted | Delta | Finished | Failed
 class Ticket:
     """A submitted request: its events in order (``next``), and ``cancel`` to drop it."""
 
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, scheduler: Scheduler
+    ) -> None:
         self.request = request
         self.cancelled = False
         self.solo: int | None = None  # the batch key of a seeded request, its own
         self._loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
-        self._scheduler: Scheduler | None = None
+        self._scheduler = scheduler
 
     async def next(self) -> Event:
         return await self._events.get()
@@ -117,8 +119,7 @@ class Ticket:
     def cancel(self) -> None:
         """Stop generating for this request (the client went away); safe to call twice."""
         self.cancelled = True
-        if self._scheduler is not None:
-            self._scheduler.wake()
+        self._scheduler.wake()
 
     def post(self, event: Event) -> None:
         try:
@@ -198,8 +199,7 @@ class Scheduler:
                 "or a smaller n",
                 code="context_length_exceeded",
             )
-        ticket = Ticket(request, loop)
-        ticket._scheduler = self
+        ticket = Ticket(request, loop, self)
         with self._cv:
             if self._stopping:
                 raise Overloaded("the server is shutting down")
@@ -241,7 +241,7 @@ class Scheduler:
                 self._fail_all(ServerFault("the server failed while scheduling this request"))
             if not self._batches:
                 with self._cv:
-                    if self._queue and not self._stopping:
+                    if self._queue:
                         # Waiting on an adapter fetch or on room: the fetch's callback or a
                         # new request wakes the loop; the timeout is only a safety net.
                         self._cv.wait(0.05)
