@@ -145,6 +145,10 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
         num_training_steps=optimizer_steps(cfg, num_train_rows),
         kl_reference=t.algorithm.use_kl_loss,
         autocast_bf16=autocast,
+        gradient_checkpointing=t.gradient_checkpointing,
+        remove_padding=t.remove_microbatch_padding,
+        max_tokens_per_microbatch=max(t.max_tokens_per_microbatch, 0) or None,  # -1: off
+        logprobs_chunk_size=t.logprobs_chunk_size,
     )
     ie = cfg.generator.inference_engine
     allowed = [
@@ -325,6 +329,8 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
         num_training_steps=s.steps,
         autocast_bf16=autocast,
         pack_sequences=s.pack_sequences,
+        gradient_checkpointing=cfg.trainer.gradient_checkpointing,
+        logprobs_chunk_size=cfg.trainer.logprobs_chunk_size,
     )
     workers = cfg.trainer.placement.num_workers
     if eval_fn is None and eval_rows:

@@ -428,7 +428,35 @@ class TrainerConfig(Section):
         512, description="Most tokens of the initial prompt (system, task and first image)."
     )
     remove_microbatch_padding: bool = Field(
-        False, description="SkyRL: pack micro-batches without padding."
+        False,
+        description="Lay each micro-batch's trajectories end to end in one row with no "
+        "padding, each attending only to itself (one causal attention call per length, no "
+        "block-diagonal mask), in the update and in log-prob scoring alike; the same loss and "
+        "gradients as padded micro-batches. SkyRL defaults it to true.",
+    )
+    max_tokens_per_microbatch: int = Field(
+        -1,
+        description="When > 0, micro-batches (of the update and of log-prob scoring) hold "
+        "as many trajectories, sorted by length, as fit this many tokens (padding counted, "
+        "or with remove_microbatch_padding the trajectories' own), and "
+        "micro_train_batch_size_per_gpu / micro_forward_batch_size_per_gpu are ignored; a "
+        "trajectory longer than it gets a micro-batch of its own. Each micro-batch's loss is "
+        "weighted by its share of the mini-batch, so the grouping does not change the "
+        "update. -1: off.",
+    )
+    logprobs_chunk_size: int | None = Field(
+        None,
+        description="Compute training's log-probs and entropies (GRPO and SFT) from the "
+        "language model's last hidden states this many tokens at a time through the output "
+        "projection, recomputing each chunk in backward, so the [tokens, vocabulary] "
+        "logits never exist whole (with a 151,936-entry vocabulary they outgrow the model); "
+        "null: all at once. SkyRL defaults it to 1024.",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer's activations in backward instead of "
+        "keeping them (GRPO and SFT): less memory for about a third more compute. SkyRL "
+        "defaults it to true.",
     )
     eval_interval: int = Field(
         5,

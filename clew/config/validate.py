@@ -134,6 +134,18 @@ def _rules(cfg: ClewConfig) -> list[str]:
             fail("positive-count", f"{key} must be >= 1, got {value}")
     if (k := gen.keep_last_k_images) is not None and k < 1:
         fail("positive-count", f"generator.keep_last_k_images must be >= 1 or null, got {k}")
+    if (budget := tr.max_tokens_per_microbatch) < 1 and budget != -1:
+        fail(
+            "positive-count",
+            f"trainer.max_tokens_per_microbatch must be >= 1 tokens, or -1 for micro-batches "
+            f"by trajectory count; got {budget}",
+        )
+    if (chunk := tr.logprobs_chunk_size) is not None and chunk < 1:
+        fail(
+            "positive-count",
+            f"trainer.logprobs_chunk_size must be >= 1 tokens, or null for all at once; "
+            f"got {chunk}",
+        )
     for key in INTERVAL_KEYS:
         if (value := get_key(cfg, key)) < 1 and value != -1:
             fail("interval", f"{key} must be >= 1, or -1 for never; got {value}")
@@ -348,11 +360,6 @@ _REF_WHY = (
 
 # The registry: key -> why clew ignores it, and the values that earn a warning.
 IGNORED_KEYS: dict[str, IgnoredKey] = {
-    "trainer.remove_microbatch_padding": IgnoredKey(
-        "clew pads each PPO micro batch to its longest trajectory; only SFT packs its "
-        "batches (sft.pack_sequences)",
-        _not(False),
-    ),
     "trainer.policy.model.lora.lora_sync_path": IgnoredKey(
         "clew's engine runs in the trainer process and reads the adapter weights directly, "
         "so nothing is synced through a directory",

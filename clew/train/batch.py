@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from PIL import Image
 from torch import Tensor
 
 from clew.models.chat import ChatFormat
+from clew.models.packed_attention import PackedLayout
 from clew.models.pixels import Pixels, as_patches, cat_pixels
 from clew.models.positions import sequence_positions
 from clew.models.visibility import hiding_vectors, visibility_from_vectors
@@ -83,6 +84,10 @@ class ModelBatch:
     # Long[B, L] when rows are packed (``collate(pack=True)``): which of the row's sequences
     # each token belongs to (-1 on padding); ``lengths`` are then the rows' filled lengths.
     document: Tensor | None = None
+    # Packed: the index (in the list given to ``collate``) of each row's sequences, in the
+    # order they are laid out, and every sequence's length in that list's order.
+    members: list[list[int]] | None = None
+    sequence_lengths: list[int] | None = None
 
     @property
     def visibility(self) -> Tensor | None:
@@ -104,27 +109,33 @@ class ModelBatch:
 
     def model_inputs(
         self, device: torch.device | str, dtype: torch.dtype = torch.float32
-    ) -> dict[str, Tensor]:
+    ) -> dict[str, Any]:
         """Keyword arguments of the model's forward, on ``device``.
 
         With ``visibility``, the attention mask is a 4D additive mask in ``dtype`` (0 where
-        attention is allowed), which transformers passes to attention as it is.
+        attention is allowed), which transformers passes to attention as it is. Packed rows
+        pass no mask but a ``packed_layout`` (``clew.models.packed_attention``): the
+        forward must then run inside ``packed_attention(model)``.
         """
-        mask = self.attention_mask.to(device)
-        if self.hidden_below is not None and self.image_of_key is not None:
+        inputs: dict[str, Any] = {
+            "input_ids": self.input_ids.to(device),
+            "position_ids": self.position_ids.to(device),
+        }
+        if self.document is not None:
+            inputs["attention_mask"] = None
+            inputs["packed_layout"] = PackedLayout.build(
+                self.document, self.hidden_below, self.image_of_key, device
+            )
+        elif self.hidden_below is not None and self.image_of_key is not None:
             allowed = visibility_from_vectors(
                 self.hidden_below.to(device),
                 self.image_of_key.to(device),
                 torch.tensor(self.lengths, device=device),
-                None if self.document is None else self.document.to(device),
             )
             mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
-            mask.masked_fill_(allowed, 0.0)
-        inputs = {
-            "input_ids": self.input_ids.to(device),
-            "attention_mask": mask,
-            "position_ids": self.position_ids.to(device),
-        }
+            inputs["attention_mask"] = mask.masked_fill_(allowed, 0.0)
+        else:
+            inputs["attention_mask"] = self.attention_mask.to(device)
         if self.pixel_values is not None:
             inputs["pixel_values"] = as_patches(self.pixel_values, device)
             inputs["image_grid_thw"] = self.image_grid_thw.to(device)
@@ -137,6 +148,69 @@ class ModelBatch:
                 "a packed batch's rows hold several sequences; unpad needs one per row"
             )
         return [per_target[b, : n - 1] for b, n in enumerate(self.lengths)]
+
+    def per_sequence(self, per_target: Tensor) -> list[Tensor]:
+        """Each sequence's ``length - 1`` targets of a ``[B, L - 1]`` tensor, in the order
+        of the list given to ``collate`` (packed or not)."""
+        if self.document is None:
+            return self.unpad(per_target)
+        assert self.members is not None
+        order = [i for members in self.members for i in members]
+        out: list[Tensor] = [per_target.new_zeros(0)] * len(order)
+        for i, (row, off, n) in zip(order, self._placements(), strict=True):
+            out[i] = per_target[row, off : off + n - 1]
+        return out
+
+    def _placements(self) -> list[tuple[int, int, int]]:
+        """``(row, offset, length)`` of each packed sequence, in packing order."""
+        assert self.members is not None and self.sequence_lengths is not None
+        out = []
+        for row, members in enumerate(self.members):
+            off = 0
+            for i in members:
+                out.append((row, off, self.sequence_lengths[i]))
+                off += self.sequence_lengths[i]
+        return out
+
+    def unpack(self, per_token: Tensor, target_aligned: bool = True) -> Tensor:
+        """A packed ``[B, L - 1]`` (``target_aligned``) or ``[B, L]`` tensor laid out one
+        sequence a row, in packing order, right-padded with 0: ``[S, M - 1]`` or ``[S, M]``
+        (``M`` the longest sequence). Differentiable: the objective reads the policy's
+        logprobs through it."""
+        shift = 1 if target_aligned else 0
+        cols = per_token.shape[-1]
+        places = self._placements()
+        longest = max(n for _, _, n in places) - shift
+        index = torch.zeros(len(places), longest, dtype=torch.long)
+        valid = torch.zeros(len(places), longest, dtype=torch.bool)
+        for s, (row, off, n) in enumerate(places):
+            index[s, : n - shift] = row * cols + off + torch.arange(n - shift)
+            valid[s, : n - shift] = True
+        index, valid = index.to(per_token.device), valid.to(per_token.device)
+        picked = per_token.reshape(-1)[index]
+        return picked.masked_fill(~valid, 0)
+
+    def unpacked(self) -> ModelBatch:
+        """The same sequences one a row, in packing order (so row-major order of the loss-mask
+        targets is the packed batch's): what a loss that reduces per sequence needs. Only
+        the per-token fields a loss reads are laid out anew; images stay as they are."""
+        if self.document is None:
+            return self
+        assert self.members is not None and self.sequence_lengths is not None
+        order = [i for members in self.members for i in members]
+        return ModelBatch(
+            input_ids=self.unpack(self.input_ids, target_aligned=False),
+            attention_mask=self.unpack(self.attention_mask, target_aligned=False),
+            position_ids=torch.stack(
+                [self.unpack(p, target_aligned=False) for p in self.position_ids]
+            ),
+            pixel_values=self.pixel_values,
+            image_grid_thw=self.image_grid_thw,
+            targets=self.unpack(self.targets),
+            target_mask=self.unpack(self.target_mask),
+            lengths=[self.sequence_lengths[i] for i in order],
+            values={k: self.unpack(v) for k, v in self.values.items()},
+        )
 
 
 def encode_vision(seq: SequenceLike, chat: ChatFormat) -> Vision:
@@ -208,6 +282,7 @@ def collate(
     vision: Sequence[Vision] | None = None,
     values: Mapping[str, Sequence[Tensor]] | None = None,
     pack: bool = False,
+    row_width: int | None = None,
 ) -> ModelBatch:
     """Pad ``seqs`` into one batch.
 
@@ -217,15 +292,19 @@ def collate(
     to end in a row as wide as the longest (``pack_rows``), each at its own positions and
     attending only to itself (``ModelBatch.document``), so a batch of mixed lengths spends
     no compute on padding between short sequences. Logprobs and token sums are those of the
-    unpacked batch; only a loss that reduces per row (per sequence) needs ``pack=False``.
+    unpacked batch; a loss that reduces per sequence reads ``ModelBatch.unpacked()``.
+    ``row_width``: pack into rows of this many tokens instead (the sum of the lengths puts
+    every sequence in one row, with no padding at all).
     """
     if not seqs:
         raise ValueError("cannot collate an empty list of sequences")
     if vision is None:
         vision = [encode_vision(s, chat) for s in seqs]
     lengths = [len(s.token_ids) for s in seqs]
-    width = max(lengths)
-    layout = pack_rows(lengths, width) if pack else [[i] for i in range(len(seqs))]
+    layout = (
+        pack_rows(lengths, row_width or max(lengths)) if pack else [[i] for i in range(len(seqs))]
+    )
+    width = max(sum(lengths[i] for i in members) for members in layout)
     b = len(layout)
     input_ids = torch.full((b, width), chat.pad_id, dtype=torch.long)
     attention_mask = torch.zeros(b, width, dtype=torch.long)
@@ -283,6 +362,8 @@ def collate(
         hidden_below=hidden_below,
         image_of_key=image_of_key,
         document=document,
+        members=layout if pack else None,
+        sequence_lengths=lengths if pack else None,
     )
 
 
@@ -291,3 +372,36 @@ def micro_batches(items: Sequence[T], size: int) -> list[list[T]]:
     if size < 1:
         raise ValueError(f"batch size must be a positive integer, got {size}")
     return [list(items[i : i + size]) for i in range(0, len(items), size)]
+
+
+def token_micro_batches(
+    items: Sequence[T], lengths: Sequence[int], budget: int, *, padded: bool
+) -> list[list[T]]:
+    """``items`` (of ``lengths`` tokens) in groups of at most ``budget`` tokens each.
+
+    ``padded``: a group costs its count times its longest length (a right-padded batch), and
+    groups are consecutive runs of the items sorted by length, which wastes least on
+    padding. Otherwise a group costs the sum of its lengths (one packed row) and items are
+    placed first fit decreasing (``pack_rows``). The budget is a soft cap, as SkyRL's
+    ``max_tokens_per_microbatch``: an item longer than it forms a group of its own.
+    """
+    if budget < 1:
+        raise ValueError(f"a token budget must be a positive integer, got {budget}")
+    if len(items) != len(lengths):
+        raise ValueError(f"{len(items)} items but {len(lengths)} lengths")
+    order = sorted(range(len(items)), key=lambda j: lengths[j])
+    alone = [[items[j]] for j in order if lengths[j] > budget]
+    fit = [j for j in order if lengths[j] <= budget]
+    if not padded:
+        rows = pack_rows([lengths[j] for j in fit], budget)
+        return [[items[fit[r]] for r in row] for row in rows] + alone
+    groups: list[list[T]] = []
+    current: list[int] = []
+    for j in fit:  # ascending, so j is the longest of its group so far
+        if current and (len(current) + 1) * lengths[j] > budget:
+            groups.append([items[k] for k in current])
+            current = []
+        current.append(j)
+    if current:
+        groups.append([items[k] for k in current])
+    return groups + alone

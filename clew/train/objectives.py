@@ -22,12 +22,35 @@ from clew.train.settings import PPOSettings
 
 @dataclass
 class TargetOutputs:
-    """The policy at the K loss-mask targets of a micro-batch (row-major order)."""
+    """The policy at the K loss-mask targets of a micro-batch (row-major order).
 
-    logits: Tensor  # Float[K, V], banned ids at -inf, not divided by the temperature
+    Either the whole ``logits`` are there, or (logprobs computed chunk by chunk,
+    ``clew.models.token_logprobs``) they are None and ``entropy`` and ``greedy`` stand in
+    for what an objective would read from them.
+    """
+
+    logits: Tensor | None  # Float[K, V], banned ids at -inf, not divided by the temperature
     logprobs: Tensor  # Float[K]
     per_target: Tensor  # Float[B, L - 1]: logprobs scattered back, 0 off the mask
     targets: Tensor  # Long[K]
+    entropy: Tensor | None = None  # Float[K] at the sampling temperature
+    greedy: Tensor | None = None  # Long[K]: the most likely id
+
+    def entropies(self, temperature: float) -> Tensor:
+        """Float[K]: each target's distribution's entropy at ``temperature``."""
+        if self.entropy is not None:
+            return self.entropy
+        if self.logits is None:
+            raise ValueError("these outputs hold neither logits nor entropies")
+        return entropy_from_logits(self.logits[None], temperature=temperature)[0]
+
+    def greedy_ids(self) -> Tensor:
+        """Long[K]: the most likely id at each target."""
+        if self.greedy is not None:
+            return self.greedy
+        if self.logits is None:
+            raise ValueError("these outputs hold neither logits nor greedy ids")
+        return self.logits.detach().argmax(-1)
 
 
 Objective = Callable[[ModelBatch, TargetOutputs], tuple[Tensor, dict[str, float]]]
@@ -70,7 +93,7 @@ def ppo_objective(settings: PPOSettings) -> Objective:
         bonus = settings.entropy_loss_coef != 0
         # Without a bonus the entropy is only a metric: keep it out of the autograd graph.
         with contextlib.nullcontext() if bonus else torch.no_grad():
-            entropy = entropy_from_logits(out.logits[None], temperature=settings.temperature)[0]
+            entropy = out.entropies(settings.temperature)
         stats["entropy"] = float(entropy.detach().mean()) if entropy.numel() else 0.0
         if bonus:
             per_target = torch.zeros_like(logprobs).masked_scatter(mask > 0, entropy)
@@ -82,5 +105,5 @@ def ppo_objective(settings: PPOSettings) -> Objective:
 
 def sft_objective(batch: ModelBatch, out: TargetOutputs) -> tuple[Tensor, dict[str, float]]:
     """Cross-entropy of the loss-mask tokens (token mean), and greedy token accuracy."""
-    accuracy = (out.logits.detach().argmax(-1) == out.targets).float().mean()
+    accuracy = (out.greedy_ids() == out.targets).float().mean()
     return -out.logprobs.mean(), {"token_accuracy": float(accuracy)}

@@ -25,6 +25,17 @@ class WorkerSettings:
     ``pack_sequences`` packs an SFT batch's sequences into rows
     (``clew.train.batch.collate(pack=True)``): the same loss and gradient with less compute
     spent on padding; the micro-batch size then counts packed rows.
+
+    The shape of every forward the worker runs (updates and ``compute_logprobs`` alike, so
+    recomputed logprobs match the update's): ``remove_padding`` lays each micro-batch's
+    sequences end to end in one row with no padding, each attending only to itself
+    (``clew.models.packed_attention``); ``max_tokens_per_microbatch`` forms micro-batches by
+    tokens instead of by sequence count (``clew.train.batch.token_micro_batches``);
+    ``logprobs_chunk_size`` computes logprobs and entropies from the final hidden states
+    that many tokens at a time (``clew.models.token_logprobs``), never holding the whole
+    ``[tokens, vocabulary]`` logits. ``gradient_checkpointing`` recomputes each decoder
+    layer's activations in backward instead of keeping them. Each gives the same loss,
+    gradients and logprobs as without it, to float rounding.
     """
 
     lr: float = 1e-6
@@ -42,6 +53,15 @@ class WorkerSettings:
     gradient_checkpointing: bool = False
     autocast_bf16: bool = False
     pack_sequences: bool = False
+    remove_padding: bool = False
+    max_tokens_per_microbatch: int | None = None
+    logprobs_chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens_per_microbatch", "logprobs_chunk_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive number of tokens or None, got {value}")
 
 
 @dataclass(frozen=True)

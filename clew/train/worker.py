@@ -34,6 +34,7 @@ import contextlib
 import copy
 import itertools
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,8 +48,10 @@ from clew.errors import ClewError
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
 from clew.models.logit_masks import AllowedIds, banned_token_ids, keep_allowed, mask_banned
+from clew.models.packed_attention import packed_attention
 from clew.models.pixels import as_patches
 from clew.models.precision import bf16_autocast
+from clew.models.token_logprobs import token_logprobs
 from clew.train.batch import (
     ModelBatch,
     Sample,
@@ -57,6 +60,7 @@ from clew.train.batch import (
     collate,
     encode_vision,
     pack_rows,
+    token_micro_batches,
 )
 from clew.train.batch import micro_batches as chunked
 from clew.train.logprob_guard import gap_of_scores, guard_metrics, observing
@@ -75,6 +79,26 @@ __all__ = ["PPOSettings", "PolicyWorker", "TrainingBatch", "WorkerSettings", "ap
 BOOLEAN_LOGITS_TO_KEEP = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
 
 
+def _run(
+    model: torch.nn.Module,
+    batch: ModelBatch,
+    keep: Tensor,
+    dtype: torch.dtype,
+    logits_to_keep: Tensor,
+) -> Any:
+    """The model's forward on ``batch``; a packed batch's attention must have kept to each
+    sequence (``clew.models.packed_attention``), which is checked, as it fails silently."""
+    inputs = batch.model_inputs(keep.device, dtype)
+    out = model(**inputs, logits_to_keep=logits_to_keep, use_cache=False)
+    layout = inputs.get("packed_layout")
+    if layout is not None and layout.calls == 0:
+        raise ClewError(
+            "a packed batch's attention ignored its layout, so its sequences saw each other; "
+            "run the forward inside clew.models.packed_attention.packed_attention(model)"
+        )
+    return out
+
+
 def logits_at(
     model: torch.nn.Module, batch: ModelBatch, keep: Tensor, dtype: torch.dtype
 ) -> Tensor:
@@ -86,12 +110,38 @@ def logits_at(
     # Older transformers (5.17 on the GPU image) take only positions shared by the whole
     # batch; project the union of the rows' positions there and pick each row's own.
     cols = None if BOOLEAN_LOGITS_TO_KEEP else keep.any(0).nonzero().squeeze(-1)
-    out = model(
-        **batch.model_inputs(keep.device, dtype),
-        logits_to_keep=keep if cols is None else cols,
-        use_cache=False,
-    )
+    out = _run(model, batch, keep, dtype, keep if cols is None else cols)
     return out.logits if cols is None else out.logits[keep[:, cols]]
+
+
+def hidden_at(
+    model: torch.nn.Module, batch: ModelBatch, keep: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """The language model's final hidden states ``[K, H]`` (after its last norm: what the
+    output projection reads) at the K positions where ``keep [B, L]`` is True, row-major.
+    No position goes through the output projection."""
+    if not hasattr(model, "get_decoder"):
+        raise ClewError(f"{type(model).__name__} does not name its language model (get_decoder)")
+    captured: list[Tensor] = []
+
+    def grab(module: torch.nn.Module, args: Any, output: Any) -> None:
+        hidden = getattr(output, "last_hidden_state", None)
+        captured.append(output[0] if hidden is None else hidden)
+
+    nothing = (
+        torch.zeros_like(keep) if BOOLEAN_LOGITS_TO_KEEP else keep.new_zeros(0, dtype=torch.long)
+    )
+    handle = model.get_decoder().register_forward_hook(grab)
+    try:
+        out = _run(model, batch, keep, dtype, nothing)
+    finally:
+        handle.remove()
+    # Plus 0 times the model's own (empty) logits: its output stays first in backward, as
+    # when the logits are the loss's input. A sharded model's root begins its backward
+    # (FSDP's pre-backward hook on the output) there on every worker; otherwise it begins
+    # wherever a gradient first reaches another output (image features), and workers with
+    # and without images would run their collectives in different orders.
+    return captured[-1][keep] + out.logits.sum() * 0.0
 
 
 class PolicyWorker:
@@ -103,10 +153,13 @@ class PolicyWorker:
         self.settings = settings = settings or WorkerSettings()
         if settings.gradient_checkpointing:
             # Non-reentrant checkpointing needs no input that requires grad, so it also works
-            # when LoRA has frozen the embeddings.
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            # when LoRA has frozen the embeddings. Newer transformers renamed the method.
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
         if settings.lora_rank > 0:
             model = apply_lora(
                 model,
@@ -187,13 +240,18 @@ class PolicyWorker:
     def _autocast(self) -> contextlib.AbstractContextManager:
         return bf16_autocast(self.device, self.autocast)
 
+    def _keep(self, batch: ModelBatch) -> Tensor:
+        """Bool ``[B, L]``: the positions whose next token is a loss-mask target."""
+        keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
+        keep[:, :-1] = (batch.target_mask > 0).to(self.device)
+        return keep
+
     def _target_logits(
         self, model: torch.nn.Module, batch: ModelBatch, allowed: tuple[str, ...] = ()
     ) -> Tensor:
         """Logits ``[K, V]`` (float32, banned ids at -inf) at the K loss-mask targets, row-major;
         with ``allowed`` (the rollouts' ``allowed_tokens``) every other id at -inf too."""
-        keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
-        keep[:, :-1] = (batch.target_mask > 0).to(self.device)
+        keep = self._keep(batch)
         with self._autocast():
             logits = logits_at(model, batch, keep, self.compute_dtype)
         logits = mask_banned(logits.float(), self.banned)
@@ -205,13 +263,34 @@ class PolicyWorker:
         batch: ModelBatch,
         temperature: float,
         allowed: tuple[str, ...] = (),
+        with_entropy: bool = False,
     ) -> TargetOutputs:
-        logits = self._target_logits(model, batch, allowed)
+        """The policy at ``batch``'s loss-mask targets. With ``logprobs_chunk_size`` set, the
+        logprobs (and, ``with_entropy``, the entropies) come chunk by chunk from the final
+        hidden states (``clew.models.token_logprobs``) and no ``[K, V]`` logits are kept."""
         mask = (batch.target_mask > 0).to(self.device)
         targets = batch.targets.to(self.device)[mask]
-        logprobs = logprobs_from_logits(logits[None], targets[None], temperature=temperature)[0]
+        entropy = greedy = logits = None
+        if chunk := self.settings.logprobs_chunk_size:
+            with self._autocast():
+                hidden = hidden_at(model, batch, self._keep(batch), self.compute_dtype)
+                out = token_logprobs(
+                    hidden,
+                    model.get_output_embeddings(),
+                    targets,
+                    banned=self.banned,
+                    allowed=self.allowed_ids(allowed) if allowed else None,
+                    temperature=temperature,
+                    chunk_size=chunk,
+                    with_entropy=with_entropy,
+                )
+            logprobs, entropy, greedy = out.logprobs, out.entropy, out.greedy
+        else:
+            logits = self._target_logits(model, batch, allowed)
+            logprobs = logprobs_from_logits(logits[None], targets[None], temperature=temperature)[0]
         per_target = torch.zeros(mask.shape, dtype=logprobs.dtype, device=self.device)
-        return TargetOutputs(logits, logprobs, per_target.masked_scatter(mask, logprobs), targets)
+        per_target = per_target.masked_scatter(mask, logprobs)
+        return TargetOutputs(logits, logprobs, per_target, targets, entropy, greedy)
 
     def _vision(self, seqs: Sequence[SequenceLike]) -> list[Vision]:
         vision = [encode_vision(s, self.chat) for s in seqs]
@@ -230,15 +309,57 @@ class PolicyWorker:
     def _micro_batches(
         self, seqs: Sequence[SequenceLike], indices: Sequence[int], size: int, pack: bool
     ) -> list[list[int]]:
-        """Sequence indices of each micro-batch: ``size`` sequences, or with ``pack`` the
-        sequences of ``size`` rows as wide as the longest, packed over the whole mini-batch
-        (packing only inside micro-batches already sorted by length finds little room)."""
-        if not pack:
-            return chunked(self._by_length(seqs, indices), size)
-        order = list(indices)  # pack_rows sorts by length itself
-        lengths = [len(seqs[i].token_ids) for i in order]
-        rows = pack_rows(lengths, max(lengths))
-        return [[order[j] for row in chunk for j in row] for chunk in chunked(rows, size)]
+        """Sequence indices of each micro-batch.
+
+        ``size`` sequences, sorted by length; with ``max_tokens_per_microbatch``, as many as
+        fit that many tokens instead (padded tokens counted, or with ``remove_padding`` the
+        sum of the lengths: ``token_micro_batches``). ``pack`` (SFT's packed rows, without
+        ``remove_padding``): the sequences of ``size`` rows as wide as the longest, packed over
+        the whole mini-batch (packing only inside micro-batches already sorted by length
+        finds little room); a token budget counts those rows' tokens.
+        """
+        budget = self.settings.max_tokens_per_microbatch
+        lengths = [len(seqs[i].token_ids) for i in indices]
+        if pack and not self.settings.remove_padding:
+            order = list(indices)  # pack_rows sorts by length itself
+            rows = pack_rows(lengths, max(lengths))
+            per = max(1, budget // max(lengths)) if budget else size
+            return [[order[j] for row in chunk for j in row] for chunk in chunked(rows, per)]
+        if budget:
+            padded = not self.settings.remove_padding
+            return token_micro_batches(list(indices), lengths, budget, padded=padded)
+        return chunked(self._by_length(seqs, indices), size)
+
+    def _collate(
+        self,
+        seqs: Sequence[SequenceLike],
+        idx: Sequence[int],
+        vision: Sequence[Vision],
+        values: dict[str, Sequence[Tensor]] | None = None,
+        pack: bool = False,
+    ) -> ModelBatch:
+        """The micro-batch ``seqs[idx]``: one packed row with ``remove_padding``, packed rows
+        with ``pack``, else right-padded."""
+        chosen = [seqs[i] for i in idx]
+        row_width = None
+        if self.settings.remove_padding:
+            pack, row_width = True, sum(len(s.token_ids) for s in chosen)
+        return collate(
+            chosen,
+            self.chat,
+            vision=[vision[i] for i in idx],
+            values={k: [v[i] for i in idx] for k, v in (values or {}).items()},
+            pack=pack,
+            row_width=row_width,
+        )
+
+    def _packing(
+        self, model: torch.nn.Module, pack: bool = False
+    ) -> contextlib.AbstractContextManager:
+        """Per-sequence attention for the block when its batches may be packed."""
+        if pack or self.settings.remove_padding:
+            return packed_attention(model)
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def compute_logprobs(
@@ -252,16 +373,22 @@ class PolicyWorker:
         """Per sequence, float32 CPU ``[len - 1]``: the logprob of ``token_ids[1:]`` (0 off the mask).
 
         ``adapter_enabled=False`` gives the KL reference's logprobs (see the module docstring);
-        ``allowed``: the rollouts' ``allowed_tokens``.
+        ``allowed``: the rollouts' ``allowed_tokens``. Micro-batches are formed as the
+        update forms them (``max_tokens_per_microbatch``, ``remove_padding``).
         """
         self.model.eval()
         out: list[Tensor] = [torch.zeros(0)] * len(seqs)
         vision = self._vision(seqs)
-        with self._policy(adapter_enabled) as model, fsdp.gathered(model):
-            for idx in chunked(self._by_length(seqs, range(len(seqs))), micro_batch_size):
-                batch = collate([seqs[i] for i in idx], self.chat, vision=[vision[i] for i in idx])
+        plan = self._micro_batches(seqs, range(len(seqs)), micro_batch_size, pack=False)
+        with (
+            self._policy(adapter_enabled) as model,
+            fsdp.gathered(model),
+            self._packing(model),
+        ):
+            for idx in plan:
+                batch = self._collate(seqs, idx, vision)
                 out_b = self._forward(model, batch, temperature, allowed).per_target.cpu()
-                for i, row in zip(idx, batch.unpad(out_b), strict=True):
+                for i, row in zip(idx, batch.per_sequence(out_b), strict=True):
                     out[i] = row.clone()
         return out
 
@@ -286,8 +413,10 @@ class PolicyWorker:
         gradient is that of the mini-batch loss whatever the micro-batch size. Statistics
         are token-weighted means, except ``loss`` which is the mini-batch loss. None when the
         mini-batch has no loss-mask token (nothing to learn from). ``pack`` packs the
-        mini-batch's sequences into rows (``_micro_batches``, ``collate``), for objectives
-        that do not reduce per row; a micro-batch is then ``micro_batch_size`` packed rows.
+        mini-batch's sequences into rows (``_micro_batches``, ``collate``); a micro-batch is
+        then ``micro_batch_size`` packed rows. With ``remove_padding`` each micro-batch is
+        one packed row. The objective sees a packed micro-batch one sequence a row
+        (``ModelBatch.unpacked``), so any reduction gives the loss of the padded layout.
         A sharded policy runs ``fsdp.lockstep``: micro-batches with no loss-mask token give
         way to passes with no loss, on a two-token sequence, as many as the workers need.
         """
@@ -307,44 +436,46 @@ class PolicyWorker:
             assert sync is not None, "a sharded policy needs the workers' sync"
             passes = fsdp.lockstep([idx for idx in plan if sum(tokens[i] for i in idx)], sync)
         self.model.train()
-        try:
-            for idx in passes:
-                if idx is None:
-                    self._pass_without_loss()
-                    continue
-                n_tok = sum(tokens[i] for i in idx)
-                if n_tok == 0:
-                    continue  # contributes exactly 0 to every reduction
-                batch = collate(
-                    [seqs[i] for i in idx],
-                    self.chat,
-                    vision=[vision[i] for i in idx],
-                    values={k: [v[i] for i in idx] for k, v in values.items()},
-                    pack=pack,
-                )
-                outputs = self._forward(self.model, batch, temperature, allowed)
-                loss, micro_stats = objective(batch, outputs)
-                share = n_tok / total_tokens if by_tokens else len(idx) / total_seqs
-                scaled = loss * share
-                if sharded:
-                    scaled = scaled + fsdp.all_weights(self.model)
-                scaled.backward()
-                stats["loss"] += float(loss.detach()) * share
-                for k, v in micro_stats.items():
-                    stats[k] = stats.get(k, 0.0) + v * n_tok / local_tokens
-        finally:
-            self.model.eval()
+        # Backward included: gradient checkpointing recomputes the forwards in it.
+        with self._packing(self.model, pack):
+            try:
+                for idx in passes:
+                    if idx is None:
+                        self._pass_without_loss()
+                        continue
+                    n_tok = sum(tokens[i] for i in idx)
+                    if n_tok == 0:
+                        continue  # contributes exactly 0 to every reduction
+                    batch = self._collate(seqs, idx, vision, values, pack)
+                    outputs = self._forward(self.model, batch, temperature, allowed, True)
+                    if batch.document is not None:
+                        per_target = batch.unpack(outputs.per_target)
+                        batch, outputs = batch.unpacked(), replace(outputs, per_target=per_target)
+                    loss, micro_stats = objective(batch, outputs)
+                    share = n_tok / total_tokens if by_tokens else len(idx) / total_seqs
+                    scaled = loss * share
+                    if sharded:
+                        scaled = scaled + fsdp.all_weights(self.model)
+                    scaled.backward()
+                    stats["loss"] += float(loss.detach()) * share
+                    for k, v in micro_stats.items():
+                        stats[k] = stats.get(k, 0.0) + v * n_tok / local_tokens
+            finally:
+                self.model.eval()
         if sync is not None:  # each worker's share of the loss adds up to the mini-batch's
             stats["loss"] = sync.total(stats["loss"])
         return stats
 
     def _pass_without_loss(self) -> None:
         """Forward and backward on two tokens with a loss of 0: the collectives of a sharded
-        policy's pass, for a worker with nothing (more) to learn from in this mini-batch."""
+        policy's pass, for a worker with nothing (more) to learn from in this mini-batch.
+        It takes the path the other workers' passes take (``_forward``): with chunked
+        logprobs the output projection runs outside the model's forward, and the collectives
+        of backward follow from which path the loss came through."""
         token = self.chat.im_end_id
-        batch = collate([Sample([token, token], [0, 0])], self.chat)
-        logits = self._target_logits(self.model, batch)
-        (fsdp.zero_loss(logits) + fsdp.all_weights(self.model)).backward()
+        batch = collate([Sample([token, token], [0, 1])], self.chat)
+        logprobs = self._forward(self.model, batch, 1.0).logprobs
+        (fsdp.zero_loss(logprobs) + fsdp.all_weights(self.model)).backward()
 
     def _optimizer_step(self) -> dict[str, float]:
         if self.sync is not None:  # before clipping, so every worker clips the same gradient
