@@ -1,0 +1,242 @@
+"""The PPO update, each update-path switch on and off, in one run: tokens/s, MFU, peak memory.
+
+One policy is built once (``--preset``, optionally with a padded ``--vocab-size`` such as
+Qwen's 151,936) and wrapped once for training (LoRA ``--lora-rank``); every configuration
+then runs the same PPO update on the same episodes, with only the worker's update-path
+settings changed between them (``clew.train.settings.WorkerSettings``):
+
+- ``plain``: padded micro-batches of ``--micro-batch`` episodes, whole logits (the baseline);
+- ``remove_padding`` (``trainer.remove_microbatch_padding``): each micro-batch one packed
+  row, attention within each episode;
+- ``token_budget`` (``trainer.max_tokens_per_microbatch``, ``--budget`` tokens, padding
+  counted) and ``packed_budget`` (the same with ``remove_padding``);
+- ``chunked`` (``trainer.logprobs_chunk_size``, ``--chunk`` tokens);
+- ``checkpointing`` (``trainer.gradient_checkpointing``);
+- ``all``: every switch on.
+
+The episodes are expert demonstrations of ``--env`` (images and replies laid out as the
+rollout engine lays them out), ``--prompts`` of them each repeated ``--samples`` times as
+GRPO's groups are, with random advantages; the learning rate is 0, so every configuration
+updates the same weights. Printed per configuration: seconds per update (after
+``--warmup`` untimed ones), training tokens/s (the episodes' own tokens, padding not
+counted), MFU, peak memory on CUDA, the speed-up over ``plain`` and the largest difference
+of the logprobs it scores from ``plain``'s (a correctness check at this size).
+
+MFU is ``6 N`` FLOPs per training token over the language model's parameters (embeddings
+and output projection included, the vision tower not: its forward runs once per image and
+it is frozen), the usual convention whether or not the frozen weights get gradients (LoRA),
+divided by ``--peak-tflops`` (``benchmarks/bounds.py``). ``MFU+attn`` adds the causal
+attention's matmuls, ``6 * layers * heads * head_dim * n**2`` per episode of ``n`` tokens
+(forward and backward of ``Q K^T`` and ``P V`` over half the context on average). The
+issue's target is an MFU of 0.45 with the real vocabulary.
+
+    python benchmarks/update.py --preset qwen3vl-8b --vocab-size 151936 --device cuda
+    python benchmarks/update.py --preset tiny --env maze_2d/tiny --prompts 2 --samples 2 --steps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bounds import add_hardware_flags, model_sizes  # noqa: E402
+
+from clew.data.rows import generate_rows  # noqa: E402
+from clew.envs.base import text_corpus  # noqa: E402
+from clew.models import build_model  # noqa: E402
+from clew.models.chat import ChatFormat  # noqa: E402
+from clew.train.demonstrations import demonstrations  # noqa: E402
+from clew.train.training_batch import TrainingBatch  # noqa: E402
+from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings  # noqa: E402
+
+CONFIGS = (
+    "plain",
+    "remove_padding",
+    "token_budget",
+    "packed_budget",
+    "chunked",
+    "checkpointing",
+    "all",
+)
+
+
+def switches(name: str, args: argparse.Namespace) -> dict:
+    """The worker settings of configuration ``name``."""
+    budget = {"max_tokens_per_microbatch": args.budget}
+    table = {
+        "plain": {},
+        "remove_padding": {"remove_padding": True},
+        "token_budget": budget,
+        "packed_budget": {"remove_padding": True, **budget},
+        "chunked": {"logprobs_chunk_size": args.chunk},
+        "checkpointing": {"gradient_checkpointing": True},
+        "all": {
+            "remove_padding": True,
+            **budget,
+            "logprobs_chunk_size": args.chunk,
+            "gradient_checkpointing": True,
+        },
+    }
+    if name not in table:
+        raise SystemExit(f"unknown configuration {name!r}; accepted: {', '.join(table)}")
+    return table[name]
+
+
+def configure(worker: PolicyWorker, base: WorkerSettings, changes: dict) -> None:
+    """Give the built worker ``changes`` on top of ``base``: the update-path settings are
+    read at every forward; gradient checkpointing is a switch on the model."""
+    worker.settings = replace(base, **changes)
+    model = (
+        worker.model.get_base_model() if hasattr(worker.model, "get_base_model") else worker.model
+    )
+    on = changes.get("gradient_checkpointing", False)
+    if on:
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+    elif hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def attention_flops(config: object, lengths: list[int]) -> float:
+    """Training FLOPs of causal attention's matmuls over episodes of ``lengths`` tokens."""
+    text = getattr(config, "text_config", config)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    width = text.num_attention_heads * head_dim
+    return 6.0 * text.num_hidden_layers * width * sum(n * n for n in lengths)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--arch", default=None, help="qwen2_vl or qwen3_vl (default: the preset's)")
+    p.add_argument("--vocab-size", type=int, default=None, help="pad the vocabulary to this")
+    p.add_argument("--image-size", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--env", default="maze_2d/easy")
+    p.add_argument("--max-turns", type=int, default=5)
+    p.add_argument("--prompts", type=int, default=24)
+    p.add_argument("--samples", type=int, default=8, help="copies of each episode (a group)")
+    p.add_argument("--mini-batch", type=int, default=96, help="episodes per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=8, help="episodes per pass (plain)")
+    p.add_argument("--budget", type=int, default=8192, help="tokens per micro-batch")
+    p.add_argument("--chunk", type=int, default=1024, help="tokens per logprob chunk")
+    p.add_argument("--lora-rank", type=int, default=32, help="0: full fine-tuning")
+    p.add_argument("--kl", action="store_true", help="add the KL term (reference scoring)")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=1, help="timed updates per configuration")
+    add_hardware_flags(p)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        built = build_model(
+            args.preset,
+            Path(tmp) / "model",
+            corpus=text_corpus(),
+            arch=args.arch,
+            padded_vocab_size=args.vocab_size,
+            image_size=args.image_size,
+            device=args.device if device.type == "cuda" else None,
+            overwrite=True,
+        )
+        sizes = model_sizes(built.path)
+    model = built.model.to(device)
+    chat = ChatFormat(built.processor)
+    cuda_bf16 = device.type == "cuda" and next(model.parameters()).dtype == torch.bfloat16
+    base = WorkerSettings(
+        lr=0.0,
+        lora_rank=args.lora_rank,
+        lora_alpha=float(max(args.lora_rank, 1)),
+        kl_reference=args.kl,
+        autocast_bf16=cuda_bf16,
+    )
+    worker = PolicyWorker(model, chat, base)
+
+    rows = generate_rows(args.env, args.prompts, env_options={"max_turns": args.max_turns})
+    # Starts the budget still reaches the goal from: every row gives an episode.
+    demos = demonstrations(rows, chat, seed=0, start_anywhere=1.0)
+    episodes = [d for d in demos for _ in range(args.samples)]
+    if not episodes:
+        raise SystemExit(f"no demonstration of {args.env} fits {args.max_turns} turns")
+    old = worker.compute_logprobs(episodes, micro_batch_size=args.micro_batch)
+    advantages = torch.randn(len(episodes), generator=torch.Generator().manual_seed(0))
+    batch = TrainingBatch(episodes, advantages, old)
+    settings = PPOSettings(
+        mini_batch_size=min(args.mini_batch, len(episodes)),
+        micro_batch_size=args.micro_batch,
+        forward_micro_batch_size=args.micro_batch,
+        use_kl_loss=args.kl,
+        kl_loss_coef=0.01 if args.kl else 0.0,
+    )
+    lengths = [len(e.token_ids) for e in episodes]
+    tokens = sum(lengths)
+    model_flops = 6.0 * sizes.text_params * tokens
+    attn_flops = attention_flops(model.config, lengths)
+    peak = args.peak_tflops * 1e12
+    print(
+        f"{args.preset}: {sizes.params / 1e9:.3f}B parameters ({sizes.text_params / 1e9:.3f}B "
+        f"language model), vocabulary {model.config.get_text_config().vocab_size:,}, LoRA rank "
+        f"{args.lora_rank}, on {device}; {len(episodes)} episodes of {min(lengths)}-"
+        f"{max(lengths)} tokens ({tokens:,} in all, "
+        f"{sum(sum(e.loss_mask[1:]) for e in episodes):,} trained), mini-batches of "
+        f"{settings.mini_batch_size}; bound {args.peak_tflops:.0f} TFLOP/s"
+    )
+    print(
+        f"{'config':<15} {'s/update':>9} {'tok/s':>9} {'MFU':>6} {'MFU+attn':>8} "
+        f"{'peak GB':>8} {'vs plain':>8} {'|dlogp| max':>11}"
+    )
+    reference: list[torch.Tensor] | None = None
+    plain_s = None
+    for name in args.configs.split(","):
+        configure(worker, base, switches(name, args))
+        logprobs = worker.compute_logprobs(episodes, micro_batch_size=args.micro_batch)
+        if reference is None:
+            reference = logprobs
+        drift = max((a - b).abs().max().item() for a, b in zip(logprobs, reference, strict=True))
+        for _ in range(args.warmup):
+            worker.train_batch(batch, settings)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            worker.train_batch(batch, settings)
+        _sync(device)
+        seconds = (time.perf_counter() - t0) / args.steps
+        plain_s = plain_s or seconds
+        memory = (
+            f"{torch.cuda.max_memory_allocated(device) / 1e9:>8.1f}"
+            if device.type == "cuda"
+            else f"{'-':>8}"
+        )
+        print(
+            f"{name:<15} {seconds:>9.3f} {tokens / seconds:>9.0f} "
+            f"{model_flops / seconds / peak:>6.3f} {(model_flops + attn_flops) / seconds / peak:>8.3f} "
+            f"{memory} {plain_s / seconds:>7.2f}x {drift:>11.2e}"
+        )
+    print("target: MFU >= 0.45 with the real vocabulary (--vocab-size 151936)")
+
+
+if __name__ == "__main__":
+    main()
