@@ -2,7 +2,8 @@
 
 The manifests are checked offline by deploy/kuberay/schemas/check.py against the vendored
 OpenAPI v3 schemas of KubeRay's CRDs, undeclared fields included; the broken copies below show
-the check refuses what it should. The image is checked by reading its Dockerfile (no docker
+the check refuses what it should. The RayService's serveConfigV2, a string to its CRD, is
+checked against Ray Serve's config schema and clew.serve:build_app's args. The image is checked by reading its Dockerfile (no docker
 here): base, install, user, command and build context.
 """
 
@@ -14,6 +15,7 @@ import json
 import re
 import shlex
 import tomllib
+import typing
 import warnings
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,12 @@ MANIFESTS = sorted(p.name for p in KUBERAY.glob("*.yaml"))
 CLUSTER = only("raycluster.yaml", "RayCluster")
 JOB = only("rayjob.yaml", "RayJob")
 PVC = only("shared-pvc.yaml", "PersistentVolumeClaim")
+SERVICE = only("rayservice.yaml", "RayService")
+# Each cluster spec with its pods: the RayCluster the job runs on, the RayService's own.
+CLUSTERS = {
+    "raycluster.yaml": CLUSTER,
+    "rayservice.yaml": {"spec": SERVICE["spec"]["rayClusterConfig"]},
+}
 
 
 def pod_templates(cluster: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -92,8 +100,10 @@ def job_config() -> ClewConfig:
 # ---------------------------------------------------------------- tests: the check is real
 
 
-def test_the_manifest_folder_holds_the_cluster_the_job_and_the_volume() -> None:
-    assert {"raycluster.yaml", "rayjob.yaml", "shared-pvc.yaml"} <= set(MANIFESTS)
+def test_the_manifest_folder_holds_the_cluster_the_job_the_service_and_the_volume() -> None:
+    assert {"raycluster.yaml", "rayjob.yaml", "rayservice.yaml", "shared-pvc.yaml"} <= set(
+        MANIFESTS
+    )
 
 
 @pytest.mark.parametrize("name", MANIFESTS)
@@ -152,6 +162,16 @@ BROKEN = {  # what is broken: (manifest, the edit, the one problem it must give)
         lambda d: _rename(d["spec"], "entrypoint", "entryPoint"),
         ".spec.entryPoint: unknown field",
     ),
+    "misspelt service key": (
+        "rayservice.yaml",
+        lambda d: _rename(d["spec"], "serveConfigV2", "serveConfig"),
+        ".spec.serveConfig: unknown field",
+    ),
+    "wrong type in the service's cluster": (
+        "rayservice.yaml",
+        lambda d: _worker({"spec": d["spec"]["rayClusterConfig"]}).update(maxReplicas="3"),
+        ".spec.rayClusterConfig.workerGroupSpecs[0].maxReplicas: '3' is not of type 'integer'",
+    ),
     "misspelt claim key": (
         "shared-pvc.yaml",
         lambda d: _rename(d["spec"], "accessModes", "accessMode"),
@@ -183,7 +203,11 @@ def test_a_cel_rule_the_check_cannot_evaluate_is_reported_not_passed() -> None:
 def test_the_vendored_schemas_are_the_named_release_without_descriptions() -> None:
     readme = (SCHEMAS / "README.md").read_text()
     assert "v1.7.0" in readme
-    for name, crd in (("raycluster", "rayclusters"), ("rayjob", "rayjobs")):
+    for name, crd in (
+        ("raycluster", "rayclusters"),
+        ("rayjob", "rayjobs"),
+        ("rayservice", "rayservices"),
+    ):
         assert (
             f"https://github.com/ray-project/kuberay/blob/v1.7.0/ray-operator/config/crd/"
             f"bases/ray.io_{crd}.yaml"
@@ -196,10 +220,11 @@ def test_the_vendored_schemas_are_the_named_release_without_descriptions() -> No
 # ---------------------------------------------------------------- tests: what the files say
 
 
-def test_every_pod_mounts_the_read_write_many_volume_at_shared() -> None:
+@pytest.mark.parametrize("name", sorted(CLUSTERS))
+def test_every_pod_mounts_the_read_write_many_volume_at_shared(name: str) -> None:
     assert PVC["spec"]["accessModes"] == ["ReadWriteMany"]
     claim = PVC["metadata"]["name"]
-    for group, pod in pod_templates(CLUSTER).items():
+    for group, pod in pod_templates(CLUSTERS[name]).items():
         shared = [v["name"] for v in pod["volumes"] if v.get("persistentVolumeClaim")]
         claims = [
             v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if v["name"] in shared
@@ -210,8 +235,9 @@ def test_every_pod_mounts_the_read_write_many_volume_at_shared() -> None:
             assert mounts.get("/shared") == shared[0], f"{group}/{container['name']}"
 
 
-def test_gpu_workers_have_shared_memory_for_the_object_store_and_nccl() -> None:
-    for group, pod in pod_templates(CLUSTER).items():
+@pytest.mark.parametrize("name", sorted(CLUSTERS))
+def test_gpu_workers_have_shared_memory_for_the_object_store_and_nccl(name: str) -> None:
+    for group, pod in pod_templates(CLUSTERS[name]).items():
         if not any(gpu_limit(c) for c in pod["containers"]):
             continue
         memory = {
@@ -271,9 +297,11 @@ def test_the_job_gives_a_stop_time_for_the_checkpoint_and_export() -> None:
     assert int(runtime_env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"]) >= 60
 
 
-def test_token_authentication_is_on_with_the_images_ray() -> None:
-    assert CLUSTER["spec"]["authOptions"]["mode"] == "token"
-    ray_version = Version(CLUSTER["spec"]["rayVersion"])
+@pytest.mark.parametrize("name", sorted(CLUSTERS))
+def test_token_authentication_is_on_with_the_images_ray(name: str) -> None:
+    spec = CLUSTERS[name]["spec"]
+    assert spec["authOptions"]["mode"] == "token"
+    ray_version = Version(spec["rayVersion"])
     assert ray_version >= Version("2.52.0")  # KubeRay refuses token auth below
     assert ray_version == Version(base_image_ray())
     assert ray_version in requirement("ray", extra="ray").specifier
@@ -284,9 +312,153 @@ def test_the_manifests_run_the_image_the_dockerfile_builds() -> None:
     assert len(tags) == 1, "the Dockerfile documents one build command with its tag"
     image = tags[0]
     assert image.rsplit(":", 1)[1] == PYPROJECT["project"]["version"]
-    images = [c["image"] for pod in pod_templates(CLUSTER).values() for c in pod["containers"]]
+    images = [
+        c["image"]
+        for cluster in CLUSTERS.values()
+        for pod in pod_templates(cluster).values()
+        for c in pod["containers"]
+    ]
     assert images and set(images) == {image}
     assert "submitterPodTemplate" not in JOB["spec"]  # the submitter runs the head's image
+
+
+# ---------------------------------------------------------------- tests: the Serve config
+
+
+def serve_config() -> dict[str, Any]:
+    return yaml.safe_load(SERVICE["spec"]["serveConfigV2"])
+
+
+def clew_app(config: dict[str, Any]) -> dict[str, Any]:
+    [app] = [a for a in config["applications"] if a["import_path"] == "clew.serve:build_app"]
+    return app
+
+
+def _models(annotation: Any) -> list[type]:
+    """The pydantic models a field's annotation names (through Optional, Union, List)."""
+    from pydantic import BaseModel
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models(arg)]
+
+
+def unknown_serve_keys(model: type, data: Any, path: str = "") -> list[str]:
+    """Keys of ``data`` that ``model`` (a Ray Serve schema) does not declare, at any depth.
+
+    Ray Serve's schemas ignore unknown keys, so a misspelt option (``num_replica``) would be
+    accepted and do nothing, as Kubernetes would prune a misspelt manifest field.
+    """
+    if not isinstance(data, dict):
+        return []
+    fields = {f.alias or name: f for name, f in model.model_fields.items()}
+    out = []
+    for key, value in data.items():
+        where = f"{path}.{key}"
+        if key not in fields:
+            out.append(f"{where}: not a field of {model.__name__}")
+            continue
+        for sub in _models(fields[key].annotation)[:1]:
+            items = enumerate(value) if isinstance(value, list) else [(None, value)]
+            for i, item in items:
+                out += unknown_serve_keys(sub, item, where if i is None else f"{where}[{i}]")
+    return out
+
+
+def serve_problems(config: dict[str, Any]) -> list[str]:
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        ServeDeploySchema.model_validate(config)
+    except ValueError as err:
+        return [str(err)]
+    return unknown_serve_keys(ServeDeploySchema, config)
+
+
+def test_the_serve_config_is_valid_for_ray_serve_with_no_key_it_would_ignore() -> None:
+    pytest.importorskip("ray.serve")
+    assert serve_problems(serve_config()) == []
+
+
+def test_a_broken_serve_config_is_refused_naming_what_is_wrong() -> None:
+    pytest.importorskip("ray.serve")
+    config = serve_config()
+    deployment = clew_app(config)["deployments"][0]
+    _rename(deployment["autoscaling_config"], "max_replicas", "max_replica")
+    [problem] = serve_problems(config)
+    assert problem.startswith(".applications[0].deployments[0].autoscaling_config.max_replica:")
+    config = serve_config()
+    clew_app(config)["deployments"][0]["num_replicas"] = 2  # beside autoscaling_config
+    [problem] = serve_problems(config)
+    assert "num_replicas is not allowed when autoscaling_config is provided" in problem
+
+
+def test_the_serve_app_is_clew_build_app_with_args_it_accepts() -> None:
+    pytest.importorskip("ray.serve")
+    from ray._common.utils import import_attr
+
+    from clew.errors import ConfigError
+    from clew.serve.ray_serve import build_app
+
+    app = clew_app(serve_config())
+    assert import_attr(app["import_path"]) is build_app
+    built = build_app(app["args"])  # BuildArgs: every key known, every value valid
+    # Serve applies a `deployments` entry to the deployment of that name in the built app.
+    assert [d["name"] for d in app["deployments"]] == [built._bound_deployment.name]
+    with pytest.raises(ConfigError, match="max_adaptors: Extra inputs are not permitted"):
+        build_app({**app["args"], "max_adaptors": 8})
+
+
+def test_the_service_serves_the_base_the_job_trains_and_adapters_from_shared() -> None:
+    args = clew_app(serve_config())["args"]
+    assert args["model"] == job_config().trainer.policy.model.path
+    assert args["adapters"].startswith("/shared/")
+
+
+def test_serve_replicas_fit_on_the_gpu_nodes_the_service_can_grow_to() -> None:
+    [deployment] = clew_app(serve_config())["deployments"]
+    per_replica = deployment["ray_actor_options"]
+    scaling = deployment["autoscaling_config"]
+    spec = SERVICE["spec"]["rayClusterConfig"]
+    assert spec["enableInTreeAutoscaling"] is True  # nodes follow replicas
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    assert per_replica["num_gpus"] == 1
+    for bound, nodes in (("min_replicas", "minReplicas"), ("max_replicas", "maxReplicas")):
+        gpus = sum(
+            g[nodes] * gpu_limit(g["template"]["spec"]["containers"][0])
+            for g in spec["workerGroupSpecs"]
+        )
+        assert scaling[bound] * per_replica["num_gpus"] <= gpus, bound
+    for group in spec["workerGroupSpecs"]:
+        container = group["template"]["spec"]["containers"][0]
+        replicas_here = gpu_limit(container) // per_replica["num_gpus"]
+        assert replicas_here * per_replica["num_cpus"] <= int(
+            container["resources"]["limits"]["cpu"]
+        )
+    # A replica batches what it holds: let it hold more than Serve's default of 5.
+    assert scaling["target_ongoing_requests"] <= deployment["max_ongoing_requests"]
+    assert deployment["max_ongoing_requests"] >= clew_app(serve_config())["args"]["max_batch_size"]
+
+
+def test_every_replica_reads_the_api_key_from_a_secret_and_requires_it() -> None:
+    args = clew_app(serve_config())["args"]
+    assert args["require_api_key"] is True
+    spec = SERVICE["spec"]["rayClusterConfig"]
+    for group in spec["workerGroupSpecs"]:  # replicas need a GPU: they run on these nodes
+        [env] = [
+            e
+            for e in group["template"]["spec"]["containers"][0]["env"]
+            if e["name"] == args["api_key_env"]
+        ]
+        assert set(env) == {"name", "valueFrom"}  # from a Secret, never a literal value
+        assert env["valueFrom"]["secretKeyRef"]["name"]
+
+
+def test_the_serve_port_is_the_heads_serve_port() -> None:
+    port = serve_config()["http_options"]["port"]
+    head = SERVICE["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    ports = {p["name"]: p["containerPort"] for p in head["containers"][0]["ports"]}
+    assert ports["serve"] == port  # KubeRay's serve Service targets the port named serve
 
 
 # ---------------------------------------------------------------- tests: the image

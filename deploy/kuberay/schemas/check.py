@@ -66,7 +66,11 @@ def schema_for(api_version: str, kind: str) -> dict[str, Any]:
     A PersistentVolumeClaim has no CRD: its spec is checked against the
     PersistentVolumeClaimSpec that Kubernetes' PodSpec embeds in ephemeral volumes.
     """
-    crds = {("ray.io/v1", "RayCluster"): "raycluster", ("ray.io/v1", "RayJob"): "rayjob"}
+    crds = {
+        ("ray.io/v1", "RayCluster"): "raycluster",
+        ("ray.io/v1", "RayJob"): "rayjob",
+        ("ray.io/v1", "RayService"): "rayservice",
+    }
     if (api_version, kind) == ("v1", "PersistentVolumeClaim"):
         claim = "spec.headGroupSpec.template.spec.volumes[].ephemeral.volumeClaimTemplate.spec"
         schema = {"type": "object", "properties": {"spec": _field(_crd("raycluster"), claim)}}
