@@ -8,6 +8,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from clew.commands.agent import (
+    add_endpoint_args,
+    add_generation_args,
+    eval_through_endpoint,
+    rollout_settings,
+)
 from clew.commands.registry import Handler, command, positive_int
 from clew.errors import ClewError
 
@@ -170,47 +176,25 @@ def _init_model(p: argparse.ArgumentParser) -> Handler:
     "eval", "play every maze of a dataset (greedily, or n sampled times) and report the solve rate"
 )
 def _eval(p: argparse.ArgumentParser) -> Handler:
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="checkpoint directory; with --endpoint, the served model ID or ID:ADAPTER",
+    )
     p.add_argument("--adapter", help="LoRA adapter directory (adapter_config.json)")
     p.add_argument("--data", required=True, help="eval parquet from `clew dataset --split eval`")
     p.add_argument(
         "--output-dir", default="runs/eval", help="metrics.json, trajectories.jsonl, gifs/"
     )
-    p.add_argument(
-        "--max-turns", type=positive_int, default=None, help="default: each env's budget"
-    )
-    p.add_argument("--max-generate-length", type=positive_int, default=64)
-    p.add_argument("--max-input-length", type=positive_int, default=8192)
-    p.add_argument(
-        "--reply-prefix",
-        default="",
-        help="as generator.reply_prefix: text written before sampling each reply (a policy "
-        "trained with it is evaluated with it)",
-    )
-    p.add_argument(
-        "--reply-suffix", default="", help="as generator.reply_suffix (e.g. '</action>')"
-    )
-    p.add_argument(
-        "--allowed-tokens",
-        default=None,
-        help="as generator.eval_sampling_params.allowed_tokens, comma-separated (e.g. "
-        "up,down,left,right,stop after --reply-prefix '<action>'): only these tokens are "
-        "generated; default: the whole vocabulary, the policy's own reply",
-    )
-    p.add_argument(
-        "--keep-last-k-images",
-        type=positive_int,
-        default=None,
-        help="as generator.keep_last_k_images: only the last K frames stay in the context "
-        "(a policy trained so is evaluated so); default: all",
-    )
+    add_generation_args(p)
     p.add_argument("--device", default="auto")
     p.add_argument("--num-gifs", type=int, default=4)
+    add_endpoint_args(p, required=False)
     p.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="sampling temperature (as generator.eval_sampling_params.temperature); 0: greedy",
+        "--concurrency",
+        type=positive_int,
+        default=16,
+        help="with --endpoint: episodes played at once (their requests batched by the server)",
     )
     p.add_argument(
         "--n-samples-per-prompt",
@@ -229,37 +213,27 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
                 f"--n-samples-per-prompt {args.n_samples_per_prompt} needs --temperature > 0: "
                 "greedy episodes of one maze are all the same"
             )
+        if args.endpoint and args.adapter:
+            raise ClewError(
+                "--adapter is for a local checkpoint; through --endpoint name the served "
+                "adapter in --model ID:ADAPTER"
+            )
         from clew.data.rows import read_rows
         from clew.evaluation import evaluate
         from clew.inference.runtime import open_policy
-        from clew.inference.sampling import SamplingParams
-        from clew.rollout.loop import RolloutSettings
 
-        allowed: tuple[str, ...] = ()
-        if args.allowed_tokens is not None:
-            allowed = tuple(t for t in args.allowed_tokens.split(",") if t)
-            if not allowed:
-                raise ClewError(
-                    f"--allowed-tokens {args.allowed_tokens!r} names no token: give "
-                    "comma-separated token texts, e.g. up,down,left,right,stop"
-                )
         rows = read_rows(args.data)
+        settings = rollout_settings(args, max(r.max_turns for r in rows), args.n_samples_per_prompt)
+        if args.endpoint:
+            metrics = eval_through_endpoint(args, rows, settings)
+            for k, v in metrics.items():
+                print(f"{k}: {v:.4f}")
+            print(f"trajectories and GIFs in {args.output_dir}")
+            return 0
         policy = open_policy(args.model, args.adapter, device=args.device)
-        if allowed:
-            policy.engine.allowed_ids(allowed)  # a text that is not one token fails here
-        settings = RolloutSettings(
-            n_samples_per_prompt=args.n_samples_per_prompt,
-            max_turns=args.max_turns or max(r.max_turns for r in rows),
-            max_input_length=args.max_input_length,
-            sampling=SamplingParams(
-                temperature=args.temperature,
-                max_tokens=args.max_generate_length,
-                allowed_tokens=allowed,
-            ),
-            keep_last_k_images=args.keep_last_k_images,
-            reply_prefix=args.reply_prefix,
-            reply_suffix=args.reply_suffix,
-        )
+        if settings.sampling.allowed_tokens:
+            # A text that is not one token fails here.
+            policy.engine.allowed_ids(settings.sampling.allowed_tokens)
         metrics, _ = evaluate(
             policy.engine,
             rows,

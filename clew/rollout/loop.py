@@ -50,22 +50,61 @@ class RolloutSettings:
     # otherwise: hashing every frame costs about 0.1 ms a turn on the host.
     state_keys: bool = False
 
+    def reply_text(self, sampled: str, stopped: bool) -> str:
+        """What the env reads for a reply: the prefix, the sampled text and, unless the
+        reply closed itself (its stop token), the suffix."""
+        return self.reply_prefix + sampled + ("" if stopped else self.reply_suffix)
+
 
 @dataclass
-class _Episode:
+class Episode:
+    """One episode being played: its trajectory so far, its env and the env's turn budget."""
+
     traj: Trajectory
     env: Any
     max_turns: int
 
 
-def _start(
-    row: Row, group: int, sample: int, env_factory: Callable[..., Any]
-) -> tuple[_Episode, Any]:
-    options = row.options()
-    traj = Trajectory(row.env_id, options, int(row.seed), group, sample)
-    env = env_factory(row.env_id, **options)
-    obs = env.reset(int(row.seed))
-    return _Episode(traj, env, getattr(env, "max_turns", 1 << 30)), obs
+def start_episode(
+    env_id: str,
+    options: dict[str, Any],
+    seed: int,
+    group: int,
+    sample: int,
+    env_factory: Callable[..., Any] = make,
+) -> tuple[Episode, Any]:
+    """A new episode of ``env_id`` reset to ``seed``, and its first observation."""
+    traj = Trajectory(env_id, options, seed, group, sample)
+    env = env_factory(env_id, **options)
+    obs = env.reset(seed)
+    return Episode(traj, env, getattr(env, "max_turns", 1 << 30)), obs
+
+
+def take_turn(ep: Episode, text: str, max_turns: int) -> Any | None:
+    """Step ``ep``'s env with the reply ``text`` and record the turn in its trajectory.
+
+    The next observation, or None when the episode ended: the env said done, the turn
+    budget (the smaller of ``max_turns`` and the env's own) is spent, or the env raised
+    (``env_error``, reward 0).
+    """
+    traj = ep.traj
+    traj.actions.append(text)
+    traj.turns += 1
+    try:
+        obs, reward, env_done, info = ep.env.step(text)
+    except Exception as exc:
+        fail_episode(traj, exc)
+        return None
+    traj.infos.append(info)
+    traj.turn_rewards.append(float(reward))
+    traj.reward = float(reward)
+    if env_done:
+        traj.end_reason = info.get("done_reason") or "stop"
+        return None
+    if traj.turns >= min(max_turns, ep.max_turns):
+        traj.end_reason = "max_turns"
+        return None
+    return obs
 
 
 def play(
@@ -91,21 +130,23 @@ def play(
     # A row must be able to reach max_input_length alone (a ConfigError otherwise).
     engine.max_sequences(settings.max_input_length)
     todo = list(reversed(specs))
-    held: tuple[_Episode, Any, Chunk] | None = None  # started, but the last wave was full
+    held: tuple[Episode, Any, Chunk] | None = None  # started, but the last wave was full
     done: list[Trajectory] = []
     w = 0
     while todo or held:
-        episodes: dict[int, _Episode] = {}
+        episodes: dict[int, Episode] = {}
         chunks: dict[int, Chunk] = {}
         peak = 0  # the longest any episode of the wave is expected to grow
         while todo or held:
             if held is None:
                 g, s, row = todo.pop()
                 try:
-                    ep, obs = _start(row, g, s, env_factory)
+                    ep, obs = start_episode(
+                        row.env_id, row.options(), int(row.seed), g, s, env_factory
+                    )
                 except Exception as exc:  # an env that cannot even reset is that episode's failure
                     traj = Trajectory(row.env_id, row.options(), int(row.seed), g, s)
-                    _fail(traj, exc)
+                    fail_episode(traj, exc)
                     done.append(traj)
                     continue
                 chunk = _framed(chat.user_turn(obs.text, obs.images, first=True), [], prefix)
@@ -162,27 +203,12 @@ def play(
                 traj = ep.traj
                 traj.add_reply(gen.token_ids, gen.logprobs)
                 # A reply that closed itself (its stop token) gets no suffix.
-                closing = suffix if gen.finish_reason != "stop" else []
-                text = chat.decode(gen.token_ids)
-                if prefix or suffix:
-                    text = settings.reply_prefix + text + (settings.reply_suffix if closing else "")
-                traj.actions.append(text)
-                traj.turns += 1
-                try:
-                    obs, reward, env_done, info = ep.env.step(text)
-                except Exception as exc:
-                    _fail(traj, exc)
-                    finished.append(i)
-                    continue
-                traj.infos.append(info)
-                traj.turn_rewards.append(float(reward))
-                traj.reward = float(reward)
-                if env_done:
-                    traj.end_reason = info.get("done_reason") or "stop"
-                    finished.append(i)
-                    continue
-                if traj.turns >= min(turn_cap, ep.max_turns):
-                    traj.end_reason = "max_turns"
+                stopped = gen.finish_reason == "stop"
+                closing = [] if stopped else suffix
+                obs = take_turn(
+                    ep, settings.reply_text(chat.decode(gen.token_ids), stopped), turn_cap
+                )
+                if obs is None:
                     finished.append(i)
                     continue
                 chunk = chat.user_turn(
@@ -210,7 +236,7 @@ def play(
 
 
 def _expected_length(
-    engine: InferenceEngine, settings: RolloutSettings, ep: _Episode, first_chunk: int
+    engine: InferenceEngine, settings: RolloutSettings, ep: Episode, first_chunk: int
 ) -> int:
     """The tokens the cache is sized for per episode when packing a wave.
 
@@ -254,7 +280,8 @@ def _framed(chunk: Chunk, before: list[int], after: list[int]) -> Chunk:
     return Chunk(before + chunk.token_ids + after, chunk.pixel_values, chunk.image_grid_thw)
 
 
-def _fail(traj: Trajectory, exc: BaseException) -> None:
+def fail_episode(traj: Trajectory, exc: BaseException) -> None:
+    """End ``traj`` as ``env_error`` with reward 0, keeping the error's one-line summary."""
     traj.reward = 0.0
     traj.end_reason = "env_error"
     traj.error = "".join(traceback.format_exception_only(type(exc), exc)).strip()

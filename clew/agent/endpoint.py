@@ -1,0 +1,139 @@
+"""One OpenAI-compatible endpoint and model, called with the official ``openai`` client.
+
+``Endpoint.reply`` sends one turn's messages with the sampling settings of a rollout
+(``RolloutSettings.sampling``: temperature, top_p, max_tokens, stop strings, and
+``allowed_tokens`` and ``continue_final_message``, the two request fields ``clew serve``
+adds to OpenAI's). Whatever goes wrong on the way is a ``ClewError`` of one line: an
+endpoint that cannot be reached, a refused API key, an unknown model (with the names the
+server lists), any other error the server answers with its own message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from clew.errors import ClewError
+from clew.inference.sampling import SamplingParams
+
+
+class ContextFull(Exception):
+    """The server refused a request as longer than the model's context."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    stopped: bool  # the reply ended itself (finish_reason "stop"), rather than max_tokens
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Endpoint:
+    """``model`` (``ID`` or ``ID:adapter``) at ``url`` (the server's root or its ``/v1``)."""
+
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 300.0,
+        max_retries: int = 2,
+    ) -> None:
+        import openai
+
+        if not url.startswith(("http://", "https://")):
+            raise ClewError(f"--endpoint must be an http(s) URL (http://HOST:PORT), got {url!r}")
+        base = url.rstrip("/")
+        self.url = base if base.endswith("/v1") else base + "/v1"
+        self.model = model
+        # The client insists on a key; a server without one ignores whatever is sent.
+        self.client = openai.OpenAI(
+            base_url=self.url,
+            api_key=api_key or "none",
+            timeout=timeout_s,
+            max_retries=max_retries,
+        )
+
+    def check(self) -> None:
+        """Fail early, with the server's list of names, when the model is not served."""
+        import openai
+
+        try:
+            self.client.models.retrieve(self.model)
+        except openai.NotFoundError as err:
+            raise ClewError(f"{self.url}: {_message(err)}") from None
+        except openai.OpenAIError as err:
+            raise self._error(err) from None
+
+    def reply(
+        self,
+        messages: list[dict[str, Any]],
+        sampling: SamplingParams,
+        *,
+        continue_final: bool,
+        seed: int | None = None,
+    ) -> Reply:
+        import openai
+
+        if sampling.top_k > 0:
+            raise ClewError(
+                "top_k is not part of the chat-completions API; evaluate through an endpoint "
+                "with top_k=-1 (top_p and allowed_tokens are sent)"
+            )
+        extra: dict[str, Any] = {}
+        if sampling.allowed_tokens:
+            extra["allowed_tokens"] = list(sampling.allowed_tokens)
+        if continue_final:
+            extra["continue_final_message"] = True
+        try:
+            r = self.client.chat.completions.create(
+                model=self.model,
+                messages=messages,  # type: ignore[arg-type]
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                stop=list(sampling.stop) or openai.omit,
+                seed=seed if seed is not None else openai.omit,
+                extra_body=extra or None,
+            )
+        except openai.BadRequestError as err:
+            if err.code == "context_length_exceeded":
+                raise ContextFull(_message(err)) from None
+            raise self._error(err) from None
+        except openai.OpenAIError as err:
+            raise self._error(err) from None
+        choice = r.choices[0]
+        usage = r.usage
+        return Reply(
+            text=choice.message.content or "",
+            stopped=choice.finish_reason == "stop",
+            prompt_tokens=usage.prompt_tokens if usage else 0,
+            completion_tokens=usage.completion_tokens if usage else 0,
+        )
+
+    def _error(self, err: Exception) -> ClewError:
+        import openai
+
+        if isinstance(err, openai.APIConnectionError):
+            cause = err.__cause__ or err.__context__
+            why = f": {cause}" if cause else ""
+            kind = "timed out" if isinstance(err, openai.APITimeoutError) else "is unreachable"
+            return ClewError(f"the endpoint {self.url} {kind}{why}")
+        if isinstance(err, openai.AuthenticationError):
+            return ClewError(
+                f"{self.url} refused the API key (HTTP 401): pass the server's key with --api-key"
+            )
+        if isinstance(err, openai.NotFoundError):
+            return ClewError(f"{self.url}: {_message(err)}")
+        if isinstance(err, openai.APIStatusError):
+            return ClewError(f"{self.url} answered HTTP {err.status_code}: {_message(err)}")
+        return ClewError(f"{self.url}: {type(err).__name__}: {err}")
+
+
+def _message(err: Any) -> str:
+    """The server's own error message (OpenAI's error body), on one line."""
+    body = getattr(err, "body", None)
+    text = body.get("message") if isinstance(body, dict) else None
+    return " ".join(str(text or err).split())

@@ -1,0 +1,169 @@
+"""``clew play`` (one episode through an endpoint, as a GIF) and what ``clew eval`` shares
+with it: the generation flags, read into the rollouts' ``RolloutSettings``, and
+``clew eval --endpoint``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from clew.commands.registry import Handler, _add_env_args, _env_options, command, positive_int
+from clew.errors import ClewError
+
+API_KEY_ENV = "CLEW_SERVE_API_KEY"
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    """How replies are generated, as the training config's ``generator.*`` sets it."""
+    p.add_argument(
+        "--max-turns", type=positive_int, default=None, help="default: each env's budget"
+    )
+    p.add_argument("--max-generate-length", type=positive_int, default=64)
+    p.add_argument("--max-input-length", type=positive_int, default=8192)
+    p.add_argument(
+        "--reply-prefix",
+        default="",
+        help="as generator.reply_prefix: text written before sampling each reply (a policy "
+        "trained with it is evaluated with it)",
+    )
+    p.add_argument(
+        "--reply-suffix", default="", help="as generator.reply_suffix (e.g. '</action>')"
+    )
+    p.add_argument(
+        "--allowed-tokens",
+        default=None,
+        help="as generator.eval_sampling_params.allowed_tokens, comma-separated (e.g. "
+        "up,down,left,right,stop after --reply-prefix '<action>'): only these tokens are "
+        "generated; default: the whole vocabulary, the policy's own reply",
+    )
+    p.add_argument(
+        "--keep-last-k-images",
+        type=positive_int,
+        default=None,
+        help="as generator.keep_last_k_images: only the last K frames stay in the context "
+        "(a policy trained so is evaluated so); default: all",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (as generator.eval_sampling_params.temperature); 0: greedy",
+    )
+
+
+def add_endpoint_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument(
+        "--endpoint",
+        required=required,
+        metavar="URL",
+        help="an OpenAI-compatible server (`clew serve`), e.g. http://127.0.0.1:8000",
+    )
+    p.add_argument(
+        "--api-key", default=None, help=f"the server's API key (default: ${API_KEY_ENV})"
+    )
+
+
+def allowed_tokens(args: argparse.Namespace) -> tuple[str, ...]:
+    if args.allowed_tokens is None:
+        return ()
+    allowed = tuple(t for t in args.allowed_tokens.split(",") if t)
+    if not allowed:
+        raise ClewError(
+            f"--allowed-tokens {args.allowed_tokens!r} names no token: give "
+            "comma-separated token texts, e.g. up,down,left,right,stop"
+        )
+    return allowed
+
+
+def rollout_settings(args: argparse.Namespace, max_turns: int, n_samples: int = 1) -> Any:
+    """The flags of ``add_generation_args`` as the rollouts' settings."""
+    from clew.inference.sampling import SamplingParams
+    from clew.rollout.loop import RolloutSettings
+
+    if args.temperature < 0:
+        raise ClewError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    return RolloutSettings(
+        n_samples_per_prompt=n_samples,
+        max_turns=args.max_turns or max_turns,
+        max_input_length=args.max_input_length,
+        sampling=SamplingParams(
+            temperature=args.temperature,
+            max_tokens=args.max_generate_length,
+            allowed_tokens=allowed_tokens(args),
+        ),
+        keep_last_k_images=args.keep_last_k_images,
+        reply_prefix=args.reply_prefix,
+        reply_suffix=args.reply_suffix,
+    )
+
+
+def endpoint(args: argparse.Namespace) -> Any:
+    from clew.agent import Endpoint
+
+    return Endpoint(args.endpoint, args.model, api_key=args.api_key or os.environ.get(API_KEY_ENV))
+
+
+def eval_through_endpoint(args: argparse.Namespace, rows: list, settings: Any) -> dict:
+    """``clew eval --endpoint``: the eval set's episodes as requests, ``--concurrency`` at once."""
+    from clew.agent import evaluate_endpoint
+
+    metrics, _ = evaluate_endpoint(
+        endpoint(args),
+        rows,
+        settings,
+        concurrency=args.concurrency,
+        output_dir=args.output_dir,
+        num_gifs=args.num_gifs,
+        seed=args.seed,
+    )
+    return metrics
+
+
+@command("play", "play one episode with a served policy (clew serve) and write it as a GIF")
+def _play(p: argparse.ArgumentParser) -> Handler:
+    add_endpoint_args(p, required=True)
+    p.add_argument("--model", required=True, help="the served model: ID, or ID:ADAPTER")
+    _add_env_args(p)
+    p.add_argument("--seed", type=int, default=0, help="the env's seed (which maze)")
+    p.add_argument("--gif", default=None, help="write the episode to this GIF")
+    add_generation_args(p)
+    p.add_argument("--sampling-seed", type=int, default=0, help="with --temperature > 0")
+
+    def run(args: argparse.Namespace) -> int:
+        from clew.agent import play_episode
+        from clew.envs import make
+        from clew.envs.media import replay, write_gif
+
+        options = _env_options(args)
+        env_max_turns = int(getattr(make(args.env_id, **options), "max_turns", 1 << 30))
+        settings = rollout_settings(args, env_max_turns)
+        served = endpoint(args)
+        served.check()
+
+        def show(traj: Any) -> None:
+            info = traj.infos[-1] if traj.infos else {}
+            note = info.get("event") or info.get("note") or traj.end_reason
+            print(f"turn {traj.turns}: {traj.actions[-1]!r} -> {note}")
+
+        traj = play_episode(
+            served,
+            args.env_id,
+            options,
+            args.seed,
+            settings,
+            sampling_seed=args.sampling_seed,
+            on_turn=show,
+        )
+        outcome = "solved" if traj.success else "not solved"
+        error = f" ({traj.error})" if traj.error else ""
+        print(
+            f"{outcome}: {args.env_id} seed {args.seed} in {traj.turns} turns, reward "
+            f"{traj.reward:g}, ended by {traj.end_reason}{error}"
+        )
+        if args.gif:
+            frames = replay(args.env_id, args.seed, traj.actions, options).frames
+            print(f"wrote {write_gif(frames, args.gif)}")
+        return 0
+
+    return run
