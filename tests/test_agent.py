@@ -110,7 +110,7 @@ def test_an_unknown_model_or_adapter_is_a_one_line_error_naming_what_is_served(s
     url, *_ = served
     for model in ("no-such-model", f"{MODEL_ID}:nope"):
         err = _play_error(capsys, url, model)
-        assert f"{model!r} does not exist" in err and f"{MODEL_ID}:maze" in err
+        assert f"{model!r} is not served here" in err and f"{MODEL_ID}:maze" in err
 
 
 def test_only_the_last_k_frames_are_sent_as_images():
@@ -127,3 +127,14 @@ def test_only_the_last_k_frames_are_sent_as_images():
     assert messages[-1] == {"role": "assistant", "content": "<action>"}
     assert [m["content"][-1]["text"] for m in messages if m["role"] == "user"][0] == "turn 0"
     assert all(len(m["content"]) == 2 for m in conv.messages() if m["role"] == "user")
+
+
+def test_a_missing_or_wrong_api_key_is_a_one_line_error_naming_the_flag(served, capsys):
+    _, base, *_ = served
+    with serving(open_server(base, api_key="secret")) as url:
+        capsys.readouterr()  # the weights' loading bars
+        err = _play_error(capsys, url, MODEL_ID)
+        assert "refused the API key" in err and "--api-key" in err
+        code = main(["play", "--endpoint", url, "--model", MODEL_ID, "--api-key", "secret",
+                     "--env-id", ENV, "--max-turns", "1", "--max-generate-length", "2"])  # fmt: skip
+        assert code == 0 and "in 1 turns" in capsys.readouterr().out

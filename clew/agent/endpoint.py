@@ -57,15 +57,24 @@ class Endpoint:
         )
 
     def check(self) -> None:
-        """Fail early, with the server's list of names, when the model is not served."""
+        """Fail early, with the server's list of names, when the model is not served.
+
+        The list (``GET /v1/models``) rather than one model's card: every OpenAI-compatible
+        server lists its models, not all of them answer for one."""
         import openai
 
         try:
-            self.client.models.retrieve(self.model)
-        except openai.NotFoundError as err:
-            raise ClewError(f"{self.url}: {_message(err)}") from None
+            served = [m.id for m in self.client.models.list()]
         except openai.OpenAIError as err:
             raise self._error(err) from None
+        if self.model not in served:
+            shown = ", ".join(served[:50]) + (
+                f" (and {len(served) - 50} more)" if len(served) > 50 else ""
+            )
+            raise ClewError(
+                f"{self.url}: the model {self.model!r} is not served here; it serves: "
+                f"{shown or 'nothing'} (give one as --model)"
+            )
 
     def reply(
         self,
