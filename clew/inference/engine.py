@@ -28,6 +28,9 @@ sampling temperature (at temperature 1 for greedy decoding), which is what the t
 recomputes for the policy-gradient ratio. The vision placeholder tokens are never
 sampled (a reply holding ``<|image_pad|>`` would claim an image that does not exist); the
 trainer masks the same ids (``banned_token_ids``) so its logprobs match.
+
+Rows may run different LoRA adapters in one batch (``add_adapter``, ``open_batch(adapters=)``;
+``clew.inference.multi_lora``); a row keeps its adapter when others leave the batch.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ import torch
 
 from clew.errors import ConfigError
 from clew.inference.attention import engine_attention
-from clew.inference.kv_cache import DynamicKV, SlotCache
+from clew.inference.kv_cache import DynamicKV, SlotCache, kv_bytes_per_token
+from clew.inference.kv_cache import cache_budget_bytes as cache_budget_bytes  # its old home
+from clew.inference.multi_lora import AdapterSource, MultiLoRA
 from clew.inference.sampling import SamplingParams, filter_logits
 from clew.models.chat import ChatFormat, Chunk
 from clew.models.logit_masks import AllowedIds, banned_token_ids, keep_allowed, mask_banned
@@ -71,28 +76,6 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
 def _text_config(model: torch.nn.Module):
     cfg = model.config
     return getattr(cfg, "text_config", cfg)
-
-
-def kv_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of KV cache one token takes across all layers."""
-    text = _text_config(model)
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    elem = next(model.parameters()).element_size()
-    return 2 * text.num_hidden_layers * heads * head_dim * elem
-
-
-def cache_budget_bytes(
-    device: torch.device, gpu_memory_utilization: float, max_cache_mb: int
-) -> int:
-    """The KV-cache budget: a share of the GPU's free memory, or a fixed size on CPU."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        in_use_by_us = torch.cuda.memory_reserved(device)
-        # vLLM's meaning: the whole process may use this share of the device; the cache
-        # gets what the weights and optimizer leave of it.
-        return max(0, min(free, int(total * gpu_memory_utilization) - in_use_by_us))
-    return max_cache_mb * 2**20
 
 
 # CacheBatch._compact runs once the visible columns are at most this share of the cache width.
@@ -133,6 +116,15 @@ class InferenceEngine:
         # The ids of SamplingParams.allowed_tokens; a text that is not one token raises.
         self.allowed_ids = AllowedIds(chat, self.device)
         self._cache_kw = _cache_kwarg(model)
+        # Adapters rows can name (clew.inference.multi_lora); layers are wrapped on first add.
+        self.lora = MultiLoRA(model)
+
+    def add_adapter(self, name: str, source: AdapterSource) -> None:
+        """Load a PEFT LoRA adapter (its folder, or ``(config, tensors)``) for rows to name."""
+        self.lora.add(name, source)
+
+    def remove_adapter(self, name: str) -> None:
+        self.lora.remove(name)
 
     @property
     def counts_real_lengths(self) -> bool:
@@ -146,10 +138,14 @@ class InferenceEngine:
         seed: int | None = None,
         keep_last_k_images: int | None = None,
         capacity_hint: int | None = None,
+        adapters: list[str | None] | None = None,
     ) -> CacheBatch:
         """A batch of ``size`` sequences; ``capacity_hint``: the longest a row is expected to
-        grow, in tokens, which the static cache allocates at once when a budget is set."""
-        return CacheBatch(self, size, seed, keep_last_k_images, capacity_hint)
+        grow, in tokens, which the static cache allocates at once when a budget is set;
+        ``adapters``: each row's adapter (``add_adapter``), None for the bare base."""
+        batch = CacheBatch(self, size, seed, keep_last_k_images, capacity_hint)
+        batch.adapters = self.lora.check_rows(adapters, size)
+        return batch
 
     def max_sequences(self, tokens_per_sequence: int) -> int:
         """How many sequences of this length fit the cache budget (at least 1 if any fits)."""
@@ -192,6 +188,7 @@ class CacheBatch:
         self.next_pos = [0] * size
         self.lengths = [0] * size  # real tokens per sequence (fed + pending)
         self.pending: list[int | None] = [None] * size
+        self.adapters: list[str | None] = [None] * size  # each row's adapter, None: the base
         self.generator = torch.Generator(device="cpu")
         self._seed = 0 if seed is None else seed
         self.generator.manual_seed(self._seed)
@@ -220,7 +217,7 @@ class CacheBatch:
         if len(kept) == len(self.rows):
             return
         order = self.kv.keep(kept)
-        for name in ("rows", "next_pos", "lengths", "pending", "images_seen"):
+        for name in ("rows", "next_pos", "lengths", "pending", "images_seen", "adapters"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in order])
 
@@ -364,6 +361,7 @@ class CacheBatch:
         with (
             bf16_autocast(dev, eng.autocast),
             engine_attention(eng.model) if static else contextlib.nullcontext(),
+            eng.lora.rows(self.adapters),
         ):
             out = eng.model(
                 input_ids=input_ids.to(dev),

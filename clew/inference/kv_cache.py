@@ -39,6 +39,29 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of KV cache one token takes across all layers."""
+    cfg = model.config
+    text = getattr(cfg, "text_config", cfg)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    return 2 * text.num_hidden_layers * heads * head_dim * elem
+
+
+def cache_budget_bytes(
+    device: torch.device, gpu_memory_utilization: float, max_cache_mb: int
+) -> int:
+    """The KV-cache budget: a share of the GPU's free memory, or a fixed size on CPU."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        in_use_by_us = torch.cuda.memory_reserved(device)
+        # vLLM's meaning: the whole process may use this share of the device; the cache
+        # gets what the weights and optimizer leave of it.
+        return max(0, min(free, int(total * gpu_memory_utilization) - in_use_by_us))
+    return max_cache_mb * 2**20
+
+
 class SlotLayer(CacheLayerMixin):
     """One layer's keys and values, ``[slots, kv_heads, capacity, head_dim]``."""
 
