@@ -172,8 +172,12 @@ def test_adapters_leave_the_weights_alone_and_can_be_removed_and_reloaded(setup)
             if MIX[seq] is None:
                 assert gen.token_ids == bare[turn][seq].token_ids
 
-    # "a" leaves; its slot is reused by "a2" (the same weights), and "b" is untouched.
+    # "a" leaves; a batch still naming it fails at its next forward, not silently.
+    open_batch = engine.open_batch(1, adapters=["a"])
     engine.remove_adapter("a")
+    with pytest.raises(ModelError, match="no adapter 'a' is loaded"):
+        open_batch.extend_and_generate(_turn(chat, arch, [0], True), greedy)
+    # Its slot is reused by "a2" (the same weights), and "b" is untouched.
     with pytest.raises(ModelError, match="no adapter 'a' is loaded"):
         engine.open_batch(2, adapters=["a", None])
     engine.add_adapter("a2", adapters["a"])
