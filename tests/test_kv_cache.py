@@ -161,7 +161,9 @@ def test_no_forward_moves_the_cache_buffers(policy, monkeypatch):
     _both(model, chat, rows, settings, max_cache_bytes=budget)
     assert len(seen["static"]) >= 4 * 2  # four turns of a prefill and decode steps
     assert len(set(seen["static"])) == 1
-    assert len(set(seen["dynamic"])) == len(seen["dynamic"])  # the reference copies every time
+    # The reference concatenates a new tensor every forward (the allocator may hand an old
+    # address back, so only most of them are new).
+    assert len(set(seen["dynamic"])) > len(seen["dynamic"]) // 2
 
 
 def test_the_budget_admits_more_rows_when_they_are_short(policy, monkeypatch):
