@@ -16,7 +16,7 @@ from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
-from clew.train import worker as worker_module
+from clew.train import forward as forward_module
 from clew.train.batch import Sample, collate, micro_batches, target_values
 from clew.train.lora import merged_for_rollouts
 from clew.train.training_batch import TrainingBatch, share_sizes
@@ -191,7 +191,7 @@ def test_an_allowed_token_that_is_several_tokens_is_a_clear_error(model_dir):
 def test_logprobs_are_the_same_without_boolean_logits_to_keep(model_dir, trajectories, monkeypatch):
     worker = make_worker(model_dir)
     boolean = worker.compute_logprobs(trajectories, micro_batch_size=4)
-    monkeypatch.setattr(worker_module, "BOOLEAN_LOGITS_TO_KEEP", False)
+    monkeypatch.setattr(forward_module, "BOOLEAN_LOGITS_TO_KEEP", False)
     union = worker.compute_logprobs(trajectories, micro_batch_size=4)
     assert max_diff(boolean, union) < 1e-5
 
@@ -402,6 +402,14 @@ def test_state_dict_round_trip_restores_logprobs_and_optimizer(model_dir, trajec
     assert b.optimizer_steps == 2 and b.scheduler.get_last_lr() == a.scheduler.get_last_lr()
     assert update(a)["policy/lr"] == update(b)["policy/lr"]
     assert max_diff(a.compute_logprobs(trajectories), b.compute_logprobs(trajectories)) < 1e-6
+
+
+def test_a_state_of_other_lora_settings_is_refused_before_any_weight_changes(model_dir):
+    full = make_worker(model_dir)
+    before = {n: p.detach().clone() for n, p in full.model.named_parameters()}
+    with pytest.raises(ClewError, match="does not fit this model.*missing"):
+        full.load_state_dict(make_worker(model_dir, lora_rank=4).state_dict())
+    assert all(torch.equal(p, before[n]) for n, p in full.model.named_parameters())
 
 
 def test_mixed_precision_keeps_float32_weights_and_moves_them_by_small_steps(model_dir, rows):

@@ -18,7 +18,7 @@ from clew.models import build_model
 from clew.models.logit_masks import keep_allowed, mask_banned
 from clew.models.packed_attention import PackedLayout, packed_attention, packed_sdpa
 from clew.models.token_logprobs import token_logprobs
-from clew.train import worker as worker_module
+from clew.train import forward as forward_module
 from clew.train.batch import Sample, collate, token_micro_batches
 from clew.train.demonstrations import demonstrations
 from clew.train.objectives import sft_objective
@@ -363,7 +363,7 @@ def test_sft_reads_the_trainer_keys_and_logs_the_plain_runs_losses(
 def test_chunked_logprobs_need_no_boolean_logits_to_keep(model_dir, seqs, monkeypatch):
     # Older transformers (the GPU image's) take logits_to_keep as shared positions only.
     want = make_worker(model_dir).compute_logprobs(seqs)
-    monkeypatch.setattr(worker_module, "BOOLEAN_LOGITS_TO_KEEP", False)
+    monkeypatch.setattr(forward_module, "BOOLEAN_LOGITS_TO_KEEP", False)
     got = make_worker(model_dir, logprobs_chunk_size=5).compute_logprobs(seqs)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=2e-5, rtol=0)

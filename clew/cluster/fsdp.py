@@ -54,6 +54,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from clew.errors import ClewError
 from clew.train.optim import build_optimizer
+from clew.train.worker_state import fitting_parameters
 
 if TYPE_CHECKING:
     from clew.cluster.data_parallel import GradSync
@@ -266,15 +267,8 @@ def _shard_like(value: Any, param: Tensor) -> Any:
 
 def load_full_state(worker: PolicyWorker, state: dict[str, Any]) -> None:
     """Load an unsharded worker's ``state_dict`` into a sharded worker."""
-    params = dict(worker.model.named_parameters())
     trainable = state["trainable"]
-    missing = sorted(n for n, p in params.items() if p.requires_grad and n not in trainable)
-    unknown = sorted(n for n in trainable if n not in params)
-    if missing or unknown:
-        raise ClewError(
-            "the worker state does not fit this model (different LoRA settings or "
-            f"architecture?): missing {missing[:3]}, unexpected {unknown[:3]}"
-        )
+    params = fitting_parameters(worker.model, trainable)
     with torch.no_grad():
         for n, t in trainable.items():
             params[n].copy_(_shard_like(t, params[n]))
