@@ -82,7 +82,9 @@ def test_adapters_change_the_reply_and_greedy_replies_repeat(local):
     assert reply(c, f"{MODEL_ID}:alpha").choices[0].message.content == texts[":alpha"]
 
 
-def test_concurrent_requests_for_base_and_two_adapters_batch_and_match_each_alone(local):
+def test_concurrent_requests_for_base_and_two_adapters_share_one_batch_and_match_each_alone(
+    local,
+):
     server, url = local
     c = client(url)
     jobs = [
@@ -93,9 +95,18 @@ def test_concurrent_requests_for_base_and_two_adapters_batch_and_match_each_alon
     alone = [reply(c, m, msgs).choices[0].message.content for m, msgs in jobs]
     before = sample(server, "clew_serve_batches_total")
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        together = list(pool.map(lambda j: reply(c, *j).choices[0].message.content, jobs))
+        # Held until all nine have queued, so they arrive at the scheduler at once.
+        with server.scheduler.holding():
+            futures = [
+                pool.submit(lambda j: reply(c, *j).choices[0].message.content, j) for j in jobs
+            ]
+            deadline = time.monotonic() + 60
+            while sample(server, "clew_serve_queue_depth") < len(jobs):
+                assert time.monotonic() < deadline, "the requests never all queued"
+                time.sleep(0.01)
+        together = [f.result() for f in futures]
     assert together == alone
-    assert sample(server, "clew_serve_batches_total") - before < len(jobs)  # some shared one
+    assert sample(server, "clew_serve_batches_total") - before == 1
 
 
 def test_stream_deltas_join_to_the_whole_reply_with_usage_last(local):
@@ -219,6 +230,31 @@ def test_the_least_recently_used_adapter_is_evicted_and_reloads_the_same(local):
     assert reply(c, f"{MODEL_ID}:alpha").choices[0].message.content == first
     assert sample(server, "clew_serve_adapter_loads_total", {"adapter": "alpha"}) == loads + 1
     assert server.adapters.names() == ["gamma", "alpha"]
+
+
+def test_adapters_that_running_rows_use_are_not_evicted_for_a_third(local):
+    server, url = local
+    c = client(url)
+    alone = {n: reply(c, f"{MODEL_ID}:{n}").choices[0].message.content for n in ("alpha", "beta")}
+    alone["gamma"] = reply(c, f"{MODEL_ID}:gamma").choices[0].message.content
+    assert server.adapters.names() == ["beta", "gamma"]
+    order = ["beta", "gamma", "alpha"]  # alpha, fetched by its request, waits only for room
+    before = sample(server, "clew_serve_batches_total")
+    with concurrent.futures.ThreadPoolExecutor(len(order)) as pool:
+        futures = []
+        with server.scheduler.holding():
+            for n in order:  # one by one, so they queue in this order
+                futures.append(
+                    pool.submit(lambda n: reply(c, f"{MODEL_ID}:{n}").choices[0].message.content, n)
+                )
+                deadline = time.monotonic() + 60
+                while sample(server, "clew_serve_queue_depth") < len(futures):
+                    assert time.monotonic() < deadline, "the request never queued"
+                    time.sleep(0.01)
+        together = [f.result() for f in futures]
+    # Two adapters fit: alpha waited for the batch of beta and gamma to end, not evicting one.
+    assert together == [alone[n] for n in order]
+    assert sample(server, "clew_serve_batches_total") - before == 2
 
 
 def test_health_readiness_and_metrics(local):

@@ -16,16 +16,17 @@ Two halves, on two sides of the scheduler:
   name can climb out of the prefix or be absolute; on a local prefix, files whose real path
   (symlinks resolved) leaves the prefix are refused too. Only safetensors weights are read:
   a pickled ``adapter_model.bin`` could run code when loaded.
-* ``LoadedAdapters`` holds at most ``capacity`` adapters in the model, least recently used
-  evicted, and is touched by the scheduler's thread only.
+* ``LoadedAdapters`` (``clew.serve.adapter_pool``) holds at most ``capacity`` adapters in
+  the engine (``InferenceEngine.add_adapter``), least recently used evicted, and is touched
+  by the scheduler's thread only.
 
-Why adapters are held as peft LoRA layers over one base, not as merged copies: a merged
+Why adapters are held as LoRA factors beside one plain base, not as merged copies: a merged
 copy holds a whole model per adapter (for an 8B policy in bfloat16, 16 GB each), a LoRA
 adapter only its low-rank factors (rank 32 on every language-model projection of an 8B
 Qwen: about 0.1 B parameters by arithmetic, a few hundred MB), so ``--max-adapters`` can be
-large on the GPU that holds the base once. The cost is the unmerged layers' two extra small
-matmuls per projection in every forward, and switching adapters is only peft flipping its
-active adapter between batches.
+large on the GPU that holds the base once. And since each row of an engine batch names its
+own adapter (``clew.inference.multi_lora``), requests for the base and for different
+adapters run in one forward; the cost is the per-row low-rank update in every projection.
 """
 
 from __future__ import annotations
@@ -37,9 +38,6 @@ import re
 import tempfile
 import threading
 import time
-import warnings
-from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,140 +244,3 @@ class AdapterStore:
                 + (f" (unexpected tensors: {bad[:3]})" if bad else "")
             )
         return tensors
-
-
-class LoadedAdapters:
-    """The adapters held in the model as peft LoRA layers, at most ``capacity`` at once.
-
-    Every method runs on the scheduler's thread (they change the model). Each adapter gets
-    a slot name of its own in peft (``slotN``: peft's names cannot hold '.'), so a name
-    reloaded after an eviction never meets a stale layer. An adapter in use by a running
-    batch is pinned and never evicted.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        capacity: int,
-        *,
-        on_load: Callable[[str, float], None] | None = None,
-        on_evict: Callable[[str], None] | None = None,
-    ) -> None:
-        if capacity < 1:
-            raise ClewError(f"--max-adapters must be at least 1, got {capacity}")
-        self.model = model
-        self.capacity = capacity
-        self.on_load = on_load
-        self.on_evict = on_evict
-        self.peft: Any = None  # the PeftModel over ``model``, made by the first load
-        self._slots: OrderedDict[str, str] = OrderedDict()  # name -> slot, LRU first
-        self._pins: dict[str, int] = {}
-        self._count = 0
-        self._active: object = _UNKNOWN  # the adapter the model runs now (None: the base)
-        self.loads = 0
-        self.evictions = 0
-
-    def names(self) -> list[str]:
-        return list(self._slots)
-
-    def has(self, name: str) -> bool:
-        return name in self._slots
-
-    def has_room(self) -> bool:
-        """Whether one more adapter can be loaded now (evicting an unpinned one if full)."""
-        return len(self._slots) < self.capacity or any(not self._pins.get(n) for n in self._slots)
-
-    def pin(self, name: str) -> None:
-        self._pins[name] = self._pins.get(name, 0) + 1
-        self._slots.move_to_end(name)
-
-    def unpin(self, name: str) -> None:
-        left = self._pins.get(name, 0) - 1
-        if left > 0:
-            self._pins[name] = left
-        else:
-            self._pins.pop(name, None)
-
-    def load(self, files: AdapterFiles) -> None:
-        """Put ``files`` into the model, evicting the least recently used unpinned adapter
-        when full; ``AdapterUnavailable`` (nothing changed) if it does not fit the base."""
-        from peft import PeftConfig, PeftModel, set_peft_model_state_dict
-
-        start = time.perf_counter()
-        while len(self._slots) >= self.capacity:
-            victim = next((n for n in self._slots if not self._pins.get(n)), None)
-            if victim is None:
-                raise RuntimeError("no adapter can be evicted: every one is in use")
-            self._evict(victim)
-        self._count += 1
-        slot = f"slot{self._count}"
-        try:
-            config = PeftConfig.from_peft_type(**_known_config(files.config))
-            config.inference_mode = True
-            if self.peft is None:
-                with warnings.catch_warnings():
-                    # peft asks transformers a deprecated question (is_gradient_checkpointing)
-                    warnings.simplefilter("ignore", FutureWarning)
-                    self.peft = PeftModel(self.model, config, adapter_name=slot)
-            else:
-                self.peft.add_adapter(slot, config)
-            result = set_peft_model_state_dict(self.peft, files.tensors, adapter_name=slot)
-            missing = [k for k in result.missing_keys if f".{slot}." in k]
-            if missing or result.unexpected_keys:
-                raise ValueError(
-                    f"its weights do not match its config: missing {missing[:2]}, "
-                    f"unexpected {list(result.unexpected_keys)[:2]}"
-                )
-        except Exception as exc:
-            self._drop_slot(slot)
-            raise AdapterUnavailable(
-                f"adapter {files.name!r} at {files.source} does not fit the served base model "
-                f"(rank {files.config.get('r')}, target modules "
-                f"{files.config.get('target_modules')}): {str(exc).splitlines()[0]}"
-            ) from exc
-        self.model.eval()
-        self._slots[files.name] = slot
-        self._active = _UNKNOWN  # peft may have made the new adapter active
-        self.loads += 1
-        if self.on_load:
-            self.on_load(files.name, time.perf_counter() - start)
-
-    def activate(self, name: str | None) -> None:
-        """Make the next forwards run adapter ``name`` (loaded), or the bare base for None."""
-        if self.peft is None or name == self._active:
-            return
-        tuner = self.peft.base_model
-        if name is None:
-            tuner.disable_adapter_layers()
-        else:
-            tuner.enable_adapter_layers()
-            tuner.set_adapter(self._slots[name])
-            self._slots.move_to_end(name)
-        self._active = name
-
-    def _evict(self, name: str) -> None:
-        slot = self._slots.pop(name)
-        self._drop_slot(slot)
-        self._pins.pop(name, None)
-        self.evictions += 1
-        if self.on_evict:
-            self.on_evict(name)
-
-    def _drop_slot(self, slot: str) -> None:
-        if self.peft is None or slot not in self.peft.peft_config:
-            return
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "adapter X was active which is now deleted"
-            self.peft.delete_adapter(slot)
-        self._active = _UNKNOWN
-
-
-_UNKNOWN = object()
-
-
-def _known_config(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` without keys this peft does not know (an adapter saved by a newer peft)."""
-    from peft import LoraConfig
-
-    fields = set(LoraConfig.__dataclass_fields__)
-    return {k: v for k, v in config.items() if k in fields}

@@ -4,13 +4,15 @@ The app submits a ``GenerationRequest`` and reads its ``Ticket``'s events (``Adm
 then ``Delta``s and one ``Finished`` per choice, or ``Failed``); it never touches the
 engine, the model or the adapters. One thread owns those. Each turn of its loop it
 
-1. admits waiting requests: those with the same batch key (the adapter, and the sampling
-   settings one engine batch shares) join one new ``CacheBatch``, the adapter loaded into
-   the model first if it is not held (``LoadedAdapters``, fetched off-thread by the
-   ``AdapterStore``);
+1. admits waiting requests: those with the same batch key (the sampling settings one
+   engine batch shares) join one new ``CacheBatch`` whatever model they ask for, each row
+   naming its request's adapter (None: the base) to the engine, which applies every row's
+   own low-rank update in the same forward. An adapter is loaded into the engine first if
+   it is not held (``clew.serve.adapter_pool``, fetched off-thread by the store); a
+   request whose adapter is still on its way waits for the next batch;
 2. advances every open batch by ``tokens_per_step`` tokens (``extend_and_generate``: the
    first call prefills the prompts, later ones feed each row its pending token with an
-   empty chunk), peft switched to the batch's adapter between calls;
+   empty chunk);
 3. turns each row's new tokens into text for its ticket, and ends rows on the stop token, a
    stop string or their ``max_tokens``; ended rows leave the batch (``CacheBatch.drop``).
 
@@ -19,40 +21,44 @@ should. More tokens a step leave the engine's own decode loop running longer bet
 admissions, for less host work per token; a row that ends inside a step has sampled up to
 ``tokens_per_step - 1`` tokens it does not keep (its reply and usage count exclude them).
 
-So batches of different adapters interleave step by step, and a request that arrives while
-a batch of its key runs waits for that batch to end, then opens the next one together with
-everything else that waited. Rows of one request never wait on another's. Only this
-module's insides change when the engine lets a row join a running batch (continuous
-batching) or carry its own adapter (mixed-adapter batches).
+So batches of different sampling settings interleave step by step, and a request that
+arrives while a batch of its key runs waits for that batch to end, then opens the next one
+together with everything else that waited. Rows of one request never wait on another's.
+Only this module's insides change when the engine lets a row join a running batch
+(continuous batching).
 
-Batch keys: a greedy request shares a batch with every greedy request of its adapter (its
+Batch keys: a greedy request shares a batch with every greedy request, base or adapter (its
 tokens do not depend on the batch); an unseeded sampled one with those of the same
 temperature and top_p; a seeded one gets a batch of its own seeded by it, so the same
 request with the same seed samples the same tokens whatever else is running.
 
-Stop strings are matched on the decoded text, never split across stream deltas: while a
-row runs, the last ``len(longest stop) - 1`` characters (and a trailing partial UTF-8
-character) are held back, and the reply is cut before the stop string, as OpenAI does.
+The adapters a batch's rows use are pinned in ``LoadedAdapters`` until their last row
+leaves: evicting one under running rows would fail their batch at its next forward.
+
+Stop strings and what a row's reply keeps are ``clew.serve.reply``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import random
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from clew.errors import ConfigError
 from clew.inference.engine import CacheBatch, InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
-from clew.serve.adapters import AdapterStore, LoadedAdapters
+from clew.serve.adapter_pool import LoadedAdapters
 from clew.serve.errors import BadRequest, Overloaded, ServeError, ServerFault
 from clew.serve.metrics import ServeMetrics
+from clew.serve.reply import Reply
 
 log = logging.getLogger(__name__)
 
@@ -132,14 +138,13 @@ class Ticket:
 class _Row:
     ticket: Ticket
     index: int
-    tokens: list[int] = field(default_factory=list)
-    sent: int = 0  # characters of the reply already posted
+    reply: Reply
 
 
 @dataclass
 class _Batch:
     key: tuple[Any, ...]
-    adapter: str | None
+    adapters: set[str]  # the adapters its rows use, each pinned once
     cache: CacheBatch
     params: SamplingParams
     rows: dict[int, _Row]
@@ -153,7 +158,6 @@ class Scheduler:
         self,
         engine: InferenceEngine,
         adapters: LoadedAdapters,
-        store: AdapterStore,
         metrics: ServeMetrics | None = None,
         *,
         max_batch_rows: int = 64,
@@ -162,7 +166,6 @@ class Scheduler:
     ) -> None:
         self.engine = engine
         self.adapters = adapters
-        self.store = store
         self.metrics = metrics or ServeMetrics()
         self.max_batch_rows = max_batch_rows
         self.max_queue = max_queue
@@ -171,8 +174,8 @@ class Scheduler:
         self._batches: list[_Batch] = []
         self._cv = threading.Condition()
         self._stopping = False
+        self._held = 0
         self._solo = itertools.count()
-        self._fetching: set[str] = set()  # adapters whose fetch will wake the loop
         self._thread = threading.Thread(target=self._run, name="clew-serve-scheduler", daemon=True)
 
     # -- the app's side -------------------------------------------------------------
@@ -212,6 +215,19 @@ class Scheduler:
             self._cv.notify()
         return ticket
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within the block no request is admitted; what queued meanwhile is admitted
+        together after it, as requests that arrive at once would be."""
+        with self._cv:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._held -= 1
+                self._cv.notify()
+
     def wake(self) -> None:
         with self._cv:
             self._cv.notify()
@@ -250,7 +266,7 @@ class Scheduler:
         with self._cv:
             for t in [t for t in self._queue if t.cancelled]:
                 self._queue.remove(t)
-            waiting = list(self._queue)
+            waiting = [] if self._held else list(self._queue)
         running = {b.key for b in self._batches}
         groups: dict[tuple[Any, ...], list[Ticket]] = {}
         for t in waiting:
@@ -258,39 +274,24 @@ class Scheduler:
             if key not in running:
                 groups.setdefault(key, []).append(t)
         for key, tickets in groups.items():
-            adapter = tickets[0].request.adapter
-            if adapter is not None and not self._ensure_adapter(adapter, tickets):
-                continue
-            chosen = self._fitting(tickets)
+            names = [t.request.adapter for t in tickets if t.request.adapter is not None]
+            ready, failed = self.adapters.acquire(names, self.wake)  # each ready one pinned
+            for name, error in failed.items():
+                self.metrics.adapter_load_failures.inc()
+                self._reject([t for t in tickets if t.request.adapter == name], error)
+            runnable = [t for t in tickets if t.request.adapter in ready | {None}]
+            chosen = self._fitting(runnable)
+            used = {t.request.adapter for t in chosen} - {None}
+            for name in ready - used:
+                self.adapters.unpin(name)
             if not chosen:
                 continue
-            self._open(key, adapter, chosen)
-
-    def _ensure_adapter(self, name: str, tickets: list[Ticket]) -> bool:
-        """Whether ``name`` is in the model now (loaded here if fetched and room allows);
-        the tickets fail if it cannot be fetched or loaded."""
-        if self.adapters.has(name):
-            return True
-        fetch = self.store.prepare(name)
-        if not fetch.done():
-            if name not in self._fetching:
-                self._fetching.add(name)
-                fetch.add_done_callback(lambda _: self.wake())
-            return False
-        self._fetching.discard(name)
-        try:
-            files = fetch.result()
-            if not self.adapters.has_room():
-                return False  # every held adapter is in use; one frees when its batch ends
-            self.store.discard(name)
-            self.adapters.load(files)
-        except ServeError as error:
-            self.store.discard(name)
-            self.metrics.adapter_load_failures.inc()
-            self._reject(tickets, error)
-            return False
-        self.metrics.adapters_loaded.set(len(self.adapters.names()))
-        return True
+            try:
+                self._open(key, used, chosen)
+            except Exception:
+                for name in used:
+                    self.adapters.unpin(name)
+                raise
 
     def _fitting(self, tickets: list[Ticket]) -> list[Ticket]:
         """The longest run of ``tickets`` (in arrival order) that one batch can hold now."""
@@ -306,22 +307,30 @@ class Scheduler:
             rows, longest = rows + r.n, length
         return chosen
 
-    def _open(self, key: tuple[Any, ...], adapter: str | None, tickets: list[Ticket]) -> None:
+    def _open(self, key: tuple[Any, ...], adapters: set[str], tickets: list[Ticket]) -> None:
+        """A new batch of ``tickets``' rows; ``adapters`` (theirs) are pinned already."""
         first = tickets[0].request
         seed = first.seed % (1 << 63) if first.seed is not None else random.getrandbits(63)
-        rows = [_Row(t, i) for t in tickets for i in range(t.request.n)]
+        rows = [
+            _Row(t, i, Reply(t.request.max_tokens, t.request.stop))
+            for t in tickets
+            for i in range(t.request.n)
+        ]
         longest = max(len(t.request.prompt.token_ids) + t.request.max_tokens for t in tickets)
         longest += self.tokens_per_step
-        cache = self.engine.open_batch(len(rows), seed=seed, capacity_hint=longest)
+        cache = self.engine.open_batch(
+            len(rows),
+            seed=seed,
+            capacity_hint=longest,
+            adapters=[row.ticket.request.adapter for row in rows],
+        )
         params = SamplingParams(
             temperature=first.temperature,
             top_p=first.top_p,
             max_tokens=self.tokens_per_step,
             allowed_tokens=first.allowed_tokens,
         )
-        if adapter is not None:
-            self.adapters.pin(adapter)
-        self._batches.append(_Batch(key, adapter, cache, params, dict(enumerate(rows))))
+        self._batches.append(_Batch(key, adapters, cache, params, dict(enumerate(rows))))
         with self._cv:
             for t in tickets:
                 self._queue.remove(t)
@@ -339,7 +348,6 @@ class Scheduler:
         if not batch.rows:
             return
         try:
-            self.adapters.activate(batch.adapter)
             chunks = {
                 s: (_CONTINUE if batch.started else row.ticket.request.prompt)
                 for s, row in batch.rows.items()
@@ -360,39 +368,15 @@ class Scheduler:
 
     def _advance(self, row: _Row, gen: Any) -> bool:
         """Take a row's new tokens; post its text and, if it ended, why. True when ended."""
-        req = row.ticket.request
-        kept = gen.token_ids[: req.max_tokens - len(row.tokens)]
-        row.tokens.extend(kept)
-        decode = self.engine.chat.decode
-        text = decode(row.tokens)
-        # The engine's stop token ends the row only if it was not cut off by max_tokens.
-        reason = "stop" if gen.finish_reason == "stop" and len(kept) == len(gen.token_ids) else None
-        start = max(0, row.sent - _longest(req.stop))
-        cut = _first_stop(text, req.stop, start)
-        if cut is not None:
-            # Count the tokens up to the one that completed the stop string, not the rest
-            # of a multi-token step.
-            first_new = len(row.tokens) - len(kept)
-            for j in range(first_new + 1, len(row.tokens)):
-                if _first_stop(decode(row.tokens[:j]), req.stop, start) is not None:
-                    del row.tokens[j:]
-                    break
-            text, reason = text[:cut], "stop"
-        elif reason is None and len(row.tokens) >= req.max_tokens:
-            reason = "length"
-        end = len(text)
+        delta, reason = row.reply.take(gen.token_ids, gen.finish_reason, self.engine.chat.decode)
+        if delta:
+            row.ticket.post(Delta(row.index, delta))
         if reason is None:
-            end -= max(0, _longest(req.stop) - 1)
-            while end > row.sent and text[end - 1] == "\ufffd":
-                end -= 1
-        if end > row.sent:
-            row.ticket.post(Delta(row.index, text[row.sent : end]))
-            row.sent = end
-        if reason is not None:
-            row.ticket.post(Finished(row.index, reason, len(row.tokens)))
-            self.metrics.completion_tokens.labels(_label(req.adapter)).inc(len(row.tokens))
-            return True
-        return False
+            return False
+        used = len(row.reply.tokens)
+        row.ticket.post(Finished(row.index, reason, used))
+        self.metrics.completion_tokens.labels(_label(row.ticket.request.adapter)).inc(used)
+        return True
 
     def _drop(self, batch: _Batch, seqs: list[int]) -> None:
         for s in seqs:
@@ -401,8 +385,10 @@ class Scheduler:
             batch.cache.drop(seqs)
         else:
             self._batches.remove(batch)
-            if batch.adapter is not None:
-                self.adapters.unpin(batch.adapter)
+        used = {row.ticket.request.adapter for row in batch.rows.values()}
+        for name in batch.adapters - used:
+            self.adapters.unpin(name)
+        batch.adapters &= used
         self._count_running()
 
     def _key(self, ticket: Ticket) -> tuple[Any, ...]:
@@ -415,7 +401,7 @@ class Scheduler:
             sampling = ("seeded", ticket.solo)
         else:
             sampling = ("sampled", r.temperature, r.top_p)
-        return (r.adapter, sampling, r.allowed_tokens)
+        return (sampling, r.allowed_tokens)
 
     def _reject(self, tickets: list[Ticket], error: ServeError) -> None:
         with self._cv:
@@ -431,8 +417,8 @@ class Scheduler:
             for row in batch.rows.values():
                 row.ticket.post(Failed(error))
             self._batches.remove(batch)
-            if batch.adapter is not None:
-                self.adapters.unpin(batch.adapter)
+            for name in batch.adapters:
+                self.adapters.unpin(name)
         with self._cv:
             waiting = list(self._queue)
         self._reject(waiting, error)
@@ -444,13 +430,3 @@ class Scheduler:
 
 def _label(adapter: str | None) -> str:
     return "base" if adapter is None else adapter
-
-
-def _longest(stop: tuple[str, ...]) -> int:
-    return max((len(s) for s in stop), default=0)
-
-
-def _first_stop(text: str, stop: tuple[str, ...], start: int) -> int | None:
-    """Where the earliest stop string begins in ``text`` (searching from ``start``)."""
-    hits = [i for s in stop if (i := text.find(s, start)) >= 0]
-    return min(hits) if hits else None

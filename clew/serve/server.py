@@ -24,7 +24,8 @@ from typing import Any
 from clew.errors import ClewError
 from clew.inference.engine import InferenceEngine
 from clew.models.chat import ChatFormat
-from clew.serve.adapters import AdapterStore, LoadedAdapters, check_name
+from clew.serve.adapter_pool import LoadedAdapters
+from clew.serve.adapters import AdapterStore, check_name
 from clew.serve.errors import AdapterUnavailable, BadRequest, ModelNotFound
 from clew.serve.metrics import ServeMetrics
 from clew.serve.prompt import PromptLimits, build_prompt
@@ -72,7 +73,8 @@ class Server:
         self.metrics = ServeMetrics()
         self.store = AdapterStore(settings.adapters)
         self.adapters = LoadedAdapters(
-            model,
+            engine,
+            self.store,
             settings.max_adapters,
             on_load=self._loaded,
             on_evict=self._evicted,
@@ -80,7 +82,6 @@ class Server:
         self.scheduler = Scheduler(
             engine,
             self.adapters,
-            self.store,
             self.metrics,
             max_batch_rows=settings.max_batch_rows,
             max_queue=settings.max_queue,
