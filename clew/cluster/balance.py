@@ -6,7 +6,8 @@ to workers by expected cost: the longest first, each to the worker with the leas
 far (the LPT rule, within 4/3 of the best split). A row's expected cost is the turns its
 episodes are expected to take: the expert's ``turns_needed`` where the dataset row records
 it (capped by the row's turn budget), else the budget itself. Rows of equal cost keep
-their order, so rows of unknown cost fall into contiguous, count-balanced chunks.
+their order, and rows all of one cost (unknown, say) fall into contiguous, count-balanced
+chunks.
 
 (An update's sequences are split by count: ``TrainingBatch.split``.)
 """
@@ -28,6 +29,15 @@ def expected_cost(row: Row) -> float:
     return float(min(needed, budget)) if budget else float(needed)
 
 
+def count_split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous ``[lo, hi)`` ranges over ``n`` items, sizes differing by one
+    at most (the first ones larger), some empty when ``n < parts``."""
+    bounds = [0]
+    for p in range(parts):
+        bounds.append(bounds[-1] + n // parts + (p < n % parts))
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
 def assign_rows(costs: Sequence[float], num_workers: int) -> list[list[int]]:
     """Row indices for each of at most ``num_workers`` workers (none left empty), each list
     in row order, balancing the summed ``costs`` (LPT)."""
@@ -35,18 +45,13 @@ def assign_rows(costs: Sequence[float], num_workers: int) -> list[list[int]]:
     k = min(n, num_workers)
     if k <= 1:
         return [list(range(n))] if n else []
-    # Equal costs keep row order: ties go by index, and within a cost level the rows fill
-    # workers in turn, so uniform costs give contiguous chunks like a count split.
-    order = sorted(range(n), key=lambda i: (-costs[i], i))
+    if len(set(costs)) == 1:  # nothing to balance: contiguous chunks, as a count split
+        return [list(range(lo, hi)) for lo, hi in count_split(n, k)]
+    order = sorted(range(n), key=lambda i: (-costs[i], i))  # ties by row order
     heap = [(0.0, w) for w in range(k)]
     parts: list[list[int]] = [[] for _ in range(k)]
     for i in order:
         load, w = heapq.heappop(heap)
         parts[w].append(i)
         heapq.heappush(heap, (load + costs[i], w))
-    if len(set(costs)) == 1:  # a count split: contiguous chunks, sizes differing by one
-        bounds = [0]
-        for w in range(k):
-            bounds.append(bounds[-1] + n // k + (w < n % k))
-        return [list(range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
     return sorted((sorted(p) for p in parts), key=lambda p: p[0])

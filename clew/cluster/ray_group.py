@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from clew.cluster.balance import assign_rows, expected_cost
+from clew.cluster.balance import assign_rows, count_split, expected_cost
 from clew.cluster.data_parallel import DataParallelWorker, free_loopback_address
 from clew.cluster.placement import rendezvous_in
 from clew.cluster.ray_calls import WorkerLost, WorkerStartFailed, gather, lost_worker, start_cause
@@ -264,7 +264,7 @@ class RayWorkerGroup:
         """One SFT optimizer step on ``demos``, spread over the workers by count (a worker
         may get none); the step one worker takes on the whole batch. Metrics: worker 0's
         (the loss and gradient norm are the whole batch's on every worker)."""
-        shares = [demos[lo:hi] for lo, hi in _count_split(len(demos), self.world_size)]
+        shares = [demos[lo:hi] for lo, hi in count_split(len(demos), self.world_size)]
         metrics = gather(
             [
                 w.sft_step.remote(s, micro_batch_size)
@@ -328,15 +328,6 @@ def chunk_seed(seed: int, first_row: int) -> int:
     for the worker with row 0, else a value mixed from both (kept below 2**31 so ``play``'s own arithmetic on it
     stays in a generator's range)."""
     return seed if first_row == 0 else (seed * 1_000_003 + first_row * 7_919) % 2**31
-
-
-def _count_split(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` contiguous ``[lo, hi)`` ranges over ``n`` items, sizes differing by one
-    at most (the first ones larger), some empty when ``n < parts``."""
-    bounds = [0]
-    for p in range(parts):
-        bounds.append(bounds[-1] + n // parts + (p < n % parts))
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
 def _is_sharded(worker: DataParallelWorker) -> bool:
