@@ -120,7 +120,12 @@ def main() -> None:
     p.add_argument("--caches", default="dynamic,static")
     p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--bandwidth-tbs", type=float, default=4.8, help="memory bandwidth, TB/s")
+    p.add_argument(
+        "--bandwidth-tbs",
+        type=float,
+        default=4.2,
+        help="memory bandwidth, TB/s (benchmarks/bounds.py)",
+    )
     args = p.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)

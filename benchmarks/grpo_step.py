@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bounds import add_hardware_flags, grpo_step_floor, hardware, model_sizes  # noqa: E402
@@ -49,6 +51,10 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--device", default="auto")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--vocab-size", type=int, default=None, help="pad the tokenizer to this")
+    p.add_argument(
+        "--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides"
+    )
     p.add_argument(
         "--forced",
         action="store_true",
@@ -62,7 +68,20 @@ def main() -> None:
         tmp = Path(tmp)
         rows = generate_rows(args.env_id, args.prompts * args.steps, env_options=opts)
         write_rows(rows, tmp / "train.parquet")
-        model = build_model(args.preset, tmp / "model", corpus=text_corpus(), overwrite=True).path
+        cuda = args.device.startswith("cuda") or (
+            args.device == "auto" and torch.cuda.is_available()
+        )
+        # On a GPU the policy is drawn there (an 8B host build takes minutes and 35 GB).
+        model = build_model(
+            args.preset,
+            tmp / "model",
+            corpus=text_corpus(),
+            device="cuda" if cuda else None,
+            padded_vocab_size=args.vocab_size,
+            overwrite=True,
+        ).path
+        if cuda:
+            torch.cuda.empty_cache()
         cfg = load_config(
             None,
             [
@@ -89,6 +108,7 @@ def main() -> None:
                 "trainer.max_prompt_length=1024",
                 "trainer.policy.optimizer_config.lr=1.0e-5",
                 *(forced if args.forced else []),
+                *args.set,
             ],
         )
         t0 = time.perf_counter()

@@ -8,13 +8,25 @@ model's replies rarely end an episode early, so both do the same number of turns
 
     python benchmarks/rollout.py --preset tiny --prompts 8 --samples 4 --max-turns 10
     python benchmarks/rollout.py --preset base --prompts 24 --samples 8 --max-turns 20 --device cuda
+    python benchmarks/rollout.py --preset qwen3vl-8b --env-id maze_2d/easy --prompts 24 \
+        --samples 8 --max-turns 5 --device cuda --profile
+
+``--profile`` splits the engine's rollout into its prefill forwards, decode forwards, the
+engine's own work around them (masks, positions, patch upload, sampling, compaction) and
+what runs outside the engine (env steps, frame encoding, trajectories), each forward timed
+between device synchronizations (which the plain run does not pay), and prints each beside
+its bound (``benchmarks/bounds.py``): prefill at ``2 N`` FLOPs a token at the matrix rate,
+a decode step reading the text weights and every live row's KV cache at the bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -25,6 +37,9 @@ from clew.inference.runtime import open_policy
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model
 from clew.rollout.loop import RolloutSettings, play
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bounds import Hardware, add_hardware_flags, hardware, model_sizes  # noqa: E402
 
 
 def baseline(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict[str, float]:
@@ -74,6 +89,83 @@ def baseline(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> d
     return {"episodes": len(episodes), "steps": steps, "gen": gen_tokens, "prefill": prefill_tokens}
 
 
+class EngineProfile:
+    """Seconds and work of the engine's forwards, timed by wrapping ``CacheBatch``'s methods."""
+
+    def __init__(self, device: torch.device, pad_id: int) -> None:
+        self.device, self.pad_id = device, pad_id
+        self.engine_s = self.prefill_s = self.decode_s = 0.0
+        self.prefill_tokens = self.decode_steps = 0
+        self.kv_tokens_read = 0  # live cache tokens summed over decode steps
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def installed(self):
+        from clew.inference.engine import CacheBatch
+
+        forward, extend = CacheBatch._forward, CacheBatch.extend_and_generate
+        prof = self
+
+        def timed_forward(batch, input_ids, positions, attention_mask, **extra):
+            prof._sync()
+            t0 = time.perf_counter()
+            out = forward(batch, input_ids, positions, attention_mask, **extra)
+            prof._sync()
+            dt = time.perf_counter() - t0
+            if input_ids.shape[1] > 1:
+                prof.prefill_s += dt
+                prof.prefill_tokens += int((input_ids != prof.pad_id).sum())
+            else:
+                prof.decode_s += dt
+                prof.decode_steps += 1
+                prof.kv_tokens_read += sum(batch.lengths)
+            return out
+
+        def timed_extend(batch, chunks, params):
+            prof._sync()
+            t0 = time.perf_counter()
+            out = extend(batch, chunks, params)
+            prof._sync()
+            prof.engine_s += time.perf_counter() - t0
+            return out
+
+        CacheBatch._forward, CacheBatch.extend_and_generate = timed_forward, timed_extend
+        try:
+            yield self
+        finally:
+            CacheBatch._forward, CacheBatch.extend_and_generate = forward, extend
+
+    def report(self, total_s: float, sizes, hw: Hardware) -> None:
+        prefill_bound = hw.compute_s(2 * sizes.params * self.prefill_tokens)
+        decode_bound = hw.memory_s(
+            self.decode_steps * sizes.text_weight_bytes
+            + self.kv_tokens_read * sizes.kv_bytes_per_token
+        )
+        other = self.engine_s - self.prefill_s - self.decode_s
+        outside = total_s - self.engine_s
+        print(f"rollout profile ({hw.tflops:g} TFLOP/s, {hw.tbs:g} TB/s): {total_s:.2f} s")
+        print(f"{'part':<28} {'seconds':>8} {'share':>6} {'bound s':>8} {'of bound':>8}")
+        parts = [
+            ("prefill forwards", self.prefill_s, prefill_bound),
+            ("decode forwards", self.decode_s, decode_bound),
+            ("engine work around them", other, None),
+            ("outside the engine", outside, None),
+            ("whole rollout", total_s, prefill_bound + decode_bound),
+        ]
+        for name, sec, bound in parts:
+            tail = f"{bound:>8.2f} {bound / sec:>8.1%}" if bound is not None and sec > 0 else ""
+            print(f"{name:<28} {sec:>8.2f} {sec / total_s:>6.0%} {tail}")
+        print(
+            f"prefill: {self.prefill_tokens} tokens, {self.prefill_tokens / max(self.prefill_s, 1e-9):,.0f} "
+            f"tokens/s (bound {hw.tflops * 1e12 / (2 * sizes.params):,.0f}); decode: "
+            f"{self.decode_steps} steps, {1000 * self.decode_s / max(self.decode_steps, 1):.1f} ms a "
+            f"step (bound {1000 * decode_bound / max(self.decode_steps, 1):.1f} ms)"
+        )
+
+
 def _user(obs) -> dict:
     return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": obs.text}]}
 
@@ -103,14 +195,25 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--device", default="auto")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
+    add_hardware_flags(p)
     args = p.parse_args()
+    cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     rows = generate_rows(
         args.env_id, args.prompts, env_options={"cell_px": 28, "action_format": "keyword"}
     )
     with tempfile.TemporaryDirectory() as tmp:
         path = (
-            args.model or build_model(args.preset, tmp, corpus=text_corpus(), overwrite=True).path
+            args.model
+            or build_model(
+                args.preset,
+                tmp,
+                corpus=text_corpus(),
+                device="cuda" if cuda else None,
+                overwrite=True,
+            ).path
         )
+        sizes = model_sizes(path)
         policy = open_policy(path, device=args.device)
         sides = [("clew engine", clew_side)] + (
             [] if args.skip_baseline else [("baseline generate", baseline)]
@@ -123,6 +226,7 @@ def main() -> None:
             f"{'side':<18} {'episodes/s':>10} {'env steps/s':>11} {'gen tok/s':>10} {'prefill tok/s':>13} {'seconds':>8}"
         )
         results = {}
+        clew_side(policy, rows[:1], 2, 2, args.max_tokens)  # warm-up: kernels, allocator
         for name, fn in sides:
             if policy.engine.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -140,6 +244,14 @@ def main() -> None:
             print(
                 f"speed-up (episodes/s): {results['clew engine'] / results['baseline generate']:.2f}x"
             )
+        if args.profile:
+            prof = EngineProfile(policy.engine.device, policy.engine.chat.pad_id)
+            with prof.installed():
+                t0 = time.perf_counter()
+                clew_side(policy, rows, args.samples, args.max_turns, args.max_tokens)
+                prof._sync()
+                total = time.perf_counter() - t0
+            prof.report(total, sizes, hardware(args))
 
 
 if __name__ == "__main__":

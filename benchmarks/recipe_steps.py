@@ -1,0 +1,111 @@
+"""GRPO steps per minute of a recipe's training phase, the engine's switches off and on, in one run.
+
+The small-model regime: the one-GPU ``maze_2d/easy`` recipe (``recipes/easy-1gpu.yaml``,
+the 19M-parameter ``medium`` policy, 24 prompts x 8 samples, up to 32 one-token turns).
+The recipe's dataset and model stages build the policy (random weights, no SFT: episodes
+run to the turn budget, a step's worst case), then its GRPO phase runs ``--steps`` steps
+per variant from the same weights, evaluation and checkpoints off:
+
+- ``before``: the engine and update as they were before the speed work
+  (``generator.inference_engine.kv_cache=dynamic``, padded micro-batches);
+- ``after``: the recipe's own settings (the static KV cache, the defaults);
+- ``packed``: ``after`` with ``trainer.remove_microbatch_padding=true``.
+
+Printed per variant: the mean seconds of a step and of its generate and update phases over
+the steps after the first (which pays the start-up), GRPO steps per minute and the speed-up
+over ``before``.
+
+    python benchmarks/recipe_steps.py --recipe recipes/easy-1gpu.yaml --steps 4
+    python benchmarks/recipe_steps.py --recipe recipes/cpu-demo.yaml --steps 2 --device cpu \\
+        --set trainer.train_batch_size=2 trainer.policy_mini_batch_size=2 \\
+        generator.n_samples_per_prompt=2 generator.max_turns=3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from clew.config import load_config
+from clew.launch import run_dir_of, run_grpo
+from clew.pipeline import run_pipeline, updated
+
+VARIANTS: dict[str, dict[str, object]] = {
+    "before": {"generator.inference_engine.kv_cache": "dynamic"},
+    "after": {},
+    "packed": {"trainer.remove_microbatch_padding": True},
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--recipe", default="recipes/easy-1gpu.yaml")
+    p.add_argument("--steps", type=int, default=4, help="GRPO steps per variant (first untimed)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides")
+    args = p.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        base = [
+            f"trainer.log_path={out}",
+            f"trainer.device={args.device}",
+            "pipeline.stages=[dataset,model]",
+            "pipeline.dataset.eval_rows=8",
+            "trainer.eval_before_train=false",
+            "trainer.eval_interval=-1",
+            "trainer.ckpt_interval=-1",
+            "trainer.hf_save_interval=-1",
+            "trainer.export_best=false",
+            "trainer.resume_mode=none",
+            "trainer.logger=jsonl",
+            f"trainer.max_steps={args.steps}",
+            *args.set,
+        ]
+        cfg = load_config(args.recipe, base)
+        rows = cfg.trainer.train_batch_size * args.steps
+        cfg = updated(cfg, {"pipeline.dataset.train_rows": rows})
+        run_pipeline(cfg)
+        model = out / "models" / "base"
+        cfg = updated(
+            cfg,
+            {
+                "data.train_data": [str(out / "data" / "train.parquet")],
+                "data.val_data": [],
+                "trainer.policy.model.path": str(model),
+            },
+        )
+        g, t = cfg.generator, cfg.trainer
+        print(
+            f"{args.recipe}: {t.train_batch_size} prompts x {g.n_samples_per_prompt} samples, "
+            f"up to {g.max_turns} turns, {args.steps} steps per variant (the first untimed)"
+        )
+        print(
+            f"{'variant':<8} {'step s':>7} {'generate':>9} {'update':>7} {'steps/min':>9} {'speed-up':>8}"
+        )
+        first = None
+        for name in names:
+            run_cfg = updated(cfg, {"trainer.run_name": name, **VARIANTS[name]})
+            run_grpo(run_cfg)
+            lines = (run_dir_of(run_cfg) / "metrics.jsonl").read_text().splitlines()
+            hist = [h for h in map(json.loads, lines) if "timing/step" in h]
+            timed = hist[1:] or hist
+            step = statistics.mean(h["timing/step"] for h in timed)
+            gen = statistics.mean(h["timing/generate"] for h in timed)
+            upd = statistics.mean(h["timing/update"] for h in timed)
+            first = first or step
+            print(
+                f"{name:<8} {step:>7.2f} {gen:>9.2f} {upd:>7.2f} {60 / step:>9.2f} "
+                f"{first / step:>7.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
