@@ -34,7 +34,7 @@ def config_page() -> str:
         for flag, key in table.items()
     ]
     return (
-        "# Configuration reference\n\nGenerated from the schema (`clew/config/schema.py`) by "
+        "# Configuration reference\n\nGenerated from the schema (`clew/config/schema.py` and its section modules) by "
         "`make docs`; every key takes a dotted `key=value` override on `clew train`.\n\n"
         + schema_markdown()
         + "\n## Command-line flags\n\nShort flags that stand for one key each; a `key=value` "

@@ -1,0 +1,125 @@
+"""Configuration of rollout generation (``generator.*``): sampling and the inference engine."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from clew.config.section import Section
+
+
+class SamplingParams(Section):
+    temperature: float = Field(1.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, description="Nucleus sampling mass, in (0, 1].")
+    top_k: int = Field(
+        -1,
+        description="Sample from the k most likely tokens; -1 turns it off. "
+        "Shapes the draw only (logprobs stay the whole vocabulary's): use allowed_tokens to "
+        "restrict replies.",
+    )
+    max_generate_length: int = Field(
+        64, description="Most new tokens generated per turn (SkyRL's name for max_new_tokens)."
+    )
+    stop: list[str] | None = Field(
+        None, description="Strings that end a turn's generation (kept in the output)."
+    )
+    seed: int | None = Field(None, description="Sampling seed; null derives one from trainer.seed.")
+    allowed_tokens: list[str] | None = Field(
+        None,
+        description="Sample only these tokens (vLLM's allowed_token_ids, by text; each must be "
+        "one token of the model's tokenizer, e.g. [up, down, left, right, stop] after "
+        "reply_prefix '<action>'): the others are masked before the softmax, so the logprobs "
+        "trained on are those of the distribution over the allowed tokens. null: the whole "
+        "vocabulary. eval_sampling_params does not inherit it: evaluation reads the policy's "
+        "own greedy reply unless set there too.",
+    )
+
+
+class InferenceEngineConfig(Section):
+    backend: Literal["clew"] = Field(
+        "clew", description="Inference engine; clew's in-process engine is the only one."
+    )
+    num_engines: int = Field(1, description="SkyRL: number of inference engines.")
+    tensor_parallel_size: int = Field(1, description="SkyRL: GPUs per inference engine.")
+    gpu_memory_utilization: float = Field(
+        0.45,
+        description="On GPU, the share of device memory the KV cache may take, in (0, 1].",
+    )
+    max_cache_mb: int = Field(4096, description="On CPU, the memory budget of the KV cache in MiB.")
+    kv_cache: Literal["static", "dynamic"] = Field(
+        "static",
+        description="The engine's KV cache: 'static' writes each row's keys in place into "
+        "preallocated slots and attends over each row's live part with grouped-query SDPA "
+        "(its budget counts rows by their real lengths); 'dynamic' is transformers' "
+        "DynamicCache (concatenated every forward, rows padded to one width), the reference.",
+    )
+    engine_init_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="SkyRL engine options; clew reads `max_model_len` (the engine's context "
+        "limit in tokens) when present.",
+    )
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine context limit from ``engine_init_kwargs``, if given."""
+        return self.engine_init_kwargs.get("max_model_len")
+
+
+class GeneratorConfig(Section):
+    n_samples_per_prompt: int = Field(
+        8, description="Trajectories sampled per prompt; one GRPO group. At least 2."
+    )
+    eval_n_samples_per_prompt: int = Field(
+        1,
+        description="Trajectories sampled per evaluation prompt; above 1 (with "
+        "eval_sampling_params.temperature > 0) eval/all/pass_at_<n> is reported beside pass_at_1.",
+    )
+    max_turns: int = Field(20, description="Most agent turns in one episode.")
+    max_input_length: int = Field(
+        8192,
+        description="Most tokens of context per episode (prompt, observations and all turns); "
+        "an episode that would exceed it is truncated.",
+    )
+    keep_last_k_images: int | None = Field(
+        None,
+        description="Keep only the k most recent images in the context (older ones are "
+        "dropped); null keeps all.",
+    )
+    reply_prefix: str = Field(
+        "",
+        description="Text written at the start of every reply before sampling (e.g. "
+        "'<action>'), as structured-output decoding fixes a reply's format: context, not "
+        "action (no loss, no logprob). '' samples the whole reply.",
+    )
+    reply_suffix: str = Field(
+        "",
+        description="Text written after a reply that ran to max_generate_length (e.g. "
+        "'</action>'), before <|im_end|>; the env reads prefix + sampled text + suffix.",
+    )
+    batched: bool = Field(False, description="SkyRL: batched single-turn generation.")
+    vision_language_generator: bool = Field(
+        True, description="SkyRL: use the vision-language generator."
+    )
+    sampling_params: SamplingParams = Field(
+        default_factory=SamplingParams, description="Sampling for training rollouts."
+    )
+    eval_sampling_params: SamplingParams = Field(
+        default_factory=SamplingParams,
+        description="Sampling for evaluation rollouts. Keys not set here are greedy "
+        "(temperature 0) and take max_generate_length and stop from sampling_params.",
+    )
+    inference_engine: InferenceEngineConfig = Field(
+        default_factory=InferenceEngineConfig,
+        description="The engine that generates rollouts.",
+    )
+
+    @model_validator(mode="after")
+    def _eval_defaults(self) -> GeneratorConfig:
+        ev, given = self.eval_sampling_params, self.eval_sampling_params.model_fields_set
+        if "temperature" not in given:
+            ev.temperature = 0.0
+        for name in ("max_generate_length", "stop"):
+            if name not in given:
+                setattr(ev, name, getattr(self.sampling_params, name))
+        return self

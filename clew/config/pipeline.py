@@ -1,0 +1,62 @@
+"""Configuration of a recipe's chain of stages (``pipeline.*``, `clew pipeline`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from clew.config.section import Section
+
+
+class PipelineDatasetConfig(Section):
+    env_id: str = Field("maze_2d/easy", description="Environment id of the generated rows.")
+    env_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the environment (as `clew dataset --option`)."
+    )
+    train_rows: int = Field(2048, description="Training rows generated.")
+    eval_rows: int = Field(64, description="Evaluation rows generated (distinct layouts).")
+
+
+class PipelineModelConfig(Section):
+    preset: str = Field("tiny", description="Model preset of `clew init-model`.")
+    arch: Literal["qwen2_vl", "qwen3_vl"] = Field("qwen3_vl", description="Architecture.")
+    image_size: int | None = Field(
+        None, description="Largest image side in px; null: the environment's frame side."
+    )
+    patch_size: int | None = Field(
+        None, description="Vision patch in px; null: the architecture's own."
+    )
+    merge_size: int = Field(2, description="Vision patches merged per side into one token.")
+    image_mean: list[float] | None = Field(
+        None, description="Pixel normalization mean per channel; null: the architecture's."
+    )
+    image_std: list[float] | None = Field(
+        None, description="Pixel normalization std per channel; null: the architecture's."
+    )
+    position_table: Literal["sincos", "centered"] = Field(
+        "sincos", description="Qwen3-VL vision position table at start."
+    )
+    text: dict[str, Any] = Field(
+        default_factory=dict, description="Language-model fields replaced (as --text K=V)."
+    )
+    vision: dict[str, Any] = Field(
+        default_factory=dict, description="Vision-tower fields replaced (as --vision K=V)."
+    )
+    seed: int = Field(0, description="Seed of the random initial weights.")
+
+
+class PipelineConfig(Section):
+    stages: list[Literal["dataset", "model", "sft", "train"]] = Field(
+        default_factory=lambda: ["dataset", "model", "sft", "train"],
+        description="Stages `clew pipeline` runs, in this order, under trainer.log_path: "
+        "'dataset' writes data/{train,eval}.parquet and sets data.train_data/val_data; "
+        "'model' builds models/base offline and sets sft.model_path; 'sft' runs `clew sft` "
+        "and sets trainer.policy.model.path to its final policy; 'train' runs GRPO.",
+    )
+    dataset: PipelineDatasetConfig = Field(
+        default_factory=PipelineDatasetConfig, description="The 'dataset' stage."
+    )
+    model: PipelineModelConfig = Field(
+        default_factory=PipelineModelConfig, description="The 'model' stage."
+    )
