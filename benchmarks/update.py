@@ -124,6 +124,27 @@ def attention_flops(config: object, lengths: list[int]) -> float:
     return 6.0 * text.num_hidden_layers * width * sum(n * n for n in lengths)
 
 
+def _timed(worker, episodes, batch, settings, args, reference):
+    """Seconds per update after the warm-up, the largest logprob difference from
+    ``reference`` (the first configuration's) and that reference."""
+    device = next(worker.model.parameters()).device
+    logprobs = worker.compute_logprobs(episodes, micro_batch_size=args.micro_batch)
+    if reference is None:
+        reference = logprobs
+    drift = max((a - b).abs().max().item() for a, b in zip(logprobs, reference, strict=True))
+    for _ in range(args.warmup):
+        worker.train_batch(batch, settings)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        worker.train_batch(batch, settings)
+    _sync(device)
+    return (time.perf_counter() - t0) / args.steps, drift, reference
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny")
@@ -209,21 +230,15 @@ def main() -> None:
     plain_s = None
     for name in args.configs.split(","):
         configure(worker, base, switches(name, args))
-        logprobs = worker.compute_logprobs(episodes, micro_batch_size=args.micro_batch)
-        if reference is None:
-            reference = logprobs
-        drift = max((a - b).abs().max().item() for a, b in zip(logprobs, reference, strict=True))
-        for _ in range(args.warmup):
-            worker.train_batch(batch, settings)
-        if device.type == "cuda":
+        try:
+            seconds, drift, reference = _timed(worker, episodes, batch, settings, args, reference)
+        except torch.OutOfMemoryError:
+            # One configuration past the device's memory (the plain path's whole logits at
+            # Qwen's vocabulary) is a figure too; the others still run.
+            worker.model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            worker.train_batch(batch, settings)
-        _sync(device)
-        seconds = (time.perf_counter() - t0) / args.steps
+            print(f"{name:<15} {'out of memory':>9}")
+            continue
         plain_s = plain_s or seconds
         memory = (
             f"{torch.cuda.max_memory_allocated(device) / 1e9:>8.1f}"
