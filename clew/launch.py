@@ -77,7 +77,7 @@ def placement_device(cfg: ClewConfig) -> tuple[torch.device, bool]:
     workers on Ray; a GPU placement this machine cannot hold is refused here."""
     t = cfg.trainer
     pl = t.placement
-    on_gpus = pl.num_gpus > 1
+    on_gpus = pl.num_gpus > 1 or _gpu_from_cluster(cfg)
     if on_gpus and not os.environ.get("RAY_ADDRESS"):  # a cluster's GPUs are counted on it
         found = 0 if t.device == "cpu" else local_gpus()
         check_gpus(
@@ -88,6 +88,25 @@ def placement_device(cfg: ClewConfig) -> tuple[torch.device, bool]:
     if pl.num_cpu_workers > 1:
         return torch.device("cpu"), False
     return pick_device(t.device), False
+
+
+def _gpu_from_cluster(cfg: ClewConfig) -> bool:
+    """One GPU asked by a driver that has none, on a Ray cluster (``RAY_ADDRESS``): the
+    driver of a ``ray job submit`` runs on the head node, a CPU node in the usual cluster,
+    so its one worker is a Ray actor on a GPU node rather than this process on its CPU."""
+    t, pl = cfg.trainer, cfg.trainer.placement
+    return (
+        pl.num_gpus == 1
+        and pl.num_cpu_workers <= 1
+        and t.device != "cpu"
+        and bool(os.environ.get("RAY_ADDRESS"))
+        and local_gpus() == 0
+    )
+
+
+def uses_ray(cfg: ClewConfig, on_gpus: bool) -> bool:
+    """Whether the policy workers are Ray actors (GPU workers, or several CPU workers)."""
+    return on_gpus or cfg.trainer.placement.num_cpu_workers > 1
 
 
 def ray_worker_group(
@@ -156,7 +175,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
         for sp in (cfg.generator.sampling_params, cfg.generator.eval_sampling_params)
         if sp.allowed_tokens
     ]
-    if t.placement.num_workers > 1:
+    if uses_ray(cfg, on_gpus):
         return ray_worker_group(
             cfg,
             t.policy.model.path,
@@ -335,7 +354,7 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
     workers = cfg.trainer.placement.num_workers
     if eval_fn is None and eval_rows:
         eval_fn = sft_eval_fn(eval_rows, cfg.generator.keep_last_k_images, autocast)
-    if workers > 1:  # the workers GRPO would run on (trainer.placement)
+    if uses_ray(cfg, on_gpus):  # the workers GRPO would run on (trainer.placement)
         policy = ray_worker_group(cfg, s.model_path, settings, dtype, device, on_gpus)
     else:
         limit_host_threads(device)

@@ -11,8 +11,9 @@ import pytest
 
 from clew.cluster.balance import assign_rows, expected_cost
 from clew.cluster.placement import connect_ray
+from clew.config import load_config
 from clew.data.rows import Row
-from clew.errors import ClewError
+from clew.errors import ClewError, ConfigError
 
 
 def row(turns_needed: int | None, max_turns: int = 10) -> Row:
@@ -51,3 +52,27 @@ def test_a_ray_address_that_does_not_answer_fails_fast_saying_so(monkeypatch):
     with pytest.raises(ClewError, match=rf"RAY_ADDRESS=127.0.0.1:{port} does not answer"):
         connect_ray(None)
     assert time.monotonic() - begun < 15
+
+
+def test_one_gpu_on_a_cluster_from_a_driver_without_gpus_goes_to_a_ray_gpu_worker(monkeypatch):
+    # A `ray job submit` entrypoint runs on the head node, usually a CPU node: its one GPU
+    # worker must be a Ray actor on a GPU node, not this process on its CPU.
+    import clew.launch as launch
+
+    monkeypatch.setattr(launch, "local_gpus", lambda: 0)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    device, on_gpus = launch.placement_device(load_config(None, []))
+    assert (device.type, on_gpus) == ("cuda", True)
+    for override in ("trainer.device=cpu", "trainer.placement.num_cpu_workers=2"):
+        device, on_gpus = launch.placement_device(load_config(None, [override]))
+        assert (device.type, on_gpus) == ("cpu", False), override
+    monkeypatch.delenv("RAY_ADDRESS")
+    device, on_gpus = launch.placement_device(load_config(None, []))
+    assert not on_gpus and not launch.uses_ray(load_config(None, []), on_gpus)
+
+
+def test_a_gpu_placement_on_a_cluster_without_gpus_is_refused_naming_the_cpu_way():
+    from clew.cluster.placement import check_gpus
+
+    with pytest.raises(ConfigError, match=r"has 0: .*trainer\.device=cpu"):
+        check_gpus(load_config(None, []).trainer.placement, 0, "the Ray cluster")

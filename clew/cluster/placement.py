@@ -82,7 +82,8 @@ def check_gpus(pl: PlacementConfig, found: float, where: str) -> None:
         raise ConfigError(
             f"{GPU_KEYS} = {pl.policy_num_nodes} x {pl.policy_num_gpus_per_node} = "
             f"{pl.num_gpus} GPUs asked, but {where} has {found:g}: lower them, or on a machine "
-            "without GPUs set them to 1 and use trainer.placement.num_cpu_workers"
+            "without GPUs set them to 1 and use trainer.placement.num_cpu_workers (or "
+            "trainer.device=cpu for one worker in this process)"
         )
 
 
