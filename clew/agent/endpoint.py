@@ -86,26 +86,11 @@ class Endpoint:
     ) -> Reply:
         import openai
 
-        if sampling.top_k > 0:
-            raise ClewError(
-                "top_k is not part of the chat-completions API; evaluate through an endpoint "
-                "with top_k=-1 (top_p and allowed_tokens are sent)"
-            )
-        extra: dict[str, Any] = {}
-        if sampling.allowed_tokens:
-            extra["allowed_tokens"] = list(sampling.allowed_tokens)
-        if continue_final:
-            extra["continue_final_message"] = True
+        body = chat_body(messages, sampling, continue_final=continue_final, seed=seed)
+        extra = {k: body.pop(k) for k in _CLEW_FIELDS if k in body}
         try:
             r = self.client.chat.completions.create(
-                model=self.model,
-                messages=messages,  # type: ignore[arg-type]
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                max_tokens=sampling.max_tokens,
-                stop=list(sampling.stop) or openai.omit,
-                seed=seed if seed is not None else openai.omit,
-                extra_body=extra or None,
+                model=self.model, **body, extra_body=extra or None
             )
         except openai.BadRequestError as err:
             if err.code == "context_length_exceeded":
@@ -139,6 +124,40 @@ class Endpoint:
         if isinstance(err, openai.APIStatusError):
             return ClewError(f"{self.url} answered HTTP {err.status_code}: {_message(err)}")
         return ClewError(f"{self.url}: {type(err).__name__}: {err}")
+
+
+_CLEW_FIELDS = ("allowed_tokens", "continue_final_message")  # beside OpenAI's own
+
+
+def chat_body(
+    messages: list[dict[str, Any]],
+    sampling: SamplingParams,
+    *,
+    continue_final: bool,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """A chat-completions request body, but for ``model``: one turn's messages with the
+    sampling settings of a rollout, the fields ``clew serve`` adds to OpenAI's included."""
+    if sampling.top_k > 0:
+        raise ClewError(
+            "top_k is not part of the chat-completions API; evaluate through an endpoint "
+            "with top_k=-1 (top_p and allowed_tokens are sent)"
+        )
+    body: dict[str, Any] = {
+        "messages": messages,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens,
+    }
+    if sampling.stop:
+        body["stop"] = list(sampling.stop)
+    if seed is not None:
+        body["seed"] = seed
+    if sampling.allowed_tokens:
+        body["allowed_tokens"] = list(sampling.allowed_tokens)
+    if continue_final:
+        body["continue_final_message"] = True
+    return body
 
 
 def _message(err: Any) -> str:

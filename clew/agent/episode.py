@@ -10,20 +10,108 @@ An episode ends as a rollout's does: on the env's done, on the turn budget, on a
 error, or with ``context_full`` when the next turn would not fit ``max_input_length`` (the
 prompt the server counted plus ``max_tokens``, as the rollouts count it) or the server's
 own context.
+
+``EpisodeTurns`` is the episode as a state machine, one request at a time: whoever sends
+the request (``play_episode`` through ``Endpoint``, or the playground page of ``clew
+serve`` from a browser) hands back the reply, and the turn is played the same way.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from clew.agent.endpoint import ContextFull, Endpoint
+from clew.agent.endpoint import ContextFull, Endpoint, Reply
 from clew.agent.messages import Conversation
 from clew.envs import make
 from clew.errors import ConfigError
+from clew.inference.sampling import SamplingParams
 from clew.rollout.loop import RolloutSettings, fail_episode, start_episode, take_turn
 from clew.rollout.trajectory import Trajectory
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One turn's request: the conversation so far and how to sample the reply."""
+
+    messages: list[dict[str, Any]]
+    sampling: SamplingParams
+    continue_final: bool  # the last message is the reply prefix, to continue
+    seed: int | None  # sampled requests only: a seed that makes the run repeat
+
+
+class EpisodeTurns:
+    """One episode of ``env_id`` (reset to ``seed``), waiting for the replies to its requests.
+
+    ``request`` is the next request to send, None once the episode ended (``traj`` says
+    how). Sampled requests (temperature > 0) carry a seed derived from ``sampling_seed``,
+    the episode and the turn, so a run repeats; greedy ones carry none.
+    """
+
+    def __init__(
+        self,
+        env_id: str,
+        options: dict[str, Any],
+        seed: int,
+        settings: RolloutSettings,
+        *,
+        group: int = 0,
+        sample: int = 0,
+        sampling_seed: int = 0,
+        env_factory: Callable[..., Any] = make,
+    ) -> None:
+        self.env_id, self.seed, self.settings = env_id, seed, settings
+        self._key = (sampling_seed, seed, group, sample)
+        self.request: TurnRequest | None = None
+        try:
+            self._episode, obs = start_episode(env_id, options, seed, group, sample, env_factory)
+        except Exception as exc:  # an env that cannot even reset is that episode's failure
+            self.traj = Trajectory(env_id, options, seed, group, sample)
+            fail_episode(self.traj, exc)
+            return
+        self.traj = self._episode.traj
+        self.traj.image_window = settings.keep_last_k_images
+        self.conversation = Conversation()
+        self._ask(obs)
+
+    def _ask(self, obs: Any) -> None:
+        s = self.settings
+        self.conversation.add_observation(obs.text, obs.images)
+        messages = self.conversation.messages(
+            reply_prefix=s.reply_prefix, keep_last_k_images=s.keep_last_k_images
+        )
+        seed = None if s.sampling.greedy else _request_seed(*self._key, self.traj.turns)
+        self.request = TurnRequest(messages, s.sampling, bool(s.reply_prefix), seed)
+
+    def answer(self, reply: Reply | None) -> bool:
+        """Play ``reply`` to ``request`` as the next turn; None: the server refused the
+        request as longer than its context. False when the episode ended without playing
+        it (``context_full``), True when it was played."""
+        if self.request is None:
+            raise RuntimeError("the episode is over: there is no request to answer")
+        s, traj = self.settings, self.traj
+        self.request = None
+        if reply is None:
+            traj.end_reason = "context_full"
+            return False
+        if reply.prompt_tokens + s.sampling.max_tokens > s.max_input_length:
+            if traj.turns == 0:
+                raise ConfigError(
+                    f"max_input_length={s.max_input_length} cannot hold one turn: the "
+                    f"first observation of {self.env_id} takes {reply.prompt_tokens} tokens "
+                    f"and a reply up to {s.sampling.max_tokens}; raise max_input_length to at "
+                    f"least {reply.prompt_tokens + s.sampling.max_tokens}"
+                )
+            traj.end_reason = "context_full"  # the rollouts would not have asked for this turn
+            return False
+        text = s.reply_text(reply.text, reply.stopped)
+        self.conversation.add_reply(text)
+        obs = take_turn(self._episode, text, s.max_turns)
+        if obs is not None:
+            self._ask(obs)
+        return True
 
 
 def play_episode(
@@ -41,57 +129,31 @@ def play_episode(
 ) -> Trajectory:
     """Play one episode of ``env_id`` (reset to ``seed``) with the endpoint's model.
 
-    ``on_turn`` sees the trajectory after every turn (``clew play`` prints it). Sampled
-    requests (temperature > 0) carry a seed derived from ``sampling_seed``, the episode
-    and the turn, so a run repeats; greedy ones carry none.
+    ``on_turn`` sees the trajectory after every turn (``clew play`` prints it).
     """
-    try:
-        ep, obs = start_episode(env_id, options, seed, group, sample, env_factory)
-    except Exception as exc:  # an env that cannot even reset is that episode's failure
-        traj = Trajectory(env_id, options, seed, group, sample)
-        fail_episode(traj, exc)
-        return traj
-    traj = ep.traj
-    traj.image_window = settings.keep_last_k_images
-    conversation = Conversation()
-    sampling = settings.sampling
-    while True:
-        conversation.add_observation(obs.text, obs.images)
-        messages = conversation.messages(
-            reply_prefix=settings.reply_prefix, keep_last_k_images=settings.keep_last_k_images
-        )
-        request_seed = (
-            None
-            if sampling.greedy
-            else _request_seed(sampling_seed, seed, group, sample, traj.turns)
-        )
+    turns = EpisodeTurns(
+        env_id,
+        options,
+        seed,
+        settings,
+        group=group,
+        sample=sample,
+        sampling_seed=sampling_seed,
+        env_factory=env_factory,
+    )
+    while (request := turns.request) is not None:
         try:
-            reply = endpoint.reply(
-                messages,
-                sampling,
-                continue_final=bool(settings.reply_prefix),
-                seed=request_seed,
+            reply: Reply | None = endpoint.reply(
+                request.messages,
+                request.sampling,
+                continue_final=request.continue_final,
+                seed=request.seed,
             )
         except ContextFull:
-            traj.end_reason = "context_full"
-            return traj
-        if reply.prompt_tokens + sampling.max_tokens > settings.max_input_length:
-            if traj.turns == 0:
-                raise ConfigError(
-                    f"max_input_length={settings.max_input_length} cannot hold one turn: the "
-                    f"first observation of {env_id} takes {reply.prompt_tokens} tokens and a "
-                    f"reply up to {sampling.max_tokens}; raise max_input_length to at least "
-                    f"{reply.prompt_tokens + sampling.max_tokens}"
-                )
-            traj.end_reason = "context_full"  # the rollouts would not have asked for this turn
-            return traj
-        text = settings.reply_text(reply.text, reply.stopped)
-        conversation.add_reply(text)
-        obs = take_turn(ep, text, settings.max_turns)
-        if on_turn is not None:
-            on_turn(traj)
-        if obs is None:
-            return traj
+            reply = None
+        if turns.answer(reply) and on_turn is not None:
+            on_turn(turns.traj)
+    return turns.traj
 
 
 def _request_seed(sampling_seed: int, seed: int, group: int, sample: int, turn: int) -> int:

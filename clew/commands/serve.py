@@ -19,7 +19,8 @@ def _serve(p: argparse.ArgumentParser) -> Handler:
     p.epilog = (
         "Models: ID is the base, ID:NAME the adapter in PREFIX/NAME (or PREFIX/NAME/policy). "
         f"The API key may also come from ${API_KEY_ENV} (a flag's value shows in the process "
-        "list). Health: GET /health, /ready; metrics: GET /metrics."
+        "list). Health: GET /health, /ready; metrics: GET /metrics; a page that plays envs "
+        "with the served models: GET /playground."
     )
     p.add_argument("--model", required=True, help="base policy directory")
     p.add_argument(

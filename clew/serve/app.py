@@ -7,12 +7,14 @@ store and the scheduler) in FastAPI. Routes:
 * ``GET /v1/models`` and ``GET /v1/models/{id}``: the base as ``ID``, every adapter under
   the prefix as ``ID:NAME``;
 * ``GET /health`` (the process and its scheduler live), ``GET /ready`` (serving, not
-  shutting down), ``GET /metrics`` (Prometheus text).
+  shutting down), ``GET /metrics`` (Prometheus text);
+* ``GET /playground`` and its API under ``/playground/api/`` (``clew.serve.playground``).
 
-With an API key set, ``/v1/*`` needs ``Authorization: Bearer KEY`` (a 401 otherwise,
-checked before the body is read); health, readiness and metrics stay open for probes and
-scrapers. Every error, a body that is not JSON included, is answered with an OpenAI error
-body and a 4xx status for the client's mistakes; a 500 means the server failed.
+With an API key set, ``/v1/*`` and ``/playground/api/*`` need ``Authorization: Bearer KEY``
+(a 401 otherwise, checked before the body is read); health, readiness, metrics and the
+playground page (which asks for the key) stay open. Every error, a body that is not JSON
+included, is answered with an OpenAI error body and a 4xx status for the client's mistakes;
+a 500 means the server failed.
 
 Shutting down (SIGTERM to ``clew serve``): readiness turns 503 at once, uvicorn stops
 accepting connections and waits for the open ones, streams included, to finish; then the
@@ -37,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clew.serve.errors import BadRequest, ServeError, TooLarge, Unauthorized, error_body
+from clew.serve.playground import playground_router
 from clew.serve.protocol import ChatCompletionRequest, chunk, completion, completion_id, usage
 from clew.serve.scheduler import Admitted, Delta, Failed, Finished, Ticket
 
@@ -67,6 +70,7 @@ def create_app(server: Server) -> FastAPI:
     app.add_middleware(_BodyLimit, limit=server.settings.max_request_bytes)
     app.add_middleware(_ApiKey, key=server.settings.api_key)
     _install_error_handlers(app)
+    app.include_router(playground_router(server))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -261,14 +265,18 @@ def _validation_error(exc: RequestValidationError) -> BadRequest:
 _BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
+_KEYED = ("/v1/", "/playground/api/")
+
+
 class _ApiKey:
-    """401 for ``/v1/*`` requests without ``Authorization: Bearer KEY`` (when a key is set)."""
+    """401 for ``/v1/*`` and ``/playground/api/*`` requests without ``Authorization: Bearer
+    KEY`` (when a key is set)."""
 
     def __init__(self, app: Any, key: str | None) -> None:
         self.app, self.key = app, key
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if self.key and scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if self.key and scope["type"] == "http" and scope["path"].startswith(_KEYED):
             given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(
