@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from clew.config import load_config
+from clew.config.settings import ppo_settings, rollout_settings
 from clew.data.rows import generate_rows, write_rows
 from clew.envs.base import text_corpus
-from clew.grpo import ppo_settings, rollout_settings
 from clew.launch import build_worker_group
 from clew.models import build_model
 from clew.train.training_batch import TrainingBatch

@@ -23,11 +23,11 @@ import torch
 from clew.algorithms import EstimatorBatch, compute_advantages, get_estimator
 from clew.cluster.group import WorkerGroup
 from clew.config import ClewConfig
+from clew.config.settings import ppo_settings, rollout_settings
 from clew.data.rows import Row
 from clew.data.sampler import ResumableSampler
 from clew.errors import ClewError
 from clew.evaluation import dump_eval, eval_metrics
-from clew.inference.sampling import SamplingParams
 from clew.metrics import MetricsCollector
 from clew.metrics.catalog import peak_memory_metric
 from clew.metrics.progress import Progress
@@ -42,7 +42,6 @@ from clew.rollout.loop import RolloutSettings, rollout_metrics
 from clew.rollout.trajectory import Trajectory
 from clew.stopping import GracefulStop
 from clew.train.optim import MAX_DROPPED_STEPS
-from clew.train.settings import PPOSettings
 from clew.train.training_batch import TrainingBatch
 
 
@@ -64,55 +63,6 @@ _ROLLOUT_DATA: dict[str, Callable[[Trajectory], Any]] = {
     "turn_rewards": lambda t: torch.tensor(t.padded_turn_rewards()),
     "state_keys": lambda t: t.state_keys,
 }
-
-
-def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
-    g = cfg.generator
-    sp = g.eval_sampling_params if evaluation else g.sampling_params
-    return RolloutSettings(
-        n_samples_per_prompt=g.eval_n_samples_per_prompt if evaluation else g.n_samples_per_prompt,
-        max_turns=g.max_turns,
-        max_input_length=g.max_input_length,
-        keep_last_k_images=g.keep_last_k_images,
-        reply_prefix=g.reply_prefix,
-        reply_suffix=g.reply_suffix,
-        state_keys=not evaluation
-        and "state_keys" in get_estimator(cfg.trainer.algorithm.advantage_estimator).needs,
-        sampling=SamplingParams(
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            top_k=sp.top_k,
-            max_tokens=sp.max_generate_length,
-            stop=tuple(sp.stop or ()),
-            allowed_tokens=tuple(sp.allowed_tokens or ()),
-        ),
-    )
-
-
-def ppo_settings(cfg: ClewConfig) -> PPOSettings:
-    """The update's loss and geometry; the mini-batch counts the group's trajectories."""
-    a, t, g = cfg.trainer.algorithm, cfg.trainer, cfg.generator
-    temperature = g.sampling_params.temperature
-    return PPOSettings(
-        eps_clip_low=a.eps_clip_low,
-        eps_clip_high=a.eps_clip_high,
-        clip_ratio_c=a.clip_ratio_c,
-        loss_reduction=a.loss_reduction,
-        max_seq_len=g.max_input_length,
-        use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef,
-        kl_estimator=a.kl_estimator_type,
-        entropy_loss_coef=a.entropy_loss_coef if a.use_entropy_loss else 0.0,
-        temperature=temperature if temperature > 0 else 1.0,
-        allowed_tokens=tuple(g.sampling_params.allowed_tokens or ()),
-        mini_batch_size=t.policy_mini_batch_size * g.n_samples_per_prompt,
-        micro_batch_size=t.micro_train_batch_size_per_gpu,
-        forward_micro_batch_size=t.micro_forward_batch_size_per_gpu,
-        epochs=t.update_epochs_per_batch,
-        recompute_old_logprobs=a.recompute_old_logprobs,
-        use_tis=a.use_tis,
-        tis_imp_ratio_cap=a.tis_imp_ratio_cap,
-    )
 
 
 def seed_everything(seed: int) -> None:

@@ -21,7 +21,7 @@ from clew.cluster.group import LocalWorkerGroup, WorkerGroup
 from clew.cluster.placement import check_gpus, connect_ray, local_gpus, worker_placement_group
 from clew.cluster.ray_calls import WorkerLost
 from clew.config import ClewConfig, save_config
-from clew.config.schema import LoraConfig, OptimizerConfig
+from clew.config.settings import optimizer_steps, worker_settings
 from clew.data.rows import read_rows
 from clew.envs.plugins import import_env_modules, modules_env
 from clew.errors import ClewError, ConfigError
@@ -40,36 +40,6 @@ from clew.train.worker import PolicyWorker, WorkerSettings
 
 def run_dir_of(cfg: ClewConfig) -> Path:
     return Path(cfg.trainer.log_path) / cfg.trainer.run_name
-
-
-def optimizer_steps(cfg: ClewConfig, num_rows: int) -> int:
-    t = cfg.trainer
-    steps = (num_rows // t.train_batch_size) * t.epochs
-    if t.max_steps >= 0:  # the run ends there, so a decaying schedule must reach its end there
-        steps = min(steps, t.max_steps)
-    return max(
-        1, steps * (t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
-    )
-
-
-def worker_settings(
-    opt: OptimizerConfig, lora: LoraConfig, *, num_training_steps: int, **extra: Any
-) -> WorkerSettings:
-    """The worker's settings from a stage's optimizer and LoRA sections (GRPO's or SFT's)."""
-    return WorkerSettings(
-        lr=opt.lr,
-        adam_betas=tuple(opt.adam_betas),
-        weight_decay=opt.weight_decay,
-        max_grad_norm=opt.max_grad_norm,
-        scheduler=opt.scheduler,
-        num_warmup_steps=opt.num_warmup_steps,
-        num_training_steps=num_training_steps,
-        lora_rank=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        lora_target_modules=lora.target_modules,
-        **extra,
-    )
 
 
 def placement_device(cfg: ClewConfig) -> tuple[torch.device, bool]:

@@ -261,7 +261,7 @@ def test_each_validation_rule_rejects_a_bad_value(overrides: list[str], rule: st
 
 
 def test_allowed_tokens_reach_the_rollouts_and_the_update_but_not_evaluation() -> None:
-    from clew.grpo import ppo_settings, rollout_settings
+    from clew.config.settings import ppo_settings, rollout_settings
 
     cfg = load_config(None, ["generator.sampling_params.allowed_tokens=[up,down,left,right,stop]"])
     words = ("up", "down", "left", "right", "stop")
@@ -408,7 +408,7 @@ def test_schema_markdown_lists_every_key_with_a_description() -> None:
 
 
 def test_a_forced_reply_format_reaches_the_rollout_settings() -> None:
-    from clew.grpo import rollout_settings
+    from clew.config.settings import rollout_settings
 
     cfg = load_config(None, ["generator.reply_prefix=<action>", "generator.reply_suffix=</action>"])
     for evaluation in (False, True):
@@ -419,7 +419,7 @@ def test_a_forced_reply_format_reaches_the_rollout_settings() -> None:
 
 
 def test_schedule_length_ends_at_max_steps_when_the_run_does() -> None:
-    from clew.launch import optimizer_steps
+    from clew.config.settings import optimizer_steps
 
     base = ["trainer.train_batch_size=8", "trainer.policy_mini_batch_size=4", "trainer.epochs=2"]
     # 2048 rows / 8 prompts = 256 steps an epoch; two optimizer steps a batch.

@@ -20,9 +20,9 @@ from clew.algorithms import (
     setting,
 )
 from clew.config import load_config
+from clew.config.settings import rollout_settings
 from clew.data.rows import write_rows
 from clew.errors import ConfigError
-from clew.grpo import rollout_settings
 from clew.launch import run_grpo
 from clew.models import build_model
 
