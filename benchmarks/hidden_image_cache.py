@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+import clew.inference.batch as batch_module
 import clew.inference.engine as engine_module
 from clew.data.rows import generate_rows
 from clew.envs.base import text_corpus
@@ -30,7 +31,7 @@ from clew.rollout.loop import RolloutSettings, play
 
 
 def run(engine: InferenceEngine, rows, settings: RolloutSettings, compact: bool):
-    saved = engine_module._COMPACT_WHEN_VISIBLE_BELOW
+    saved = batch_module._COMPACT_WHEN_VISIBLE_BELOW
     widths: list[int] = []
     original = engine_module.CacheBatch._forward
 
@@ -38,7 +39,7 @@ def run(engine: InferenceEngine, rows, settings: RolloutSettings, compact: bool)
         widths.append(cached.cache_tokens)
         return original(cached, *args, **kwargs)
 
-    engine_module._COMPACT_WHEN_VISIBLE_BELOW = saved if compact else 0.0
+    batch_module._COMPACT_WHEN_VISIBLE_BELOW = saved if compact else 0.0
     engine_module.CacheBatch._forward = forward
     try:
         if engine.device.type == "cuda":
@@ -49,7 +50,7 @@ def run(engine: InferenceEngine, rows, settings: RolloutSettings, compact: bool)
             torch.cuda.synchronize()
         return time.perf_counter() - t, trajs, max(widths)
     finally:
-        engine_module._COMPACT_WHEN_VISIBLE_BELOW = saved
+        batch_module._COMPACT_WHEN_VISIBLE_BELOW = saved
         engine_module.CacheBatch._forward = original
 
 

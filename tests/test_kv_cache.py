@@ -13,6 +13,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.errors import ConfigError
+from clew.inference import batch as batch_module
 from clew.inference import engine as engine_module
 from clew.inference.attention import gqa_sdpa_attention, text_config
 from clew.inference.engine import InferenceEngine
@@ -120,7 +121,7 @@ def test_hidden_images_are_masked_and_compacted_in_place_with_the_same_samples(p
     assert any(after < before for before, after in widths)
     _assert_same(static, dynamic)
     # Never compacting gives the same samples too: hidden columns were masked all along.
-    monkeypatch.setattr(engine_module, "_COMPACT_WHEN_VISIBLE_BELOW", 0.0)
+    monkeypatch.setattr(batch_module, "_COMPACT_WHEN_VISIBLE_BELOW", 0.0)
     _assert_same(play(engine, rows, settings, seed=5), dynamic)
 
 

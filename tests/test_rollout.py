@@ -267,6 +267,7 @@ def test_keep_last_k_images_hides_old_images_the_same_way_in_engine_and_trainer(
 def test_hidden_images_leave_the_kv_cache_without_changing_any_logprob(policy, rows, monkeypatch):
     from dataclasses import replace
 
+    import clew.inference.batch as batch_module
     import clew.inference.engine as engine_module
 
     model, chat = policy
@@ -283,7 +284,7 @@ def test_hidden_images_leave_the_kv_cache_without_changing_any_logprob(policy, r
     compacted = play(InferenceEngine(model, chat), rows, settings, seed=7)
     # Some turn dropped columns: the cache holds fewer tokens than were fed.
     assert any(after < before for before, after in widths)
-    monkeypatch.setattr(engine_module, "_COMPACT_WHEN_VISIBLE_BELOW", 0.0)
+    monkeypatch.setattr(batch_module, "_COMPACT_WHEN_VISIBLE_BELOW", 0.0)
     full = play(InferenceEngine(model, chat), rows, settings, seed=7)
     for a, b in zip(compacted, full, strict=True):
         assert a.token_ids == b.token_ids

@@ -18,7 +18,10 @@ sequence order whatever their slots (``CacheBatch._sample``), so seeded draws do
 on where a row lives. Hidden image columns are removed within each row's slot (a gather of
 the visible columns to the front) only once they are a quarter of the width, as for the
 dynamic cache. Chunk padding (the batch's chunks are left-padded to one width) is written
-past each row's end, where the next real token overwrites it, and is never visible.
+past each row's end, where the next real token overwrites it, and is never visible. A row
+that joins a running batch (``add_rows``) takes the next free slot, the slots doubling when
+none is left; a forward may cover a range of slots only (``prefill(first=)``: the joining
+rows' prompts), attending over views of those slots alone.
 
 Capacity: a slot holds ``capacity`` columns; before a turn the engine asks for its longest
 row plus the turn's growth (the longest chunk and every decode step) and the buffers grow
@@ -109,9 +112,9 @@ class SlotCache(Cache):
         self.visible = torch.zeros(rows, 0, dtype=torch.bool, device=device)
         self.image_of_col = torch.zeros(rows, 0, dtype=torch.long, device=device)
         self.hidden_any = False
-        # Where the current forward writes: row and column indices [rows, T], and the width
-        # of the views the attention reads.
-        self._write: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        # Where the current forward writes: row and column indices [rows, T], the width of
+        # the views the attention reads and the first slot of its rows.
+        self._write: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
         self._arange = torch.arange(rows, device=device)
 
     # What transformers calls.
@@ -120,7 +123,7 @@ class SlotCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._write is None:
             raise RuntimeError("SlotCache: a forward ran without prefill()/decode() planning it")
-        rows, cols, width = self._write
+        rows, cols, width, first = self._write
         layer = self.layers[layer_idx]
         if layer.keys is None:
             shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[3])
@@ -131,7 +134,7 @@ class SlotCache(Cache):
         # Advanced indices on dims 0 and 2 put their [B, T] first: [B, T, kv_heads, head_dim].
         layer.keys[rows, :, cols] = key_states.transpose(1, 2)
         layer.values[rows, :, cols] = value_states.transpose(1, 2)
-        return layer.keys[:b, :, :width], layer.values[:b, :, :width]
+        return layer.keys[first : first + b, :, :width], layer.values[first : first + b, :, :width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width
@@ -155,6 +158,30 @@ class SlotCache(Cache):
             return True
         return self.rows * need * self.bytes_per_token <= self.budget_bytes
 
+    def fits_joining(self, n: int, tokens: int) -> bool:
+        """Whether ``n`` more rows of ``tokens`` columns fit beside the live rows."""
+        need = max(self.width, tokens)
+        if self.budget_bytes is None or (self.rows + n <= self.slots and need <= self.capacity):
+            return True
+        return (self.rows + n) * need * self.bytes_per_token <= self.budget_bytes
+
+    def add_rows(self, n: int) -> None:
+        """``n`` empty rows in slots ``[rows, rows + n)``; the slots double when full, within
+        the budget (a copy of the live rows, as a growth in columns)."""
+        lo, rows = self.rows, self.rows + n
+        if rows > self.slots:
+            slots = max(rows, 2 * self.slots)
+            if self.budget_bytes is not None and self.capacity:
+                afford = self.budget_bytes // (self.capacity * self.bytes_per_token)
+                slots = max(rows, min(slots, afford))
+            self._resize(self.capacity, slots)
+        # A freed slot still holds its last row's table entries.
+        self.visible[lo:rows] = False
+        self.image_of_col[lo:rows] = -1
+        self.fill_dev = torch.cat([self.fill_dev, self.fill_dev.new_zeros(n)])
+        self.fill += [0] * n
+        self.rows = rows
+
     def reserve(self, need: int) -> None:
         """Make every slot hold at least ``need`` columns (see the module docstring)."""
         if need <= self.capacity:
@@ -167,46 +194,49 @@ class SlotCache(Cache):
             target = max(need, min(target, afford))
         self._resize(target)
 
-    def _resize(self, capacity: int) -> None:
+    def _resize(self, capacity: int, slots: int | None = None) -> None:
         rows, width = self.rows, self.width
-        visible = torch.zeros(rows, capacity, dtype=torch.bool, device=self.device)
-        image = torch.full((rows, capacity), -1, dtype=torch.long, device=self.device)
-        visible[:, :width] = self.visible[:rows, :width]
-        image[:, :width] = self.image_of_col[:rows, :width]
+        slots = rows if slots is None else slots
+        visible = torch.zeros(slots, capacity, dtype=torch.bool, device=self.device)
+        image = torch.full((slots, capacity), -1, dtype=torch.long, device=self.device)
+        visible[:rows, :width] = self.visible[:rows, :width]
+        image[:rows, :width] = self.image_of_col[:rows, :width]
         self.visible, self.image_of_col = visible, image
         for layer in self.layers:
             if layer.keys is None:
                 continue
             for name in ("keys", "values"):
                 old = getattr(layer, name)
-                new = old.new_zeros((rows, old.shape[1], capacity, old.shape[3]))
-                new[:, :, :width] = old[:rows, :, :width]
+                new = old.new_zeros((slots, old.shape[1], capacity, old.shape[3]))
+                new[:rows, :, :width] = old[:rows, :, :width]
                 setattr(layer, name, new)
                 del old  # one layer's old buffer at a time: the peak is one layer over
-        self.slots, self.capacity = rows, capacity
-        self._arange = torch.arange(rows, device=self.device)
+        self.slots, self.capacity = slots, capacity
+        self._arange = torch.arange(slots, device=self.device)
 
     def prefill(
-        self, new_mask: torch.Tensor, image_ids: torch.Tensor, counts: list[int]
+        self, new_mask: torch.Tensor, image_ids: torch.Tensor, counts: list[int], first: int = 0
     ) -> torch.Tensor:
-        """Plan a forward of left-padded chunks ``[rows, T]`` (``new_mask`` 1 on real tokens,
-        ``counts`` real tokens per row); returns its attention mask ``[rows, 1, T, width]``."""
+        """Plan a forward of left-padded chunks ``[rows, T]`` for the rows in slots
+        ``[first, first + rows)`` (``new_mask`` 1 on real tokens, ``counts`` real tokens per
+        row); returns its attention mask ``[rows, 1, T, width]``, ``width`` their longest."""
         b, t = new_mask.shape
+        end = first + b
         real = new_mask.bool()
         n = real.sum(1, keepdim=True)
         j = torch.arange(t, device=self.device)[None, :]
-        fill = self.fill_dev[:, None]
+        fill = self.fill_dev[first:end, None]
         # Real tokens at the row's next columns; padding past them, never visible.
         cols = torch.where(real, fill + j - (t - n), fill + n + j)
-        rows = self._arange[:b, None].expand(b, t)
+        rows = self._arange[first:end, None].expand(b, t)
         self.visible[rows, cols] = real
         self.image_of_col[rows, cols] = image_ids
-        self.fill_dev = self.fill_dev + n[:, 0]
-        self.fill = [f + c for f, c in zip(self.fill, counts, strict=True)]
-        width = self.width
-        self._write = (rows, cols, width)
+        self.fill_dev = self.fill_dev.index_add(0, self._arange[first:end], n[:, 0])
+        self.fill[first:end] = [f + c for f, c in zip(self.fill[first:end], counts, strict=True)]
+        width = max(self.fill[first:end])
+        self._write = (rows, cols, width, first)
         causal = torch.arange(width, device=self.device)[None, None, :] <= cols[:, :, None]
-        return (self.visible[:b, None, :width] & causal)[:, None]
+        return (self.visible[first:end, None, :width] & causal)[:, None]
 
     def decode(self, active: torch.Tensor, active_host: list[bool]) -> torch.Tensor:
         """Plan a decode step (one token a row; inactive rows write nothing visible and keep
@@ -218,7 +248,7 @@ class SlotCache(Cache):
         self.fill_dev = cols + active
         self.fill = [f + a for f, a in zip(self.fill, active_host, strict=True)]
         width = self.width
-        self._write = (rows[:, None], cols[:, None], width)
+        self._write = (rows[:, None], cols[:, None], width, 0)
         return self.visible[:b, None, None, :width]
 
     def hide_images(self, limit: torch.Tensor) -> None:

@@ -1,0 +1,381 @@
+"""One engine batch: sequences sharing one KV cache, extended turn by turn, rows joining late.
+
+A ``CacheBatch`` (``InferenceEngine.open_batch``) holds its rows in cache order; a row is
+addressed by its sequence id (``0 .. size-1`` at opening, the next ids for rows that join).
+Each ``extend_and_generate`` appends a chunk to every row (its pending token, if any, plus
+the chunk's tokens), prefills them left-padded to one width and decodes a reply per row, one
+token a row per step; finished rows leave with ``drop``.
+
+Joining (continuous batching, static cache only): ``add_rows`` puts new rows into free slots
+of the running batch between two ``extend_and_generate`` calls, and the next call prefills
+their prompts while the other rows feed their pending token. That step runs two forwards,
+the running rows' one column each and the new rows' prompts, rather than one forward of
+every row padded to the longest prompt: under steady load a few rows join a batch of many
+at most steps, and padding every running row to a prompt's width (an image is dozens of
+tokens) would make each such step cost a whole batch's prefill. The two forwards' last
+logits are sampled together and the reply is decoded as one batch from there. The split
+applies when the new rows (those with nothing in the cache yet) are the batch's last rows,
+which they are unless rows left between ``add_rows`` and the step; otherwise the one padded
+forward runs, which gives the same tokens.
+
+Seeded draws (``clew.inference.draws``): rows opened with the batch draw from its generator
+in sequence order; a row that joins with a seed of its own (``add_rows(seeds=)``) draws what
+it would alone, and the running rows draw what they would without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from clew.errors import ConfigError
+from clew.inference.attention import engine_attention
+from clew.inference.draws import RowDraws
+from clew.inference.kv_cache import DynamicKV, SlotCache
+from clew.inference.sampling import SamplingParams
+from clew.models.chat import Chunk
+from clew.models.logit_masks import keep_allowed, mask_banned
+from clew.models.pixels import as_patches, cat_pixels
+from clew.models.positions import mrope_positions
+from clew.models.precision import bf16_autocast
+
+if TYPE_CHECKING:
+    from clew.inference.engine import InferenceEngine
+
+# CacheBatch._compact runs once the visible columns are at most this share of the cache width.
+_COMPACT_WHEN_VISIBLE_BELOW = 0.75
+
+
+@dataclass
+class Generation:
+    """One sampled reply: ids and logprobs per token, and why it ended (stop|length)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"
+
+
+@dataclass
+class _Prefill:
+    """One forward's worth of a turn's chunks: rows ``[lo, hi)``, left-padded."""
+
+    lo: int
+    hi: int
+    ids: np.ndarray  # [rows, T]
+    pos: np.ndarray  # [3, rows, T]
+    mask: np.ndarray  # [rows, T], 1 on real tokens
+    image: np.ndarray  # [rows, T], the image (per sequence) a column holds, -1 for text
+    counts: list[int]
+    pixels: list[torch.Tensor]
+    grids: list[torch.Tensor]
+
+
+class CacheBatch:
+    """A batch of sequences sharing one KV cache (module docstring)."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        size: int,
+        seed: int | None,
+        keep_last_k_images: int | None = None,
+        capacity_hint: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.keep_last_k = keep_last_k_images
+        dev = engine.device
+        budget = {"bytes_per_token": engine.bytes_per_token, "budget_bytes": engine.max_cache_bytes}
+        self.kv: SlotCache | DynamicKV
+        if engine.kv_cache == "static":
+            self.kv = SlotCache(engine.num_layers, size, dev, capacity_hint=capacity_hint, **budget)
+        else:
+            self.kv = DynamicKV(size, dev, **budget)
+        self.images_seen = [0] * size
+        self.rows: list[int] = list(range(size))  # sequence ids, in cache row order
+        self.next_pos = [0] * size
+        self.lengths = [0] * size  # real tokens per sequence (fed + pending)
+        self.pending: list[int | None] = [None] * size
+        self.adapters: list[str | None] = [None] * size  # each row's adapter, None: the base
+        self.draws = RowDraws(size, seed, dev)
+        self._next_seq = size
+
+    @property
+    def cache(self):
+        """The transformers cache the model reads and writes."""
+        return self.kv if isinstance(self.kv, SlotCache) else self.kv.cache
+
+    @property
+    def cache_tokens(self) -> int:
+        """The cache's width: the longest row (static) or the padded width (dynamic)."""
+        return self.kv.width
+
+    def fits(self, extra_tokens: int) -> bool:
+        """Whether every sequence can grow by ``extra_tokens`` within the cache budget."""
+        return self.kv.fits(extra_tokens)
+
+    def can_add(self, n: int, tokens: int) -> bool:
+        """Whether ``n`` rows of up to ``tokens`` tokens each can join within the budget."""
+        if not isinstance(self.kv, SlotCache):
+            return False
+        return self.kv.fits_joining(n, tokens)
+
+    def add_rows(
+        self,
+        n: int,
+        adapters: list[str | None] | None = None,
+        seeds: list[int] | None = None,
+        tokens: int = 0,
+    ) -> list[int]:
+        """``n`` new rows (their sequence ids) that the next ``extend_and_generate`` prefills
+        while the others continue; ``adapters``: each one's (None: the base); ``seeds``: each
+        one's own draws (module docstring); ``tokens``: the longest a new row may grow."""
+        if not isinstance(self.kv, SlotCache):
+            raise ConfigError(
+                "rows can join a running batch only with the static KV cache "
+                "(generator.inference_engine.kv_cache=static)"
+            )
+        if seeds is not None and len(seeds) != n:
+            raise ConfigError(f"{n} joining rows need {n} seeds, got {len(seeds)}")
+        names = self.engine.lora.check_rows(adapters, n)
+        if not self.kv.fits_joining(n, tokens):
+            raise ConfigError(
+                f"{n} more row(s) of {tokens} tokens do not fit this batch's KV-cache budget "
+                f"beside its {len(self.rows)} row(s); wait for rows to finish"
+            )
+        self.kv.add_rows(n)
+        ids = list(range(self._next_seq, self._next_seq + n))
+        self._next_seq += n
+        self.rows += ids
+        self.next_pos += [0] * n
+        self.lengths += [0] * n
+        self.pending += [None] * n
+        self.images_seen += [0] * n
+        self.adapters += names
+        self.draws.join(n, seeds)
+        return ids
+
+    def drop(self, seq_ids: list[int]) -> None:
+        """Remove finished sequences from the batch (their cache rows are freed)."""
+        gone = set(seq_ids)
+        kept = [i for i, s in enumerate(self.rows) if s not in gone]
+        if len(kept) == len(self.rows):
+            return
+        order = self.kv.keep(kept)
+        for name in ("rows", "next_pos", "lengths", "pending", "images_seen", "adapters"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in order])
+        self.draws.keep(order)
+
+    @torch.no_grad()
+    def extend_and_generate(
+        self, chunks: dict[int, Chunk], params: SamplingParams
+    ) -> dict[int, Generation]:
+        """Append ``chunks[seq]`` to every sequence in the batch and sample one reply each."""
+        if set(chunks) != set(self.rows):
+            raise ValueError("every sequence in the batch needs a chunk (drop finished ones first)")
+        chat = self.engine.chat
+        b = new = len(self.rows)
+        # Rows with nothing in the cache yet, when they are the last: prefilled on their own.
+        while new > 0 and self.lengths[new - 1] == 0:
+            new -= 1
+        token_lists: list[list[int]] = []
+        pos_lists: list[torch.Tensor | int] = []
+        for r, seq in enumerate(self.rows):
+            chunk = chunks[seq]
+            ids = ([self.pending[r]] if self.pending[r] is not None else []) + chunk.token_ids
+            if len(ids) == 1 and ids[0] != chat.image_token_id:
+                # One text token (a running row's step): its position on all three axes.
+                pos, self.next_pos[r] = self.next_pos[r], self.next_pos[r] + 1
+            else:
+                pos, self.next_pos[r] = mrope_positions(
+                    ids,
+                    chunk.image_grid_thw,
+                    self.next_pos[r],
+                    chat.image_token_id,
+                    chat.merge_size,
+                )
+            token_lists.append(ids)
+            pos_lists.append(pos)
+            self.lengths[r] += len(chunk.token_ids)
+            self.pending[r] = None
+        split = 0 < new < b and isinstance(self.kv, SlotCache) and any(token_lists[:new])
+        spans = [(0, new), (new, b)] if split else [(0, b)]
+        parts = [self._pack(lo, hi, token_lists, pos_lists, chunks) for lo, hi in spans]
+        self._hide_old_images()
+        self._compact()
+        # Room for the chunk (its padding included) and every decode step of the reply.
+        width = max(p.ids.shape[1] for p in parts)
+        self.kv.reserve(self.kv.width + width + params.max_tokens)
+        self.draws.plan(self.rows)
+        logits = torch.cat([self._prefill(p) for p in parts])
+        return self._decode(logits, params)
+
+    def _pack(
+        self,
+        lo: int,
+        hi: int,
+        token_lists: list[list[int]],
+        pos_lists: list[torch.Tensor | int],
+        chunks: dict[int, Chunk],
+    ) -> _Prefill:
+        """Rows ``[lo, hi)``'s new tokens left-padded to one width, so every row's last real
+        token is the last column. Built in numpy and handed over once: per-row tensor ops
+        were a visible share of a GPU turn."""
+        chat = self.engine.chat
+        b = hi - lo
+        width = max(len(t) for t in token_lists[lo:hi])
+        ids_np = np.full((b, width), chat.pad_id, dtype=np.int64)
+        pos_np = np.zeros((3, b, width), dtype=np.int64)
+        mask_np = np.zeros((b, width), dtype=np.int64)
+        for i, r in enumerate(range(lo, hi)):
+            ids, n = token_lists[r], len(token_lists[r])
+            ids_np[i, width - n :] = ids
+            pos = pos_lists[r]
+            pos_np[:, i, width - n :] = pos if isinstance(pos, int) else pos.numpy()
+            mask_np[i, width - n :] = 1
+        # Which image (counted per sequence) each new column holds: runs of image tokens.
+        is_image = (ids_np == chat.image_token_id) & (mask_np == 1)
+        starts = is_image & ~np.concatenate([np.zeros((b, 1), dtype=bool), is_image[:, :-1]], 1)
+        seen = np.asarray(self.images_seen[lo:hi], dtype=np.int64)[:, None]
+        image_np = np.where(is_image, seen + np.cumsum(starts, 1) - 1, -1)
+        self.images_seen[lo:hi] = (seen[:, 0] + starts.sum(1)).tolist()
+        pixels, grids = [], []
+        for seq in self.rows[lo:hi]:
+            if chunks[seq].pixel_values is not None:
+                pixels.append(chunks[seq].pixel_values)
+                grids.append(chunks[seq].image_grid_thw)
+        counts = [len(t) for t in token_lists[lo:hi]]
+        return _Prefill(lo, hi, ids_np, pos_np, mask_np, image_np, counts, pixels, grids)
+
+    def _prefill(self, part: _Prefill) -> torch.Tensor:
+        """One forward of ``part``'s rows; their last logits ``[rows, vocab]``."""
+        dev = self.engine.device
+        mask, image = torch.from_numpy(part.mask).to(dev), torch.from_numpy(part.image).to(dev)
+        if isinstance(self.kv, SlotCache):
+            attention_mask = self.kv.prefill(mask, image, part.counts, first=part.lo)
+        else:
+            attention_mask = self.kv.prefill(mask, image, part.counts)
+        extra = {}
+        if part.pixels:
+            extra["pixel_values"] = as_patches(cat_pixels(part.pixels), dev)
+            extra["image_grid_thw"] = torch.cat(part.grids).to(dev)
+        rows = None if (part.lo, part.hi) == (0, len(self.rows)) else slice(part.lo, part.hi)
+        if rows is not None:
+            extra["rows"] = rows
+        ids, pos = torch.from_numpy(part.ids), torch.from_numpy(part.pos)
+        return self._forward(ids, pos, attention_mask, **extra)
+
+    def _decode(self, logits: torch.Tensor, params: SamplingParams) -> dict[int, Generation]:
+        """Sample the replies, one token a row per step, from the chunk's last logits."""
+        eng, dev = self.engine, self.engine.device
+        b = len(self.rows)
+        gens = {seq: Generation() for seq in sorted(self.rows)}
+        active = [True] * b
+        active_dev = torch.ones(b, dtype=torch.bool, device=dev)
+        next_pos: torch.Tensor | None = None
+        for step in range(params.max_tokens):
+            tokens_dev, tokens, logprobs = self._sample(logits, params)
+            by_string = False
+            for r, seq in enumerate(self.rows):
+                if not active[r]:
+                    continue
+                g = gens[seq]
+                g.token_ids.append(tokens[r])
+                g.logprobs.append(logprobs[r])
+                self.lengths[r] += 1
+                self.pending[r] = tokens[r]
+                if tokens[r] in eng.stop_token_ids:
+                    g.finish_reason, active[r] = "stop", False
+                elif self._hit_stop_string(g, params):
+                    g.finish_reason, active[r], by_string = "stop", False, True
+            if not any(active) or step == params.max_tokens - 1:
+                break
+            # The step's inputs on the device: each active row feeds its sampled token at its
+            # next position; finished rows feed padding their cache never shows.
+            active_dev = active_dev & ~torch.isin(tokens_dev, eng._stop_ids)
+            if by_string:  # only the host saw those stops
+                active_dev = torch.tensor(active, dtype=torch.bool, device=dev)
+            if next_pos is None:
+                next_pos = torch.tensor(self.next_pos, dtype=torch.long, device=dev)
+            step_ids = torch.where(active_dev, tokens_dev, eng.chat.pad_id).view(b, 1)
+            step_pos = torch.where(active_dev, next_pos, 0).view(1, b, 1).repeat(3, 1, 1)
+            next_pos = next_pos + active_dev
+            for r in range(b):
+                if active[r]:
+                    self.next_pos[r] += 1
+                    self.pending[r] = None
+            logits = self._forward(step_ids, step_pos, self.kv.decode(active_dev, active))
+        return gens
+
+    def _hide_old_images(self) -> None:
+        """Mask the cache columns of images older than the last ``keep_last_k`` of each row."""
+        if not self.keep_last_k:
+            return
+        seen = torch.tensor(self.images_seen, dtype=torch.long, device=self.engine.device)
+        self.kv.hide_images(seen - self.keep_last_k)
+
+    def _compact(self) -> None:
+        """Drop the cache columns a row can no longer see (hidden images, padding).
+
+        With ``keep_last_k_images`` most of a long episode's cache is old images: without
+        this, every decode step would still read them. A copy, so only once they are a
+        quarter of the width (``_COMPACT_WHEN_VISIBLE_BELOW``); the cached keys carry their
+        rotary positions, so moving a column changes no logit (up to summation order).
+        """
+        self.kv.compact(_COMPACT_WHEN_VISIBLE_BELOW)
+
+    def _hit_stop_string(self, g: Generation, params: SamplingParams) -> bool:
+        if not params.stop:
+            return False
+        tail = self.engine.chat.decode(g.token_ids[-32:])
+        return any(s in tail for s in params.stop)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor,
+        rows: slice | None = None,
+        **extra,
+    ) -> torch.Tensor:
+        """The last logits of a forward of every row, or of ``rows`` (a prefill's slots)."""
+        eng = self.engine
+        dev = eng.device
+        static = isinstance(self.kv, SlotCache)
+        adapters = self.adapters if rows is None else self.adapters[rows]
+        with (
+            bf16_autocast(dev, eng.autocast),
+            engine_attention(eng.model) if static else contextlib.nullcontext(),
+            eng.lora.rows(adapters),
+        ):
+            out = eng.model(
+                input_ids=input_ids.to(dev),
+                attention_mask=attention_mask,
+                position_ids=positions.to(dev),
+                use_cache=True,
+                logits_to_keep=1,
+                **{eng._cache_kw: self.cache},
+                **extra,
+            )
+        return mask_banned(out.logits[:, -1, :].float(), eng.banned_token_ids)
+
+    def _sample(
+        self, logits: torch.Tensor, params: SamplingParams
+    ) -> tuple[torch.Tensor, list[int], list[float]]:
+        """One token per row (on the device) and, as Python lists, the tokens and their
+        logprobs (one device-to-host copy).
+
+        Which generator each row draws from, and in which order, is ``self.draws``'s.
+        """
+        temperature = 1.0 if params.greedy else params.temperature
+        if params.allowed_tokens:
+            logits = keep_allowed(logits, self.engine.allowed_ids(params.allowed_tokens))
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        tokens = logits.argmax(-1) if params.greedy else self.draws.draw(logits, params)
+        picked = logp.gather(-1, tokens.view(-1, 1)).squeeze(-1)
+        both = torch.stack([tokens.double(), picked.double()]).cpu()
+        return tokens, [int(t) for t in both[0].tolist()], both[1].tolist()
