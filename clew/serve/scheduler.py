@@ -1,41 +1,43 @@
 """The one seam between HTTP and the engine: requests in, batched engine steps, tokens out.
 
-The app submits a ``GenerationRequest`` and reads its ``Ticket``'s events (``Admitted``,
-then ``Delta``s and one ``Finished`` per choice, or ``Failed``); it never touches the
-engine, the model or the adapters. One thread owns those. Each turn of its loop it
+The app submits a ``GenerationRequest`` and reads its ``Ticket``'s events
+(``clew.serve.tickets``); it never touches the engine, the model or the adapters. One thread
+owns those. Each turn of its loop it
 
-1. admits waiting requests: those with the same batch key (the sampling settings one
-   engine batch shares) join one new ``CacheBatch`` whatever model they ask for, each row
-   naming its request's adapter (None: the base) to the engine, which applies every row's
-   own low-rank update in the same forward. An adapter is loaded into the engine first if
-   it is not held (``clew.serve.adapter_pool``, fetched off-thread by the store); a
-   request whose adapter is still on its way waits for the next batch;
-2. advances every open batch by ``tokens_per_step`` tokens (``extend_and_generate``: the
-   first call prefills the prompts, later ones feed each row its pending token with an
-   empty chunk);
-3. turns each row's new tokens into text for its ticket, and ends rows on the stop token, a
-   stop string or their ``max_tokens``; ended rows leave the batch (``CacheBatch.drop``).
+1. drops the rows of requests whose client went away;
+2. admits waiting requests (continuous batching): those with the same batch key (the
+   sampling settings one engine batch shares) join the running ``CacheBatch`` of that key
+   between two of its steps (``CacheBatch.add_rows``), or open one if none runs, whatever
+   model they ask for: each row names its adapter (None: the base) and the engine applies
+   every row's own low-rank update in the same forward. A request joins only while the
+   batch stays within ``--max-batch-size`` rows and the KV-cache budget (every row counted
+   at its prompt plus ``max_tokens``); otherwise it waits for rows to leave. An adapter not
+   held is loaded first (``clew.serve.adapter_pool``, fetched off-thread); a request whose
+   adapter is still on its way waits for a later turn;
+3. advances every running batch by ``tokens_per_step`` tokens (``extend_and_generate``: a
+   row's first step prefills its prompt, in a forward of the rows that just joined; later
+   ones feed it its pending token with an empty chunk);
+4. turns each row's new tokens into text for its ticket, and ends rows on the stop token, a
+   stop string or their ``max_tokens``; ended rows leave (``CacheBatch.drop``) and their
+   slots take the next rows that join.
+
+So a request waits for the step in flight, not for a batch to end: a short request that
+arrives behind a long one finishes first. Batches of different keys interleave step by
+step; rows of one request are admitted together.
 
 One token a step (the default) streams token by token and ends every row exactly where it
 should. More tokens a step leave the engine's own decode loop running longer between
 admissions, for less host work per token; a row that ends inside a step has sampled up to
 ``tokens_per_step - 1`` tokens it does not keep (its reply and usage count exclude them).
 
-So batches of different sampling settings interleave step by step, and a request that
-arrives while a batch of its key runs waits for that batch to end, then opens the next one
-together with everything else that waited. Rows of one request never wait on another's.
-Only this module's insides change when the engine lets a row join a running batch
-(continuous batching).
-
 Batch keys: a greedy request shares a batch with every greedy request, base or adapter (its
 tokens do not depend on the batch); an unseeded sampled one with those of the same
 temperature and top_p; a seeded one gets a batch of its own seeded by it, so the same
 request with the same seed samples the same tokens whatever else is running.
 
-The adapters a batch's rows use are pinned in ``LoadedAdapters`` until their last row
-leaves: evicting one under running rows would fail their batch at its next forward.
-
-Stop strings and what a row's reply keeps are ``clew.serve.reply``'s.
+A batch pins each adapter its rows use in ``LoadedAdapters`` (once) until their last row
+leaves: evicting one under running rows would fail their batch at its next forward. Stop
+strings and what a row's reply keeps are ``clew.serve.reply``'s.
 """
 
 from __future__ import annotations
@@ -59,79 +61,11 @@ from clew.serve.adapter_pool import LoadedAdapters
 from clew.serve.errors import BadRequest, Overloaded, ServeError, ServerFault
 from clew.serve.metrics import ServeMetrics
 from clew.serve.reply import Reply
+from clew.serve.tickets import Admitted, Delta, Event, Failed, Finished, GenerationRequest, Ticket  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 _CONTINUE = Chunk([])  # a step that only feeds each row its pending token
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """What to generate: ``n`` replies to ``prompt`` from the base (None) or an adapter."""
-
-    adapter: str | None
-    prompt: Chunk
-    max_tokens: int
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    allowed_tokens: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """The request joined a batch (its adapter is loaded); tokens follow."""
-
-
-@dataclass(frozen=True)
-class Delta:
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Finished:
-    index: int
-    reason: str  # "stop" | "length"
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: ServeError
-
-
-Event = Admitted | Delta | Finished | Failed
-
-
-class Ticket:
-    """A submitted request: its events in order (``next``), and ``cancel`` to drop it."""
-
-    def __init__(
-        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, scheduler: Scheduler
-    ) -> None:
-        self.request = request
-        self.cancelled = False
-        self.solo: int | None = None  # the batch key of a seeded request, its own
-        self._loop = loop
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
-        self._scheduler = scheduler
-
-    async def next(self) -> Event:
-        return await self._events.get()
-
-    def cancel(self) -> None:
-        """Stop generating for this request (the client went away); safe to call twice."""
-        self.cancelled = True
-        self._scheduler.wake()
-
-    def post(self, event: Event) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            self.cancelled = True
 
 
 @dataclass
@@ -139,6 +73,8 @@ class _Row:
     ticket: Ticket
     index: int
     reply: Reply
+    longest: int  # the most cache columns it may take: prompt, max_tokens and one step
+    started: bool = False  # its prompt is in the cache
 
 
 @dataclass
@@ -148,7 +84,6 @@ class _Batch:
     cache: CacheBatch
     params: SamplingParams
     rows: dict[int, _Row]
-    started: bool = False
 
 
 class Scheduler:
@@ -190,7 +125,7 @@ class Scheduler:
         """Queue ``request``; its ticket's events come on ``loop``. Raises ``BadRequest`` if
         it can never fit the KV cache, ``Overloaded`` if the queue is full or the server is
         stopping."""
-        longest = len(request.prompt.token_ids) + request.max_tokens + self.tokens_per_step
+        longest = self._longest(request)
         try:
             fits = self.engine.max_sequences(longest)
         except ConfigError:
@@ -249,6 +184,8 @@ class Scheduler:
                 if self._stopping and not self._queue and not self._batches:
                     return
             try:
+                for batch in list(self._batches):
+                    self._drop(batch, [s for s, r in batch.rows.items() if r.ticket.cancelled])
                 self._admit()
                 for batch in list(self._batches):
                     self._step(batch)
@@ -267,12 +204,10 @@ class Scheduler:
             for t in [t for t in self._queue if t.cancelled]:
                 self._queue.remove(t)
             waiting = [] if self._held else list(self._queue)
-        running = {b.key for b in self._batches}
+        running = {b.key: b for b in self._batches}
         groups: dict[tuple[Any, ...], list[Ticket]] = {}
         for t in waiting:
-            key = self._key(t)
-            if key not in running:
-                groups.setdefault(key, []).append(t)
+            groups.setdefault(self._key(t), []).append(t)
         for key, tickets in groups.items():
             names = [t.request.adapter for t in tickets if t.request.adapter is not None]
             ready, failed = self.adapters.acquire(names, self.wake)  # each ready one pinned
@@ -280,48 +215,59 @@ class Scheduler:
                 self.metrics.adapter_load_failures.inc()
                 self._reject([t for t in tickets if t.request.adapter == name], error)
             runnable = [t for t in tickets if t.request.adapter in ready | {None}]
-            chosen = self._fitting(runnable)
+            batch = running.get(key)
+            chosen = self._fitting(runnable, batch)
             used = {t.request.adapter for t in chosen} - {None}
             for name in ready - used:
                 self.adapters.unpin(name)
             if not chosen:
                 continue
             try:
-                self._open(key, used, chosen)
+                if batch is None:
+                    self._open(key, used, chosen)
+                else:
+                    self._join(batch, used, chosen)
             except Exception:
                 for name in used:
                     self.adapters.unpin(name)
                 raise
 
-    def _fitting(self, tickets: list[Ticket]) -> list[Ticket]:
-        """The longest run of ``tickets`` (in arrival order) that one batch can hold now."""
+    def _fitting(self, tickets: list[Ticket], batch: _Batch | None) -> list[Ticket]:
+        """The longest run of ``tickets`` (in arrival order) that can join ``batch`` (or open
+        a new one) now: within the batch size, and within the KV-cache budget with every row
+        of the batch counted at its longest."""
         room = self.max_batch_rows - sum(len(b.rows) for b in self._batches)
+        running = list(batch.rows.values()) if batch else []
+        longest = max((row.longest for row in running), default=0)
         chosen: list[Ticket] = []
-        rows = longest = 0
+        rows = 0
         for t in tickets:
             r = t.request
-            length = max(longest, len(r.prompt.token_ids) + r.max_tokens + self.tokens_per_step)
-            if rows + r.n > room or self.engine.max_sequences(length) < rows + r.n:
+            length = max(longest, self._longest(r))
+            if rows + r.n > room or self.engine.max_sequences(length) < len(running) + rows + r.n:
                 break
+            if batch is not None and not batch.cache.can_add(rows + r.n, length):
+                break  # the engine's own check (a dynamic KV cache takes no joining rows)
             chosen.append(t)
             rows, longest = rows + r.n, length
         return chosen
+
+    def _rows(self, tickets: list[Ticket]) -> list[_Row]:
+        return [
+            _Row(t, i, Reply(t.request.max_tokens, t.request.stop), self._longest(t.request))
+            for t in tickets
+            for i in range(t.request.n)
+        ]
 
     def _open(self, key: tuple[Any, ...], adapters: set[str], tickets: list[Ticket]) -> None:
         """A new batch of ``tickets``' rows; ``adapters`` (theirs) are pinned already."""
         first = tickets[0].request
         seed = first.seed % (1 << 63) if first.seed is not None else random.getrandbits(63)
-        rows = [
-            _Row(t, i, Reply(t.request.max_tokens, t.request.stop))
-            for t in tickets
-            for i in range(t.request.n)
-        ]
-        longest = max(len(t.request.prompt.token_ids) + t.request.max_tokens for t in tickets)
-        longest += self.tokens_per_step
+        rows = self._rows(tickets)
         cache = self.engine.open_batch(
             len(rows),
             seed=seed,
-            capacity_hint=longest,
+            capacity_hint=max(row.longest for row in rows),
             adapters=[row.ticket.request.adapter for row in rows],
         )
         params = SamplingParams(
@@ -331,25 +277,38 @@ class Scheduler:
             allowed_tokens=first.allowed_tokens,
         )
         self._batches.append(_Batch(key, adapters, cache, params, dict(enumerate(rows))))
+        self.metrics.batches.inc()
+        self.metrics.batch_rows.observe(len(rows))
+        self._admitted(tickets)
+
+    def _join(self, batch: _Batch, adapters: set[str], tickets: list[Ticket]) -> None:
+        """``tickets``' rows join the running ``batch``; ``adapters`` (theirs) are pinned
+        already, and the batch keeps one pin of each."""
+        rows = self._rows(tickets)
+        seqs = batch.cache.add_rows(
+            len(rows),
+            adapters=[row.ticket.request.adapter for row in rows],
+            tokens=max(row.longest for row in rows),
+        )
+        batch.rows.update(zip(seqs, rows, strict=True))
+        for name in adapters & batch.adapters:
+            self.adapters.unpin(name)
+        batch.adapters |= adapters
+        self._admitted(tickets)
+
+    def _admitted(self, tickets: list[Ticket]) -> None:
         with self._cv:
             for t in tickets:
                 self._queue.remove(t)
             self.metrics.queue_depth.set(len(self._queue))
         for t in tickets:
             t.post(Admitted())
-        self.metrics.batches.inc()
-        self.metrics.batch_rows.observe(len(rows))
         self._count_running()
 
     def _step(self, batch: _Batch) -> None:
-        gone = [s for s, row in batch.rows.items() if row.ticket.cancelled]
-        if gone:
-            self._drop(batch, gone)
-        if not batch.rows:
-            return
         try:
             chunks = {
-                s: (_CONTINUE if batch.started else row.ticket.request.prompt)
+                s: (_CONTINUE if row.started else row.ticket.request.prompt)
                 for s, row in batch.rows.items()
             }
             gens = batch.cache.extend_and_generate(chunks, batch.params)
@@ -361,24 +320,29 @@ class Scheduler:
                 row.ticket.cancelled = True
             self._drop(batch, list(batch.rows))
             return
-        batch.started = True
-        ended = [s for s, gen in gens.items() if self._advance(batch.rows[s], gen)]
+        for row in batch.rows.values():
+            row.started = True
+        posts: list[tuple[Ticket, Event]] = []
+        ended = [s for s, gen in gens.items() if self._advance(batch.rows[s], gen, posts)]
+        Ticket.post_all(posts)
         if ended:
             self._drop(batch, ended)
 
-    def _advance(self, row: _Row, gen: Any) -> bool:
+    def _advance(self, row: _Row, gen: Any, posts: list[tuple[Ticket, Event]]) -> bool:
         """Take a row's new tokens; post its text and, if it ended, why. True when ended."""
         delta, reason = row.reply.take(gen.token_ids, gen.finish_reason, self.engine.chat.decode)
         if delta:
-            row.ticket.post(Delta(row.index, delta))
+            posts.append((row.ticket, Delta(row.index, delta)))
         if reason is None:
             return False
         used = len(row.reply.tokens)
-        row.ticket.post(Finished(row.index, reason, used))
+        posts.append((row.ticket, Finished(row.index, reason, used)))
         self.metrics.completion_tokens.labels(_label(row.ticket.request.adapter)).inc(used)
         return True
 
     def _drop(self, batch: _Batch, seqs: list[int]) -> None:
+        if not seqs:
+            return
         for s in seqs:
             batch.rows.pop(s, None)
         if batch.rows:
@@ -390,6 +354,9 @@ class Scheduler:
             self.adapters.unpin(name)
         batch.adapters &= used
         self._count_running()
+
+    def _longest(self, request: GenerationRequest) -> int:
+        return len(request.prompt.token_ids) + request.max_tokens + self.tokens_per_step
 
     def _key(self, ticket: Ticket) -> tuple[Any, ...]:
         r = ticket.request
