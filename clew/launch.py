@@ -61,17 +61,27 @@ def placement_device(cfg: ClewConfig) -> tuple[torch.device, bool]:
 
 
 def _gpu_from_cluster(cfg: ClewConfig) -> bool:
-    """One GPU asked by a driver that has none, on a Ray cluster (``RAY_ADDRESS``): the
-    driver of a ``ray job submit`` runs on the head node, a CPU node in the usual cluster,
-    so its one worker is a Ray actor on a GPU node rather than this process on its CPU."""
+    """One GPU asked by a driver that has none, on a Ray cluster (``RAY_ADDRESS``) that has
+    GPUs: the driver of a ``ray job submit`` runs on the head node, a CPU node in the usual
+    cluster, so its one worker is a Ray actor on a GPU node rather than this process on its
+    CPU. On a cluster without GPUs the run stays in this process (on its CPU), unless
+    ``trainer.device=cuda`` asks for a GPU, which is then refused."""
     t, pl = cfg.trainer, cfg.trainer.placement
-    return (
+    if not (
         pl.num_gpus == 1
         and pl.num_cpu_workers <= 1
         and t.device != "cpu"
-        and bool(os.environ.get("RAY_ADDRESS"))
+        and os.environ.get("RAY_ADDRESS")
         and local_gpus() == 0
-    )
+    ):
+        return False
+    import ray
+
+    connect_ray(None)
+    found = ray.cluster_resources().get("GPU", 0)
+    if t.device == "cuda":
+        check_gpus(pl, found, "the Ray cluster")
+    return found >= 1
 
 
 def uses_ray(cfg: ClewConfig, on_gpus: bool) -> bool:

@@ -56,16 +56,25 @@ def test_a_ray_address_that_does_not_answer_fails_fast_saying_so(monkeypatch):
 
 def test_one_gpu_on_a_cluster_from_a_driver_without_gpus_goes_to_a_ray_gpu_worker(monkeypatch):
     # A `ray job submit` entrypoint runs on the head node, usually a CPU node: its one GPU
-    # worker must be a Ray actor on a GPU node, not this process on its CPU.
+    # worker must be a Ray actor on a GPU node, not this process on its CPU. A cluster of CPU
+    # nodes keeps the run in this process, unless trainer.device=cuda asks for a GPU.
     import clew.launch as launch
 
+    cluster_gpus = {"GPU": 2.0, "CPU": 8.0}
     monkeypatch.setattr(launch, "local_gpus", lambda: 0)
+    monkeypatch.setattr(launch, "connect_ray", lambda num_cpus: False)
+    monkeypatch.setattr("ray.cluster_resources", lambda: dict(cluster_gpus))
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     device, on_gpus = launch.placement_device(load_config(None, []))
     assert (device.type, on_gpus) == ("cuda", True)
     for override in ("trainer.device=cpu", "trainer.placement.num_cpu_workers=2"):
         device, on_gpus = launch.placement_device(load_config(None, [override]))
         assert (device.type, on_gpus) == ("cpu", False), override
+    cluster_gpus.pop("GPU")
+    device, on_gpus = launch.placement_device(load_config(None, []))
+    assert (device.type, on_gpus) == ("cpu", False)
+    with pytest.raises(ConfigError, match=r"the Ray cluster has 0"):
+        launch.placement_device(load_config(None, ["trainer.device=cuda"]))
     monkeypatch.delenv("RAY_ADDRESS")
     device, on_gpus = launch.placement_device(load_config(None, []))
     assert not on_gpus and not launch.uses_ray(load_config(None, []), on_gpus)
