@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -21,19 +20,27 @@ def test_the_linear_patch_embedding_gives_the_convolution_s_features(
     tmp_path: Path, arch: str
 ) -> None:
     built = build_model("tiny", tmp_path / "m", image_size=84, patch_size=14, arch=arch)
-    conv = _patch_embed(built.model)
-    linear = copy.deepcopy(conv)
-    assert linear_patch_embed(linear) == 1
-    assert linear_patch_embed(linear) == 0  # once is enough
-    proj = conv.proj
-    width = proj.in_channels * proj.kernel_size[0] * proj.kernel_size[1] * proj.kernel_size[2]
-    patches = torch.randn(37, width, generator=torch.Generator().manual_seed(0))
+    embed = _patch_embed(built.model)
+    assert getattr(embed, "_clew_linear_patch", False)  # built as load_policy loads it
+    proj = embed.proj
+    shape = (proj.in_channels, *proj.kernel_size)
+    patches = torch.randn(37, proj.weight[0].numel(), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        want, got = conv(patches), linear(patches)
+        want = proj(patches.view(-1, *shape)).view(37, -1)  # the convolution itself
+        got = embed(patches)
     assert got.shape == want.shape == (37, proj.out_channels)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # The parameters stay the convolution's: a checkpoint saves and loads as before.
-    assert set(dict(linear.named_parameters())) == set(dict(conv.named_parameters()))
+    assert set(dict(embed.named_parameters())) == {"proj.weight", "proj.bias"} or set(
+        dict(embed.named_parameters())
+    ) == {"proj.weight"}  # Qwen2-VL's has no bias
+
+
+def test_a_patch_convolution_gets_the_linear_forward_once() -> None:
+    module = torch.nn.Module()
+    module.proj = torch.nn.Conv3d(3, 8, kernel_size=(2, 4, 4), stride=(2, 4, 4))
+    module.patch_size, module.temporal_patch_size = 4, 2
+    assert linear_patch_embed(module) == 1
+    assert linear_patch_embed(module) == 0
 
 
 def test_a_loaded_policy_embeds_patches_with_the_linear_path(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ from transformers import (
 
 from clew.errors import ConfigError
 from clew.models.on_device import instantiate_on_device
+from clew.models.patch_embed import linear_patch_embed
 from clew.models.presets import PRESETS, QWEN_VOCAB_SIZE, Preset
 from clew.models.processor import ClewVLProcessor, make_image_processor
 from clew.models.qwen2 import build_qwen2_config, mrope_section
@@ -360,6 +361,7 @@ def build_model(
         "transformers_version": transformers.__version__,
     }
     (output_dir / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    linear_patch_embed(model)  # computing as the loaded policy does (load_policy)
     return BuiltModel(output_dir, model, processor, num_parameters, build_s, save_s)
 
 
