@@ -1,5 +1,6 @@
-"""The playground of `clew serve`: its episode API on loopback, and the page in a real headless
-Chromium (Debian's `chromium`, driven by Playwright) playing mazes with the tiny model.
+"""The playground of `clew serve`: its stateless episode API on loopback (two servers over one
+model standing for two replicas), and the page in a real headless Chromium (Debian's
+`chromium`, driven by Playwright) playing mazes with the tiny model.
 
 Set CLEW_PLAYGROUND_SCREENSHOT=PATH to save the comparison test's page as a PNG (the
 README's screenshot is made so)."""
@@ -20,8 +21,7 @@ from clew.agent import Endpoint, data_url, play_episode
 from clew.envs.media import replay
 from clew.inference.sampling import SamplingParams
 from clew.rollout.loop import RolloutSettings
-from clew.serve.errors import ServeError
-from clew.serve.playground import Episode, EpisodeStore, outcome
+from clew.serve.playground import outcome
 
 CHROMIUM = shutil.which("chromium")
 ENV = "maze_2d/tiny"
@@ -62,6 +62,14 @@ def url(tiny) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
+def second_url(tiny) -> Iterator[str]:
+    """Another server over the same model: another replica, sharing nothing with ``url``'s."""
+    base, adapters = tiny
+    with serving(open_server(base, adapters=str(adapters))) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
 def keyed_url(tiny) -> Iterator[str]:
     base, _ = tiny
     with serving(open_server(base, api_key="secret")) as served:
@@ -80,19 +88,33 @@ def browser() -> Iterator[Any]:
         chromium.close()
 
 
-def step_through(url: str, model: str, episode: dict[str, Any]) -> dict[str, Any]:
-    """Play ``episode`` to its end as the page does, with urllib; the last answer."""
+def reply_of(url: str, model: str, episode: dict[str, Any]) -> dict[str, Any]:
+    """The chat completion's reply to ``episode``'s request, as the page sends it to step."""
+    status, r = post(f"{url}/v1/chat/completions", {"model": model, **episode["request"]})
+    assert status == 200, r
+    return {
+        "reply": r["choices"][0]["message"]["content"],
+        "finish_reason": r["choices"][0]["finish_reason"],
+        "prompt_tokens": r["usage"]["prompt_tokens"],
+    }
+
+
+def step(url: str, episode: dict[str, Any], body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    return post(f"{url}/playground/api/episodes/step", {"state": episode["state"], **body})
+
+
+def step_through(
+    urls: list[str], model: str, episode: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Play ``episode`` to its end as the page does, with urllib, each turn on the next of
+    ``urls`` in turn; the last answer and every answer."""
+    answers = [episode]
     while episode["request"] is not None:
-        status, r = post(f"{url}/v1/chat/completions", {"model": model, **episode["request"]})
-        assert status == 200, r
-        step = {
-            "reply": r["choices"][0]["message"]["content"],
-            "finish_reason": r["choices"][0]["finish_reason"],
-            "prompt_tokens": r["usage"]["prompt_tokens"],
-        }
-        status, episode = post(f"{url}/playground/api/episodes/{episode['id']}/step", step)
+        url = urls[len(answers) % len(urls)]
+        status, episode = step(url, episode, reply_of(url, model, episode))
         assert status == 200, episode
-    return episode
+        answers.append(episode)
+    return episode, answers
 
 
 # -- the episode API ------------------------------------------------------------------------
@@ -107,7 +129,8 @@ def test_an_episode_through_the_api_plays_as_clew_agent_plays_it(url):
     request = episode["request"]
     assert request["allowed_tokens"] == list(KEYWORDS) and request["continue_final_message"]
     assert request["messages"][-1] == {"role": "assistant", "content": "<action>"}
-    last = step_through(url, f"{MODEL_ID}:alpha", episode)
+    assert episode["state"]["history"] == [] and episode["state"]["seed"] == 3
+    last, _ = step_through([url], f"{MODEL_ID}:alpha", episode)
 
     traj = play_episode(Endpoint(url, f"{MODEL_ID}:alpha"), ENV, OPTIONS, 3, SETTINGS)
     assert last["done"] and last["turn"] == traj.turns
@@ -115,16 +138,54 @@ def test_an_episode_through_the_api_plays_as_clew_agent_plays_it(url):
     assert last["action"] == traj.actions[-1] and last["reward"] == traj.reward
     final = replay(ENV, 3, traj.actions, OPTIONS).frames[-1]
     assert last["observation"]["images"] == [data_url(final)]  # the frame that ended it
+    # The state holds the model's replies; the env read them inside prefix and suffix.
+    played = [f"<action>{p['reply']}</action>" for p in last["state"]["history"]]
+    assert played == traj.actions
 
 
-def test_a_finished_or_unknown_episode_is_refused_with_an_openai_error(url):
+def test_an_episode_stepped_on_two_replicas_in_turn_plays_as_on_one(url, second_url):
     _, episode = post(f"{url}/playground/api/episodes", EPISODE)
-    done = step_through(url, MODEL_ID, episode)
-    status, body = post(f"{url}/playground/api/episodes/{done['id']}/step", {"reply": "up"})
+    model = f"{MODEL_ID}:alpha"
+    _, on_one = step_through([url], model, episode)
+    _, on_two = step_through([url, second_url], model, episode)
+    assert len(on_two) > 2  # the second replica took steps of an episode the first began
+    assert on_two == on_one  # every answer: frames, requests, rewards and states
+
+
+def test_a_finished_episode_or_a_history_past_its_max_turns_is_refused(url):
+    _, episode = post(f"{url}/playground/api/episodes", EPISODE)
+    done, _ = step_through([url], MODEL_ID, episode)
+    status, body = step(url, done, {"reply": "up"})
     assert status == 409 and body["error"]["code"] == "episode_over"
-    status, body = post(f"{url}/playground/api/episodes/ep-nope/step", {"reply": "up"})
-    assert status == 404 and body["error"]["code"] == "episode_not_found"
     assert "POST /playground/api/episodes" in body["error"]["message"]
+    state = {**episode["state"], "history": [{"reply": "up"}] * 7}
+    status, body = post(f"{url}/playground/api/episodes/step", {"state": state, "reply": "up"})
+    assert status == 400 and body["error"]["param"] == "state.history", body
+    assert "at most 6 (its max turns)" in body["error"]["message"]
+
+
+def test_a_tampered_state_is_refused_rather_than_replayed_as_another_episode(url):
+    _, episode = post(f"{url}/playground/api/episodes", EPISODE)
+    for reply in ("up", "left"):
+        status, episode = step(url, episode, {"reply": reply, "finish_reason": "length"})
+        assert status == 200, episode
+    state = episode["state"]
+    assert not episode["done"] and [p["reply"] for p in state["history"]] == ["up", "left"]
+    changed = [
+        {**state, "history": [{"reply": "down", "finish_reason": "length"}, state["history"][1]]},
+        {**state, "history": state["history"][:1]},
+        {**state, "history": [{**p, "finish_reason": "stop"} for p in state["history"]]},
+        {**state, "seed": 4},
+        {**state, "generation": {**state["generation"], "reply_suffix": "</act>"}},
+        {**state, "digest": "0" * 32},
+    ]
+    for tampered in changed:
+        status, body = post(
+            f"{url}/playground/api/episodes/step", {"state": tampered, "reply": "up"}
+        )
+        assert status == 409 and body["error"]["code"] == "history_diverged", (tampered, body)
+        assert "POST /playground/api/episodes" in body["error"]["message"]
+    assert step(url, episode, {"reply": "up"})[0] == 200  # the state as it was still plays
 
 
 @pytest.mark.parametrize(
@@ -146,15 +207,19 @@ def test_a_bad_env_id_seed_or_option_is_a_400_naming_what_is_accepted(url, chang
     assert body["error"]["param"] == param and says in body["error"]["message"], body
 
 
-def test_a_step_without_a_reply_is_a_400(url):
+def test_a_step_without_a_reply_or_a_whole_state_is_a_400(url):
     _, episode = post(f"{url}/playground/api/episodes", EPISODE)
-    status, body = post(f"{url}/playground/api/episodes/{episode['id']}/step", {})
+    status, body = step(url, episode, {})
     assert status == 400 and "reply is required" in body["error"]["message"]
-    status, body = post(
-        f"{url}/playground/api/episodes/{episode['id']}/step", {"context_full": True}
-    )
+    status, body = post(f"{url}/playground/api/episodes/step", {"reply": "up"})
+    assert status == 400 and body["error"]["param"] == "state", body
+    state = {**episode["state"], "digest": "not hex"}
+    status, body = post(f"{url}/playground/api/episodes/step", {"state": state, "reply": "up"})
+    assert status == 400 and body["error"]["param"] == "state.digest", body
+    status, body = step(url, episode, {"context_full": True})
     assert status == 200 and body["done"] and body["end_reason"] == "context_full"
     assert body["turn"] == 0 and body["observation"] is None
+    assert body["state"] == episode["state"]  # no reply was taken
 
 
 def test_the_config_lists_every_registered_env_and_clew_plays_defaults(url):
@@ -172,7 +237,7 @@ def test_the_api_is_in_the_openapi_schema_the_fuzz_reads_and_the_page_is_not(url
     assert {
         "/playground/api/config",
         "/playground/api/episodes",
-        "/playground/api/episodes/{episode_id}/step",
+        "/playground/api/episodes/step",
     } <= set(paths)
     assert "/playground" not in paths
     status, html = get(f"{url}/playground")
@@ -185,31 +250,11 @@ def test_with_an_api_key_the_api_needs_it_and_the_page_does_not(keyed_url):
     status, body = post(f"{keyed_url}/playground/api/episodes", EPISODE)
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     auth = {"Authorization": "Bearer secret"}
-    assert post(f"{keyed_url}/playground/api/episodes", EPISODE, auth)[0] == 200
-
-
-def test_episodes_past_the_cap_or_idle_past_the_ttl_are_dropped_least_recently_used_first():
-    now = [0.0]
-    store = EpisodeStore(capacity=2, ttl_s=60, clock=lambda: now[0])
-
-    def episode() -> Episode:
-        return Episode(turns=None, env=None, max_turns=1)  # type: ignore[arg-type]
-
-    a, b = store.add(episode()), store.add(episode())
-    now[0] = 10
-    store.get(a)  # b is now the least recently used
-    c = store.add(episode())
-    assert len(store) == 2 and store.get(a) and store.get(c)
-    with pytest.raises(ServeError, match="no playground episode") as err:
-        store.get(b)
-    assert err.value.status == 404
-    now[0] = 65  # both idle for 55 s
-    assert len(store) == 2
-    store.get(c)
-    now[0] = 100  # a idle for 90 s, c for 35 s
-    assert len(store) == 1 and store.get(c)
-    with pytest.raises(ServeError):
-        store.get(a)
+    status, episode = post(f"{keyed_url}/playground/api/episodes", EPISODE, auth)
+    assert status == 200
+    stepped = {"state": episode["state"], "reply": "up"}
+    assert post(f"{keyed_url}/playground/api/episodes/step", stepped)[0] == 401
+    assert post(f"{keyed_url}/playground/api/episodes/step", stepped, auth)[0] == 200
 
 
 # -- the page in a browser ------------------------------------------------------------------

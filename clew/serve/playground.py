@@ -2,43 +2,51 @@
 
 ``GET /playground`` is a plain HTML and JavaScript page (``static/playground.html``, no
 build step, nothing fetched from elsewhere). A browser cannot run the envs, so the server
-holds them, behind a small JSON API the page calls beside OpenAI's endpoint:
+runs them, behind a small JSON API the page calls beside OpenAI's endpoint:
 
 * ``GET /playground/api/config``: the registered env ids (description, default options,
   accepted options) and the generation settings' defaults, those of ``clew play``'s flags;
 * ``POST /playground/api/episodes`` ``{env_id, seed, options, generation}``: a new episode,
-  its first observation (frames as PNG data URLs, text) and the chat-completions request
-  for its first turn, but for ``model``;
-* ``POST /playground/api/episodes/{id}/step`` ``{reply, finish_reason, prompt_tokens}``
-  (or ``{context_full: true}``): the reply plays the turn; the answer has the action the
-  env read, its reward and note, the next observation and the next turn's request (None
-  once the episode is over, with its outcome: solved, failed or out of turns).
+  its first observation (frames as PNG data URLs, text), the chat-completions request for
+  its first turn (but for ``model``) and its ``state``;
+* ``POST /playground/api/episodes/step`` ``{state, reply, finish_reason, prompt_tokens}``
+  (or ``{state, context_full: true}``): the reply plays the turn; the answer has the action
+  the env read, its reward and note, the next observation, the next turn's request (None
+  once the episode is over, with its outcome: solved, failed or out of turns) and the new
+  ``state``.
 
-The page sends each request to ``POST /v1/chat/completions`` itself, as any client does,
-with the model it picked. The episode is ``clew.agent.EpisodeTurns``, the very turn code of
-``clew play`` (the rollouts' env side, prompt, image encoding, keep-last-K frames, reply
-prefix and suffix, the env's own action parsing), so a page and ``clew play`` given the same
-settings send the same requests and, greedy, play the same episode.
+The page sends each request to ``POST /v1/chat/completions`` itself, with the model it
+picked. The episode is ``clew.agent.EpisodeTurns``, the turn code of ``clew play`` (the
+rollouts' env side, prompt, image encoding, keep-last-K frames, reply prefix and suffix,
+the env's action parsing), so a page and ``clew play`` given the same settings send the
+same requests and, greedy, play the same episode.
 
-Episodes live in the server's memory, bounded: the least recently used are dropped past
-``max_episodes``, and any idle for ``ttl_s``. Env options are JSON scalars, numbers of
-magnitude at most ``MAX_OPTION_NUMBER``: one request must not make the server draw a frame
-of gigapixels. With an API key set the API needs it as ``/v1`` does; the page itself is
-open and asks for the key. The episodes are one process's: behind several Ray Serve
-replicas a step may reach a replica that does not hold its episode (a 404), so a
-playground is served by one replica.
+The server keeps no episode, so any replica behind Ray Serve can answer any step. ``state``
+is what rebuilds one: env id, options, seed, generation settings and the history (each
+reply the env took, with its finish reason). The page sends back the last answer's state
+with each step; the server resets the env with the seed, replays the history through
+``EpisodeTurns`` and plays the new reply. That relies on the envs being deterministic given
+their seed and actions, as those of clew's registry are. ``state.digest`` checks it: a hash
+of the settings and of every reply and observation so far, which the replay must
+reproduce; a changed history, or an env that drew something else this time, is a 409
+(``history_diverged``) rather than another maze played on. It is a consistency check, not
+a signature: whoever could forge a state could as well start that episode. A history is at
+most the episode's max turns long, and a step replays it whole (milliseconds a turn for
+the mazes). An episode ended by the context (``context_full``) took no reply: its state is
+the one before, and a step with it plays that turn again.
+
+Env options are JSON scalars, numbers of magnitude at most ``MAX_OPTION_NUMBER``: one
+request must not make the server draw a frame of gigapixels. With an API key set the API
+needs it as ``/v1`` does; the page itself is open and asks for the key.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
-import time
-import uuid
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Annotated, Any
@@ -55,13 +63,15 @@ from clew.serve.errors import BadRequest, ServeError
 if TYPE_CHECKING:
     from clew.serve.server import Server
 
-MAX_EPISODES = 64
-EPISODE_TTL_S = 30 * 60.0
 MAX_OPTION_NUMBER = 64
 MAX_SEED = 2**63 - 1
+MAX_HISTORY = 10_000  # the schema's bound; an episode's own max turns is the real one
+NEW_EPISODE = "start a new one with POST /playground/api/episodes"
 
 OptionValue = Annotated[str, Field(max_length=200)] | bool | int | float | None
 ShortText = Annotated[str, Field(max_length=1000)]
+ReplyText = Annotated[str, Field(max_length=1 << 20)]
+FinishReason = Annotated[str, Field(max_length=32)]
 
 
 class Generation(BaseModel):
@@ -69,7 +79,7 @@ class Generation(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_turns: int | None = Field(None, ge=1, le=10_000)
+    max_turns: int | None = Field(None, ge=1, le=MAX_HISTORY)
     max_generate_length: int | None = Field(None, ge=1, le=1 << 20)
     max_input_length: int | None = Field(None, ge=1, le=1 << 24)
     reply_prefix: ShortText | None = None
@@ -93,13 +103,35 @@ class NewEpisode(BaseModel):
     generation: Generation = Field(default_factory=Generation)
 
 
-class Step(BaseModel):
-    """The model's reply to the last request, as the chat completion gave it."""
+class Played(BaseModel):
+    """A reply the env has taken: the model's text and how its generation ended."""
 
     model_config = ConfigDict(extra="forbid")
 
-    reply: str | None = Field(None, max_length=1 << 20, description="choices[0].message.content")
-    finish_reason: str = Field("stop", max_length=32, description="choices[0].finish_reason")
+    reply: ReplyText
+    finish_reason: FinishReason = "stop"
+
+
+class EpisodeState(NewEpisode):
+    """An episode as the page holds it: the answer's ``state``, sent back with each step."""
+
+    history: list[Played] = Field(
+        default_factory=list, max_length=MAX_HISTORY, description="the replies played, in order"
+    )
+    digest: str = Field(
+        pattern=r"^[0-9a-f]{32}$", description="the state's digest, as the server returned it"
+    )
+
+
+class Step(BaseModel):
+    """The model's reply to the last request, as the chat completion gave it, and the state
+    of the episode it answers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    state: EpisodeState
+    reply: ReplyText | None = Field(None, description="choices[0].message.content")
+    finish_reason: FinishReason = Field("stop", description="choices[0].finish_reason")
     prompt_tokens: int = Field(0, ge=0, le=1 << 40, description="usage.prompt_tokens")
     completion_tokens: int = Field(0, ge=0, le=1 << 40, description="usage.completion_tokens")
     context_full: bool = Field(
@@ -132,63 +164,39 @@ class _Recorder:
 
 @dataclass
 class Episode:
-    """One playground episode: its turns, its env and who may step it now."""
+    """One playground episode, rebuilt for one request: its turns, its env, the replies it
+    took and the running digest of them and what the env drew."""
 
+    spec: NewEpisode
     turns: EpisodeTurns
     env: _Recorder
     max_turns: int
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    used: float = 0.0
+    history: list[Played] = field(default_factory=list)
+    digest: Any = field(default_factory=lambda: hashlib.blake2b(digest_size=16))
 
+    def take(self, played: Played, prompt_tokens: int = 0) -> bool:
+        """Play ``played`` as the next turn; whether a new frame was drawn."""
+        reply = Reply(played.reply, played.finish_reason == "stop", prompt_tokens, 0)
+        drawn = self.env.count
+        try:
+            taken = self.turns.answer(reply)
+        except ClewError as err:  # max_input_length cannot hold the first turn
+            raise BadRequest(str(err), param="generation.max_input_length") from None
+        if taken:  # a reply refused as over max_input_length ended it unplayed
+            self.history.append(played)
+            _fold(self.digest, played.reply.encode("utf-8", "surrogatepass"))
+            _fold(self.digest, played.finish_reason.encode())
+        if self.env.count > drawn:
+            _observe(self.digest, self.env.last)
+            return True
+        return False
 
-class EpisodeStore:
-    """Live episodes by id, least recently used first; at most ``capacity``, none idle for
-    longer than ``ttl_s``."""
-
-    def __init__(
-        self,
-        capacity: int = MAX_EPISODES,
-        ttl_s: float = EPISODE_TTL_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if capacity < 1 or ttl_s <= 0:
-            raise ValueError(f"capacity must be >= 1 and ttl_s > 0, got {capacity}, {ttl_s}")
-        self.capacity, self.ttl_s, self.clock = capacity, ttl_s, clock
-        self._live: OrderedDict[str, Episode] = OrderedDict()
-
-    def __len__(self) -> int:
-        self._expire()
-        return len(self._live)
-
-    def add(self, episode: Episode) -> str:
-        self._expire()
-        key = "ep-" + uuid.uuid4().hex
-        episode.used = self.clock()
-        self._live[key] = episode
-        while len(self._live) > self.capacity:
-            self._live.popitem(last=False)
-        return key
-
-    def get(self, key: str) -> Episode:
-        self._expire()
-        episode = self._live.get(key)
-        if episode is None:
-            raise ServeError(
-                f"no playground episode {key!r}: it never existed or has expired (episodes "
-                f"idle for {self.ttl_s / 60:g} minutes are dropped, and all but the "
-                f"{self.capacity} most recently used); start one with POST "
-                "/playground/api/episodes",
-                status=404,
-                code="episode_not_found",
-            )
-        self._live.move_to_end(key)
-        episode.used = self.clock()
-        return episode
-
-    def _expire(self) -> None:
-        oldest = self.clock() - self.ttl_s
-        while self._live and next(iter(self._live.values())).used < oldest:
-            self._live.popitem(last=False)
+    def state(self) -> dict[str, Any]:
+        return {
+            **self.spec.model_dump(mode="json"),
+            "history": [p.model_dump() for p in self.history],
+            "digest": self.digest.hexdigest(),
+        }
 
 
 def outcome(traj: Trajectory) -> str:
@@ -270,36 +278,52 @@ def start_episode(body: NewEpisode) -> Episode:
             f"{body.env_id} could not start an episode of seed {body.seed}: {turns.traj.error}",
             param="seed",
         )
-    return Episode(turns, env, min(settings.max_turns, env_max_turns))
+    spec_only = NewEpisode.model_validate(body.model_dump(include=set(NewEpisode.model_fields)))
+    episode = Episode(spec_only, turns, env, min(settings.max_turns, env_max_turns))
+    settings_json = json.dumps(_canonical(spec_only.model_dump(mode="json")), sort_keys=True)
+    _fold(episode.digest, settings_json.encode())
+    _observe(episode.digest, env.last)
+    return episode
+
+
+def resume(state: EpisodeState) -> Episode:
+    """The episode ``state`` describes, rebuilt by replaying its history; a 409 when the
+    replay does not reach the state the server answered with."""
+    episode = start_episode(state)
+    if len(state.history) > episode.max_turns:
+        raise BadRequest(
+            f"state.history has {len(state.history)} replies; this episode takes at most "
+            f"{episode.max_turns} (its max turns)",
+            param="state.history",
+        )
+    for played in state.history:
+        if episode.turns.request is None:
+            raise _diverged(state, "its history goes on past the episode's end")
+        episode.take(played)
+    if episode.digest.hexdigest() != state.digest:
+        raise _diverged(state, "the replay does not match the episode the server answered")
+    return episode
 
 
 def play_step(episode: Episode, body: Step) -> bool:
     """Play ``body``'s reply as the episode's next turn; whether a new frame was drawn."""
     if episode.turns.request is None:
-        raise ServeError(
-            "this episode is over: start a new one with POST /playground/api/episodes",
-            status=409,
-            code="episode_over",
-        )
+        raise ServeError(f"this episode is over: {NEW_EPISODE}", status=409, code="episode_over")
     if body.context_full:
-        reply = None
-    elif body.reply is None:
+        episode.turns.answer(None)
+        return False
+    if body.reply is None:
         raise BadRequest(
             "reply is required: the model's reply (choices[0].message.content), or "
             "context_full: true when the server refused the request as over its context",
             param="reply",
         )
-    else:
-        reply = Reply(body.reply, body.finish_reason == "stop", body.prompt_tokens, 0)
-    drawn = episode.env.count
-    try:
-        episode.turns.answer(reply)
-    except ClewError as err:  # max_input_length cannot hold the first turn
-        raise BadRequest(str(err), param="generation.max_input_length") from None
-    return episode.env.count > drawn
+    return episode.take(
+        Played(reply=body.reply, finish_reason=body.finish_reason), body.prompt_tokens
+    )
 
 
-def view(key: str, episode: Episode, *, drawn: bool = True) -> dict[str, Any]:
+def view(episode: Episode, *, drawn: bool = True) -> dict[str, Any]:
     """What the page shows of ``episode`` and what it sends next."""
     turns, traj = episode.turns, episode.turns.traj
     request = turns.request
@@ -307,7 +331,6 @@ def view(key: str, episode: Episode, *, drawn: bool = True) -> dict[str, Any]:
     obs = episode.env.last if drawn else None
     info = traj.infos[-1] if traj.infos and traj.turns == len(traj.infos) else {}
     return {
-        "id": key,
         "env_id": traj.env_id,
         "seed": traj.seed,
         "turn": traj.turns,
@@ -331,14 +354,12 @@ def view(key: str, episode: Episode, *, drawn: bool = True) -> dict[str, Any]:
             continue_final=request.continue_final,
             seed=request.seed,
         ),
+        "state": episode.state(),
     }
 
 
-def playground_router(
-    server: Server, *, max_episodes: int = MAX_EPISODES, ttl_s: float = EPISODE_TTL_S
-) -> APIRouter:
+def playground_router(server: Server) -> APIRouter:
     """The page and its API, for ``create_app`` to include."""
-    store = EpisodeStore(max_episodes, ttl_s)
     router = APIRouter()
 
     @router.get("/playground", include_in_schema=False)
@@ -359,17 +380,49 @@ def playground_router(
     @router.post("/playground/api/episodes")
     async def new_episode(body: NewEpisode) -> dict[str, Any]:
         episode = await asyncio.to_thread(start_episode, body)
-        key = store.add(episode)
-        return await asyncio.to_thread(view, key, episode)
+        return await asyncio.to_thread(view, episode)
 
-    @router.post("/playground/api/episodes/{episode_id}/step")
-    async def step(episode_id: str, body: Step) -> dict[str, Any]:
-        episode = store.get(episode_id)
-        async with episode.lock:  # one turn at a time: a second step waits for the first
-            drawn = await asyncio.to_thread(play_step, episode, body)
-            return await asyncio.to_thread(view, episode_id, episode, drawn=drawn)
+    @router.post("/playground/api/episodes/step")
+    async def step(body: Step) -> dict[str, Any]:
+        def run() -> dict[str, Any]:
+            episode = resume(body.state)
+            return view(episode, drawn=play_step(episode, body))
+
+        return await asyncio.to_thread(run)
 
     return router
+
+
+def _diverged(state: EpisodeState, why: str) -> ServeError:
+    return ServeError(
+        f"this episode's state does not replay ({why}): its history or settings were "
+        f"changed, or {state.env_id} did not repeat itself given its seed and replies; "
+        f"{NEW_EPISODE}",
+        status=409,
+        code="history_diverged",
+    )
+
+
+def _fold(digest: Any, part: bytes) -> None:
+    """Add ``part`` to ``digest``, length first, so that no two sequences of parts collide."""
+    digest.update(len(part).to_bytes(8, "big"))
+    digest.update(part)
+
+
+def _observe(digest: Any, obs: Any) -> None:
+    _fold(digest, obs.text.encode("utf-8", "surrogatepass"))
+    for image in obs.images:
+        _fold(digest, f"{image.mode} {image.size}".encode())
+        _fold(digest, image.tobytes())
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` with whole floats as ints: a browser's JSON writes 2.0 back as 2."""
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def _plain(value: Any) -> Any:
