@@ -216,6 +216,9 @@ def test_a_step_without_a_reply_or_a_whole_state_is_a_400(url):
     state = {**episode["state"], "digest": "not hex"}
     status, body = post(f"{url}/playground/api/episodes/step", {"state": state, "reply": "up"})
     assert status == 400 and body["error"]["param"] == "state.digest", body
+    state = {**episode["state"], "options": {"cell_pix": 14}}
+    status, body = post(f"{url}/playground/api/episodes/step", {"state": state, "reply": "up"})
+    assert status == 400 and body["error"]["param"] == "state.options", body
     status, body = step(url, episode, {"context_full": True})
     assert status == 200 and body["done"] and body["end_reason"] == "context_full"
     assert body["turn"] == 0 and body["observation"] is None

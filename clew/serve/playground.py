@@ -4,40 +4,36 @@
 build step, nothing fetched from elsewhere). A browser cannot run the envs, so the server
 runs them, behind a small JSON API the page calls beside OpenAI's endpoint:
 
-* ``GET /playground/api/config``: the registered env ids (description, default options,
-  accepted options) and the generation settings' defaults, those of ``clew play``'s flags;
-* ``POST /playground/api/episodes`` ``{env_id, seed, options, generation}``: a new episode,
-  its first observation (frames as PNG data URLs, text), the chat-completions request for
-  its first turn (but for ``model``) and its ``state``;
+* ``GET /playground/api/config``: the registered envs (description, default and accepted
+  options) and the defaults of ``clew play``'s generation flags;
+* ``POST /playground/api/episodes`` ``{env_id, seed, options, generation}``: a new
+  episode's first observation (frames as PNG data URLs, text), its first turn's
+  chat-completions request (but for ``model``) and its ``state``;
 * ``POST /playground/api/episodes/step`` ``{state, reply, finish_reason, prompt_tokens}``
   (or ``{state, context_full: true}``): the reply plays the turn; the answer has the action
-  the env read, its reward and note, the next observation, the next turn's request (None
-  once the episode is over, with its outcome: solved, failed or out of turns) and the new
-  ``state``.
+  the env read, its reward and note, the next observation and request (None once over,
+  with the outcome: solved, failed or out of turns) and the new ``state``.
 
 The page sends each request to ``POST /v1/chat/completions`` itself, with the model it
-picked. The episode is ``clew.agent.EpisodeTurns``, the turn code of ``clew play`` (the
-rollouts' env side, prompt, image encoding, keep-last-K frames, reply prefix and suffix,
-the env's action parsing), so a page and ``clew play`` given the same settings send the
-same requests and, greedy, play the same episode.
+picked. The episode is ``clew.agent.EpisodeTurns``, the turn code of ``clew play``, so a
+page and ``clew play`` given the same settings send the same requests and, greedy, play the
+same episode.
 
 The server keeps no episode, so any replica behind Ray Serve can answer any step. ``state``
-is what rebuilds one: env id, options, seed, generation settings and the history (each
-reply the env took, with its finish reason). The page sends back the last answer's state
-with each step; the server resets the env with the seed, replays the history through
+rebuilds one: env id, options, seed, generation settings and the history (each reply the
+env took, with its finish reason). The page sends the last answer's state back with each
+step; the server resets the env with the seed, replays the history through
 ``EpisodeTurns`` and plays the new reply. That relies on the envs being deterministic given
 their seed and actions, as those of clew's registry are. ``state.digest`` checks it: a hash
 of the settings and of every reply and observation so far, which the replay must
-reproduce; a changed history, or an env that drew something else this time, is a 409
-(``history_diverged``) rather than another maze played on. It is a consistency check, not
-a signature: whoever could forge a state could as well start that episode. A history is at
-most the episode's max turns long, and a step replays it whole (milliseconds a turn for
-the mazes). An episode ended by the context (``context_full``) took no reply: its state is
-the one before, and a step with it plays that turn again.
+reproduce, or the step is a 409 (``history_diverged``: a changed history, or an env that
+drew something else this time) rather than another maze played on. A consistency check, not
+a signature: whoever could forge a state could as well start that episode. The history is
+at most the episode's max turns. An episode ended by the context (``context_full``) took no
+reply: its state is the one before, and a step with it plays that turn again.
 
-Env options are JSON scalars, numbers of magnitude at most ``MAX_OPTION_NUMBER``: one
-request must not make the server draw a frame of gigapixels. With an API key set the API
-needs it as ``/v1`` does; the page itself is open and asks for the key.
+Env options are JSON scalars, numbers up to ``MAX_OPTION_NUMBER`` (no frame of gigapixels).
+With an API key set the API needs it as ``/v1`` does; the page is open and asks for it.
 """
 
 from __future__ import annotations
@@ -74,10 +70,12 @@ ReplyText = Annotated[str, Field(max_length=1 << 20)]
 FinishReason = Annotated[str, Field(max_length=32)]
 
 
-class Generation(BaseModel):
-    """How replies are generated: ``clew play``'s flags (None: the flag's default)."""
-
+class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class Generation(_Body):
+    """How replies are generated: ``clew play``'s flags (None: the flag's default)."""
 
     max_turns: int | None = Field(None, ge=1, le=MAX_HISTORY)
     max_generate_length: int | None = Field(None, ge=1, le=1 << 20)
@@ -92,9 +90,7 @@ class Generation(BaseModel):
     sampling_seed: int | None = Field(None, ge=0, le=MAX_SEED)
 
 
-class NewEpisode(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class NewEpisode(_Body):
     env_id: str = Field(max_length=200, description="a registered env id (GET .../config)")
     seed: int = Field(ge=0, le=MAX_SEED, description="which episode of the env (the maze)")
     options: dict[Annotated[str, Field(max_length=100)], OptionValue] = Field(
@@ -103,10 +99,8 @@ class NewEpisode(BaseModel):
     generation: Generation = Field(default_factory=Generation)
 
 
-class Played(BaseModel):
+class Played(_Body):
     """A reply the env has taken: the model's text and how its generation ended."""
-
-    model_config = ConfigDict(extra="forbid")
 
     reply: ReplyText
     finish_reason: FinishReason = "stop"
@@ -123,11 +117,8 @@ class EpisodeState(NewEpisode):
     )
 
 
-class Step(BaseModel):
-    """The model's reply to the last request, as the chat completion gave it, and the state
-    of the episode it answers."""
-
-    model_config = ConfigDict(extra="forbid")
+class Step(_Body):
+    """The model's reply to the last request, as the chat completion gave it, and its state."""
 
     state: EpisodeState
     reply: ReplyText | None = Field(None, description="choices[0].message.content")
@@ -140,11 +131,11 @@ class Step(BaseModel):
 
 
 class _Recorder:
-    """An env that keeps its last observation: the rollouts' turn code drops the one that
-    ends an episode, and the page shows that frame too."""
+    """An env that keeps its last observation (the rollouts' turn code drops the one that
+    ends an episode, and the page shows that frame too) and adds each to ``digest``."""
 
-    def __init__(self, env: Any) -> None:
-        self.env = env
+    def __init__(self, env: Any, digest: Any) -> None:
+        self.env, self.digest = env, digest
         self.last: Any = None
         self.count = 0
 
@@ -152,14 +143,19 @@ class _Recorder:
         return getattr(self.env, name)
 
     def reset(self, seed: int, *args: Any, **kwargs: Any) -> Any:
-        obs = self.env.reset(seed, *args, **kwargs)
-        self.last, self.count = obs, self.count + 1
+        self._saw(obs := self.env.reset(seed, *args, **kwargs))
         return obs
 
     def step(self, action_text: str) -> Any:
-        out = self.env.step(action_text)
-        self.last, self.count = out[0], self.count + 1
+        self._saw((out := self.env.step(action_text))[0])
         return out
+
+    def _saw(self, obs: Any) -> None:
+        self.last, self.count = obs, self.count + 1
+        _fold(self.digest, obs.text.encode("utf-8", "surrogatepass"))
+        for image in obs.images:
+            _fold(self.digest, f"{image.mode} {image.size}".encode())
+            _fold(self.digest, image.tobytes())
 
 
 @dataclass
@@ -167,12 +163,11 @@ class Episode:
     """One playground episode, rebuilt for one request: its turns, its env, the replies it
     took and the running digest of them and what the env drew."""
 
-    spec: NewEpisode
+    spec: dict[str, Any]  # env id, seed, options and generation, as JSON
     turns: EpisodeTurns
     env: _Recorder
     max_turns: int
     history: list[Played] = field(default_factory=list)
-    digest: Any = field(default_factory=lambda: hashlib.blake2b(digest_size=16))
 
     def take(self, played: Played, prompt_tokens: int = 0) -> bool:
         """Play ``played`` as the next turn; whether a new frame was drawn."""
@@ -184,18 +179,15 @@ class Episode:
             raise BadRequest(str(err), param="generation.max_input_length") from None
         if taken:  # a reply refused as over max_input_length ended it unplayed
             self.history.append(played)
-            _fold(self.digest, played.reply.encode("utf-8", "surrogatepass"))
-            _fold(self.digest, played.finish_reason.encode())
-        if self.env.count > drawn:
-            _observe(self.digest, self.env.last)
-            return True
-        return False
+            _fold(self.env.digest, played.reply.encode("utf-8", "surrogatepass"))
+            _fold(self.env.digest, played.finish_reason.encode())
+        return self.env.count > drawn
 
     def state(self) -> dict[str, Any]:
         return {
-            **self.spec.model_dump(mode="json"),
+            **self.spec,
             "history": [p.model_dump() for p in self.history],
-            "digest": self.digest.hexdigest(),
+            "digest": self.env.digest.hexdigest(),
         }
 
 
@@ -247,8 +239,11 @@ def start_episode(body: NewEpisode) -> Episode:
                 f"magnitude up to {MAX_OPTION_NUMBER}); play larger episodes with clew play",
                 param=f"options.{key}",
             )
+    spec_json = body.model_dump(mode="json", include=set(NewEpisode.model_fields))
+    digest = hashlib.blake2b(digest_size=16)
+    _fold(digest, json.dumps(_canonical(spec_json), sort_keys=True).encode())
     try:
-        env = _Recorder(make(body.env_id, **body.options))
+        env = _Recorder(make(body.env_id, **body.options), digest)
     except ClewError as err:  # the env's own check of its options
         raise BadRequest(f"options: {err}", param="options") from None
     except Exception as err:  # an option of the wrong type the env did not check
@@ -278,18 +273,17 @@ def start_episode(body: NewEpisode) -> Episode:
             f"{body.env_id} could not start an episode of seed {body.seed}: {turns.traj.error}",
             param="seed",
         )
-    spec_only = NewEpisode.model_validate(body.model_dump(include=set(NewEpisode.model_fields)))
-    episode = Episode(spec_only, turns, env, min(settings.max_turns, env_max_turns))
-    settings_json = json.dumps(_canonical(spec_only.model_dump(mode="json")), sort_keys=True)
-    _fold(episode.digest, settings_json.encode())
-    _observe(episode.digest, env.last)
-    return episode
+    return Episode(spec_json, turns, env, min(settings.max_turns, env_max_turns))
 
 
 def resume(state: EpisodeState) -> Episode:
     """The episode ``state`` describes, rebuilt by replaying its history; a 409 when the
     replay does not reach the state the server answered with."""
-    episode = start_episode(state)
+    try:
+        episode = start_episode(state)
+    except BadRequest as err:  # the page sent these settings as its state's
+        err.param = f"state.{err.param}" if err.param else "state"
+        raise
     if len(state.history) > episode.max_turns:
         raise BadRequest(
             f"state.history has {len(state.history)} replies; this episode takes at most "
@@ -300,7 +294,7 @@ def resume(state: EpisodeState) -> Episode:
         if episode.turns.request is None:
             raise _diverged(state, "its history goes on past the episode's end")
         episode.take(played)
-    if episode.digest.hexdigest() != state.digest:
+    if episode.env.digest.hexdigest() != state.digest:
         raise _diverged(state, "the replay does not match the episode the server answered")
     return episode
 
@@ -318,15 +312,13 @@ def play_step(episode: Episode, body: Step) -> bool:
             "context_full: true when the server refused the request as over its context",
             param="reply",
         )
-    return episode.take(
-        Played(reply=body.reply, finish_reason=body.finish_reason), body.prompt_tokens
-    )
+    played = Played(reply=body.reply, finish_reason=body.finish_reason)
+    return episode.take(played, body.prompt_tokens)
 
 
 def view(episode: Episode, *, drawn: bool = True) -> dict[str, Any]:
     """What the page shows of ``episode`` and what it sends next."""
-    turns, traj = episode.turns, episode.turns.traj
-    request = turns.request
+    request, traj = episode.turns.request, episode.turns.traj
     done = request is None
     obs = episode.env.last if drawn else None
     info = traj.infos[-1] if traj.infos and traj.turns == len(traj.infos) else {}
@@ -407,13 +399,6 @@ def _fold(digest: Any, part: bytes) -> None:
     """Add ``part`` to ``digest``, length first, so that no two sequences of parts collide."""
     digest.update(len(part).to_bytes(8, "big"))
     digest.update(part)
-
-
-def _observe(digest: Any, obs: Any) -> None:
-    _fold(digest, obs.text.encode("utf-8", "surrogatepass"))
-    for image in obs.images:
-        _fold(digest, f"{image.mode} {image.size}".encode())
-        _fold(digest, image.tobytes())
 
 
 def _canonical(value: Any) -> Any:
