@@ -37,6 +37,7 @@ issue's target is an MFU of 0.45 with the real vocabulary.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -153,7 +154,12 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--env", default="maze_2d/easy")
-    p.add_argument("--max-turns", type=int, default=5)
+    p.add_argument(
+        "--max-turns",
+        type=int,
+        default=13,
+        help="turn budget (maze_2d/easy: 13 fits its shortest solver paths)",
+    )
     p.add_argument("--prompts", type=int, default=24)
     p.add_argument("--samples", type=int, default=8, help="copies of each episode (a group)")
     p.add_argument("--mini-batch", type=int, default=96, help="episodes per optimizer step")
@@ -193,7 +199,10 @@ def main() -> None:
     )
     worker = PolicyWorker(model, chat, base)
 
-    rows = generate_rows(args.env, args.prompts, env_options={"max_turns": args.max_turns})
+    # Rows whose solver path fits the turn budget (a 9x9 maze's rarely fit 5 turns: draw more).
+    drawn = generate_rows(args.env, 50 * args.prompts, env_options={"max_turns": args.max_turns})
+    rows = [r for r in drawn if json.loads(r.metadata).get("turns_needed", 0) <= args.max_turns]
+    rows = rows[: args.prompts]
     # Starts the budget still reaches the goal from: every row gives an episode.
     demos = demonstrations(rows, chat, seed=0, start_anywhere=1.0)
     episodes = [d for d in demos for _ in range(args.samples)]
