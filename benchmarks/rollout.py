@@ -17,6 +17,9 @@ what runs outside the engine (env steps, frame encoding, trajectories), each for
 between device synchronizations (which the plain run does not pay), and prints each beside
 its bound (``benchmarks/bounds.py``): prefill at ``2 N`` FLOPs a token at the matrix rate,
 a decode step reading the text weights and every live row's KV cache at the bandwidth.
+``--trace FILE`` plays once more under ``torch.profiler`` (host, and device on CUDA), prints
+the operators that took the most host time (CUDA runtime calls such as ``cudaMalloc``
+included) and writes a Chrome trace.
 """
 
 from __future__ import annotations
@@ -166,6 +169,20 @@ class EngineProfile:
         )
 
 
+def _trace(policy, rows, args) -> None:
+    """One more play under torch.profiler (host and, on CUDA, device activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if policy.engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=False) as prof:
+        clew_side(policy, rows, args.samples, args.max_turns, args.max_tokens)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    prof.export_chrome_trace(args.trace)
+    print(f"trace: {args.trace}")
+
+
 def _user(obs) -> dict:
     return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": obs.text}]}
 
@@ -196,6 +213,12 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
+    p.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="play once more under torch.profiler: print the top operators by host time and "
+        "write a Chrome trace (chrome://tracing, Perfetto) to FILE",
+    )
     add_hardware_flags(p)
     args = p.parse_args()
     cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
@@ -252,6 +275,8 @@ def main() -> None:
                 prof._sync()
                 total = time.perf_counter() - t0
             prof.report(total, sizes, hardware(args))
+        if args.trace:
+            _trace(policy, rows, args)
 
 
 if __name__ == "__main__":
