@@ -3,7 +3,10 @@
 Each batch size gets a batch of text rows whose lengths spread evenly over
 ``--min-width``..``--max-width`` tokens (the shape of a 5-turn maze rollout's cache), one
 engine batch per KV cache (``generator.inference_engine.kv_cache``), and ``--steps`` decode
-steps timed after a warm-up; no row stops early (no stop token). Printed per cache and batch:
+steps timed after a warm-up; no row stops early (no stop token). ``graphs`` is the static
+cache with decode steps replayed from CUDA graphs (``generator.inference_engine.enforce_eager
+=false``); its captures are counted and their time left out of the step. Printed per cache
+and batch:
 the decode step time, generated tokens/s, the bandwidth bound of a step (the text weights
 read once plus every row's live KV cache, at ``--bandwidth-tbs``) and the share of it
 reached, and the static cache's speed-up over the dynamic one. ``--generate`` adds the
@@ -66,6 +69,7 @@ def _decode(engine: InferenceEngine, rows: list[list[int]], steps: int, warmup: 
     # Room for the timed steps now: a growth of the static cache is a copy, not a step.
     batch.kv.reserve(batch.cache_tokens + 1 + steps)
     before = sum(batch.lengths)
+    warm_capture_s = 0.0 if batch.graphs is None else batch.graphs.capture_s
     _sync(engine.device)
     t0 = time.perf_counter()
     # A one-token chunk (the pending token) and steps - 1 decode steps: every forward is one
@@ -74,7 +78,11 @@ def _decode(engine: InferenceEngine, rows: list[list[int]], steps: int, warmup: 
     _sync(engine.device)
     seconds = time.perf_counter() - t0
     after = sum(batch.lengths)
+    graphs = batch.graphs
+    if graphs is not None:  # a capture inside the timed steps is not a step
+        seconds -= graphs.capture_s - warm_capture_s
     return {
+        "captures": 0 if graphs is None else graphs.captures,
         "step_s": seconds / steps,
         "tokens_s": len(rows) * steps / seconds,
         "mean_cache": (before + after) / 2 / len(rows),
@@ -117,7 +125,7 @@ def main() -> None:
     p.add_argument("--max-width", type=int, default=775)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--caches", default="dynamic,static")
+    p.add_argument("--caches", default="dynamic,static,graphs")
     p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
     p.add_argument("--device", default="cpu")
     p.add_argument(
@@ -157,7 +165,10 @@ def main() -> None:
         results = {}
         for cache in args.caches.split(","):
             # No stop token, so every row decodes every step.
-            engine = InferenceEngine(model, chat, kv_cache=cache, stop_token_ids=(-1,))
+            kv = "static" if cache == "graphs" else cache
+            engine = InferenceEngine(
+                model, chat, kv_cache=kv, stop_token_ids=(-1,), cuda_graphs=cache == "graphs"
+            )
             r = results[cache] = _decode(engine, rows, args.steps, args.warmup)
             bound_s = (weights + size * r["mean_cache"] * kv_token) / (args.bandwidth_tbs * 1e12)
             ratio = (
@@ -167,6 +178,7 @@ def main() -> None:
                 f"{cache:<9} {size:>5} {r['widths'][0]:>4}-{r['widths'][1]:<4} "
                 f"{r['step_s'] * 1e3:>8.2f} {r['tokens_s']:>10.0f} {bound_s * 1e3:>8.3f} "
                 f"{bound_s / r['step_s']:>8.1%} {ratio:>10}"
+                + (f"  ({r['captures']} graphs captured)" if cache == "graphs" else "")
             )
             del engine
             gc.collect()

@@ -9,7 +9,9 @@ per variant from the same weights, evaluation and checkpoints off:
 - ``before``: the engine and update as they were before the speed work
   (``generator.inference_engine.kv_cache=dynamic``, padded micro-batches);
 - ``after``: the recipe's own settings (the static KV cache, the defaults);
-- ``packed``: ``after`` with ``trainer.remove_microbatch_padding=true``.
+- ``packed``: ``after`` with ``trainer.remove_microbatch_padding=true``;
+- ``graphs``: ``after`` with decode steps replayed from CUDA graphs
+  (``generator.inference_engine.enforce_eager=false``).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first (which pays the start-up), GRPO steps per minute and the speed-up
@@ -37,6 +39,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "before": {"generator.inference_engine.kv_cache": "dynamic"},
     "after": {},
     "packed": {"trainer.remove_microbatch_padding": True},
+    "graphs": {"generator.inference_engine.enforce_eager": False},
 }
 
 

@@ -201,6 +201,15 @@ def clew_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> 
     }
 
 
+def graphs_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict:
+    """``clew_side`` with decode steps replayed from CUDA graphs (their captures included)."""
+    policy.engine.cuda_graphs = True
+    try:
+        return clew_side(policy, rows, n_samples, max_turns, max_tokens)
+    finally:
+        policy.engine.cuda_graphs = False
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="tiny")
@@ -212,6 +221,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--device", default="auto")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="add a side whose decode steps replay CUDA graphs (enforce_eager=false)",
+    )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument(
         "--trace",
@@ -238,9 +252,9 @@ def main() -> None:
         )
         sizes = model_sizes(path)
         policy = open_policy(path, device=args.device)
-        sides = [("clew engine", clew_side)] + (
-            [] if args.skip_baseline else [("baseline generate", baseline)]
-        )
+        sides = [("clew engine", clew_side)]
+        sides += [("clew cuda graphs", graphs_side)] if args.cuda_graphs else []
+        sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
             f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
             f"{args.max_tokens} tokens/turn, {args.preset} on {policy.engine.device}"
@@ -263,10 +277,13 @@ def main() -> None:
                 f"{name:<18} {r['episodes'] / dt:>10.2f} {r['steps'] / dt:>11.1f} "
                 f"{r['gen'] / dt:>10.0f} {r['prefill'] / dt:>13.0f} {dt:>8.1f}"
             )
-        if len(results) == 2:
+        eager = results["clew engine"]
+        if "clew cuda graphs" in results:
             print(
-                f"speed-up (episodes/s): {results['clew engine'] / results['baseline generate']:.2f}x"
+                f"speed-up of CUDA graphs (episodes/s): {results['clew cuda graphs'] / eager:.2f}x"
             )
+        if "baseline generate" in results:
+            print(f"speed-up (episodes/s): {eager / results['baseline generate']:.2f}x")
         if args.profile:
             prof = EngineProfile(policy.engine.device, policy.engine.chat.pad_id)
             with prof.installed():

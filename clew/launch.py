@@ -166,13 +166,19 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
             gpu_memory_utilization=ie.gpu_memory_utilization,
             max_cache_mb=ie.max_cache_mb,
             kv_cache=ie.kv_cache,
+            cuda_graphs=not ie.enforce_eager,
             allowed_tokens=allowed,
         )
     limit_host_threads(device)
     worker = PolicyWorker.from_pretrained(t.policy.model.path, settings, dtype=dtype, device=device)
     budget = cache_budget_bytes(device, ie.gpu_memory_utilization, ie.max_cache_mb)
     engine = InferenceEngine(
-        worker.model, worker.chat, max_cache_bytes=budget, autocast=autocast, kv_cache=ie.kv_cache
+        worker.model,
+        worker.chat,
+        max_cache_bytes=budget,
+        autocast=autocast,
+        kv_cache=ie.kv_cache,
+        cuda_graphs=not ie.enforce_eager,
     )
     # A token text that is not one token fails here, before any rollout.
     for tokens in allowed:

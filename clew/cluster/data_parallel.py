@@ -154,6 +154,7 @@ class DataParallelWorker:
         gpu_memory_utilization: float = 0.45,
         max_cache_mb: int = 4096,
         kv_cache: str = "static",
+        cuda_graphs: bool = False,
         allowed_tokens: Sequence[Sequence[str]] = (),
         strategy: str = "fsdp",
     ) -> None:
@@ -190,6 +191,7 @@ class DataParallelWorker:
             max_cache_bytes=budget,
             autocast=settings.autocast_bf16,
             kv_cache=kv_cache,
+            cuda_graphs=cuda_graphs,
         )
         for tokens in allowed_tokens:  # a token text that is not one token fails here
             self.engine.allowed_ids(tuple(tokens))

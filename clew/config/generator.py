@@ -54,6 +54,13 @@ class InferenceEngineConfig(Section):
         "(its budget counts rows by their real lengths); 'dynamic' is transformers' "
         "DynamicCache (concatenated every forward, rows padded to one width), the reference.",
     )
+    enforce_eager: bool = Field(
+        True,
+        description="SkyRL/vLLM: run every decode step eagerly. false replays decode steps "
+        "from CUDA graphs captured per batch shape (rows rounded up, attention width rounded "
+        "to 256 columns) on a GPU with the static cache, for rows without per-row adapters; "
+        "it cuts the host's kernel launches, most of a large model's eager decode step.",
+    )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="SkyRL engine options; clew reads `max_model_len` (the engine's context "

@@ -34,6 +34,7 @@ import torch
 
 from clew.errors import ConfigError
 from clew.inference.attention import engine_attention
+from clew.inference.cuda_graphs import DecodeGraphs
 from clew.inference.draws import RowDraws
 from clew.inference.kv_cache import DynamicKV, SlotCache
 from clew.inference.sampling import SamplingParams
@@ -102,6 +103,11 @@ class CacheBatch:
         self.adapters: list[str | None] = [None] * size  # each row's adapter, None: the base
         self.draws = RowDraws(size, seed, dev)
         self._next_seq = size
+        # Decode steps from CUDA graphs (clew.inference.cuda_graphs): the static cache only,
+        # and not under autocast, whose cast weights would live in a graph's memory.
+        self.graphs: DecodeGraphs | None = None
+        if engine.cuda_graphs and isinstance(self.kv, SlotCache) and not engine.autocast:
+            self.graphs = DecodeGraphs(self.kv, engine.chat.pad_id, capture=dev.type == "cuda")
 
     @property
     def cache(self):
@@ -308,7 +314,10 @@ class CacheBatch:
                 if active[r]:
                     self.next_pos[r] += 1
                     self.pending[r] = None
-            logits = self._forward(step_ids, step_pos, self.kv.decode(active_dev, active))
+            if self.graphs is not None and not any(self.adapters):
+                logits = self.graphs.step(step_ids, step_pos, active_dev, active, self._forward)
+            else:
+                logits = self._forward(step_ids, step_pos, self.kv.decode(active_dev, active))
         return gens
 
     def _hide_old_images(self) -> None:

@@ -78,6 +78,7 @@ class InferenceEngine:
         stop_token_ids: tuple[int, ...] | None = None,
         autocast: bool = False,
         kv_cache: str = "static",
+        cuda_graphs: bool = False,
     ) -> None:
         if kv_cache not in KV_CACHES:
             raise ConfigError(
@@ -86,6 +87,9 @@ class InferenceEngine:
             )
         self.model = model
         self.kv_cache = kv_cache
+        # Decode steps replayed from CUDA graphs (static cache, rows without adapters); on a
+        # CPU the same fixed-shape steps run eagerly (clew.inference.cuda_graphs).
+        self.cuda_graphs = cuda_graphs
         # bfloat16 compute over float32 weights (clew.models.precision), as the trainer scores.
         self.autocast = autocast
         self.chat = chat

@@ -112,6 +112,8 @@ class SlotCache(Cache):
         self.visible = torch.zeros(rows, 0, dtype=torch.bool, device=device)
         self.image_of_col = torch.zeros(rows, 0, dtype=torch.long, device=device)
         self.hidden_any = False
+        # Bumped whenever the buffers move (a growth): CUDA graphs over them are then stale.
+        self.generation = 0
         # Where the current forward writes: row and column indices [rows, T], the width of
         # the views the attention reads and the first slot of its rows.
         self._write: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
@@ -213,6 +215,7 @@ class SlotCache(Cache):
                 del old  # one layer's old buffer at a time: the peak is one layer over
         self.slots, self.capacity = slots, capacity
         self._arange = torch.arange(slots, device=self.device)
+        self.generation += 1
 
     def prefill(
         self, new_mask: torch.Tensor, image_ids: torch.Tensor, counts: list[int], first: int = 0
@@ -241,15 +244,27 @@ class SlotCache(Cache):
     def decode(self, active: torch.Tensor, active_host: list[bool]) -> torch.Tensor:
         """Plan a decode step (one token a row; inactive rows write nothing visible and keep
         their length); returns its attention mask ``[rows, 1, 1, width]``."""
+        cols = self.advance(active, active_host)
+        b, width = active.shape[0], self.width
+        self._write = (self._arange[:b, None], cols[:, None], width, 0)
+        return self.visible[:b, None, None, :width]
+
+    def advance(self, active: torch.Tensor, active_host: list[bool]) -> torch.Tensor:
+        """A decode step's bookkeeping: each row's next column becomes visible if the row is
+        active, and the active rows grow by one; returns the columns written [rows]."""
         b = active.shape[0]
         rows, cols = self._arange[:b], self.fill_dev
         self.visible[rows, cols] = active
         self.image_of_col[rows, cols] = -1
         self.fill_dev = cols + active
         self.fill = [f + a for f, a in zip(self.fill, active_host, strict=True)]
-        width = self.width
-        self._write = (rows[:, None], cols[:, None], width, 0)
-        return self.visible[:b, None, None, :width]
+        return cols
+
+    def plan_write(self, cols: torch.Tensor, width: int) -> None:
+        """The next forward runs over slots ``[0, len(cols))``, slot ``i`` writing column
+        ``cols[i, 0]`` and attending over ``width`` columns (``clew.inference.cuda_graphs``:
+        fixed tensors a captured graph reads at every replay)."""
+        self._write = (self._arange[: cols.shape[0], None], cols, width, 0)
 
     def hide_images(self, limit: torch.Tensor) -> None:
         """Hide, per row, the columns of images numbered below ``limit`` [rows]."""

@@ -1,0 +1,149 @@
+"""Decode steps over fixed shapes (``clew.inference.cuda_graphs``): the padded rows and the
+rounded-up widths sample what the plain static cache samples; on CUDA, from captured graphs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from clew.data.rows import generate_rows
+from clew.envs import make
+from clew.inference import cuda_graphs
+from clew.inference.cuda_graphs import DecodeGraphs, rows_bucket, width_bucket
+from clew.inference.engine import InferenceEngine
+from clew.inference.sampling import SamplingParams
+from clew.models import build_model, load_policy
+from clew.models.chat import ChatFormat
+from clew.rollout.loop import RolloutSettings, play
+
+
+def test_rows_round_up_to_powers_of_two_then_multiples_of_sixteen_within_the_slots():
+    assert [rows_bucket(n, 256) for n in (1, 2, 3, 5, 8, 9, 16, 17, 191)] == [
+        1, 2, 4, 8, 8, 16, 16, 32, 192
+    ]  # fmt: skip
+    assert rows_bucket(9, 12) == 12
+
+
+def test_widths_round_up_to_the_step_within_the_capacity():
+    step = cuda_graphs.WIDTH_STEP
+    assert width_bucket(1, 4 * step) == step
+    assert width_bucket(step + 1, 4 * step) == 2 * step
+    assert width_bucket(step + 1, step + 10) == step + 10
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_vl")
+    build_model("tiny", path, arch="qwen3_vl", image_size=224, overwrite=True)
+    model, processor = load_policy(path)
+    model.eval()
+    rows = generate_rows(
+        "maze_2d/small", 3, env_options={"cell_px": 32, "action_format": "keyword"}
+    )
+    return model, ChatFormat(processor), rows
+
+
+def _ending_at_different_turns():
+    """An env factory whose n-th episode ends after 1 + n % 4 turns, whatever the replies."""
+    count = itertools.count()
+
+    def factory(env_id, **options):
+        env = make(env_id, **options)
+        last, steps = 1 + next(count) % 4, itertools.count(1)
+        step = env.step
+
+        def stepping(text):
+            obs, reward, done, info = step(text)
+            return obs, reward, done or next(steps) >= last, info
+
+        env.step = stepping
+        return env
+
+    return factory
+
+
+def _play(model, chat, rows, temperature, graphs: bool, device_kw=None):
+    settings = RolloutSettings(
+        n_samples_per_prompt=3,  # 9 rows: 7 after the first turn, run padded to 8
+        max_turns=4,
+        max_input_length=4096,
+        sampling=SamplingParams(temperature=temperature, max_tokens=6),
+    )
+    # Under a budget the slots are sized for the whole episode at once and never shrink,
+    # so rows that leave leave free slots for padding.
+    engine = InferenceEngine(
+        model, chat, cuda_graphs=graphs, max_cache_bytes=2**30, **(device_kw or {})
+    )
+    return play(engine, rows, settings, seed=3, env_factory=_ending_at_different_turns())
+
+
+def _assert_same(a, b, tol: float) -> None:
+    assert [t.token_ids for t in a] == [t.token_ids for t in b]
+    worst = max(
+        float((torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max())
+        for x, y in zip(a, b, strict=True)
+    )
+    assert worst < tol, f"largest logprob difference {worst:.2e}"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_padded_fixed_shape_steps_sample_what_the_plain_steps_sample(
+    policy, temperature, monkeypatch
+):
+    model, chat, rows = policy
+    # A narrow width step, so the widths are rounded up past the longest row.
+    monkeypatch.setattr(cuda_graphs, "WIDTH_STEP", 64)
+    shapes: list[tuple[int, int, int]] = []
+    step = DecodeGraphs.step
+
+    def recording(graphs, ids, pos, active, active_host, forward):
+        logits = step(graphs, ids, pos, active, active_host, forward)
+        r, w = graphs.last_shape
+        shapes.append((ids.shape[0], r, w - graphs.cache.width))
+        return logits
+
+    monkeypatch.setattr(DecodeGraphs, "step", recording)
+    fixed = _play(model, chat, rows, temperature, graphs=True)
+    plain = _play(model, chat, rows, temperature, graphs=False)
+    assert sorted({t.turns for t in fixed}) == [1, 2, 3, 4]
+    # Rows left, so some steps ran padding rows, and most read masked extra columns.
+    assert any(r > b for b, r, _ in shapes)
+    assert any(extra > 0 for _, _, extra in shapes)
+    _assert_same(fixed, plain, tol=1e-5)
+
+
+def test_a_batch_with_adapters_or_the_dynamic_cache_takes_the_eager_steps(policy):
+    model, chat, rows = policy
+    engine = InferenceEngine(model, chat, cuda_graphs=True, kv_cache="dynamic")
+    assert engine.open_batch(2).graphs is None
+    assert InferenceEngine(model, chat, cuda_graphs=True).open_batch(2).graphs is not None
+    assert InferenceEngine(model, chat).open_batch(2).graphs is None
+
+
+@pytest.mark.gpu
+def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
+    build_model("tiny", tmp_path, arch="qwen3_vl", image_size=224, overwrite=True)
+    model, processor = load_policy(tmp_path, dtype="bfloat16", device=torch.device("cuda"))
+    model.eval()
+    chat = ChatFormat(processor)
+    rows = generate_rows(
+        "maze_2d/small", 3, env_options={"cell_px": 32, "action_format": "keyword"}
+    )
+    captured: list[int] = []
+    step = DecodeGraphs.step
+
+    def counting(graphs, *args):
+        logits = step(graphs, *args)
+        captured.append(graphs.captures)
+        return logits
+
+    DecodeGraphs.step = counting
+    try:
+        graphed = _play(model, chat, rows, 0.0, graphs=True)
+    finally:
+        DecodeGraphs.step = step
+    eager = _play(model, chat, rows, 0.0, graphs=False)
+    assert max(captured) >= 2  # several buckets were captured and replayed
+    _assert_same(graphed, eager, tol=2e-2)  # bf16: summation order differs with the width
