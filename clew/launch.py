@@ -166,7 +166,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
             gpu_memory_utilization=ie.gpu_memory_utilization,
             max_cache_mb=ie.max_cache_mb,
             kv_cache=ie.kv_cache,
-            cuda_graphs=not ie.enforce_eager,
+            cuda_graphs=not ie.enforce_eager,  # the worker keeps it to a CUDA device
             allowed_tokens=allowed,
         )
     limit_host_threads(device)
@@ -178,7 +178,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
         max_cache_bytes=budget,
         autocast=autocast,
         kv_cache=ie.kv_cache,
-        cuda_graphs=not ie.enforce_eager,
+        cuda_graphs=not ie.enforce_eager and device.type == "cuda",
     )
     # A token text that is not one token fails here, before any rollout.
     for tokens in allowed:

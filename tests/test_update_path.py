@@ -273,6 +273,8 @@ def test_the_trainer_keys_reach_the_worker(model_dir):
     assert (s.remove_padding, s.max_tokens_per_microbatch) == (True, 4096)
     assert (s.logprobs_chunk_size, s.gradient_checkpointing) == (256, True)
     assert any(getattr(m, "gradient_checkpointing", False) for m in group.worker.model.modules())
+    # CUDA graphs are the default where there is CUDA; a CPU run steps eagerly.
+    assert group.engine.cuda_graphs is False
     plain = build_worker_group(load_config(None, overrides[:2]), num_train_rows=4).worker.settings
     assert (plain.remove_padding, plain.max_tokens_per_microbatch) == (False, None)
     assert (plain.logprobs_chunk_size, plain.gradient_checkpointing) == (None, False)

@@ -191,7 +191,7 @@ class DataParallelWorker:
             max_cache_bytes=budget,
             autocast=settings.autocast_bf16,
             kv_cache=kv_cache,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=cuda_graphs and device.type == "cuda",
         )
         for tokens in allowed_tokens:  # a token text that is not one token fails here
             self.engine.allowed_ids(tuple(tokens))

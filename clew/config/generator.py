@@ -55,11 +55,11 @@ class InferenceEngineConfig(Section):
         "DynamicCache (concatenated every forward, rows padded to one width), the reference.",
     )
     enforce_eager: bool = Field(
-        True,
-        description="SkyRL/vLLM: run every decode step eagerly. false replays decode steps "
-        "from CUDA graphs captured per batch shape (rows rounded up, attention width rounded "
-        "to 256 columns) on a GPU with the static cache, for rows without per-row adapters; "
-        "it cuts the host's kernel launches, most of a large model's eager decode step.",
+        False,
+        description="SkyRL/vLLM: true runs every decode step eagerly. false (the default) "
+        "replays decode steps from CUDA graphs on a GPU, captured per batch shape (rows "
+        "rounded up, attention width rounded up to 256 columns), with the static cache and "
+        "rows without per-row adapters; no effect on a CPU.",
     )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,
