@@ -10,7 +10,8 @@ worker, and the speed-up and scaling efficiency against 1 worker.
 ``--scaling strong`` keeps the batch (``--prompts`` x ``--samples``) whatever the worker
 count; ``weak`` gives each worker ``--prompts`` prompts (the batch grows with the count).
 
-    python benchmarks/data_parallel.py --preset base --device cuda --workers 1 2
+    python benchmarks/data_parallel.py --preset qwen3vl-8b --device cuda --workers 1 2 \
+        --set trainer.gradient_checkpointing=true
     python benchmarks/data_parallel.py --preset tiny --device cpu --workers 1 2 \\
         --prompts 4 --samples 2 --max-turns 3 --steps 3
 """
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace, model: Path, data: Path, out: Path, workers: i
             "trainer.max_prompt_length=1024",
             "trainer.policy.optimizer_config.lr=1.0e-5",
             *placement,
+            *args.set,
         ],
     )
     begun = time.perf_counter()
@@ -108,6 +110,8 @@ def main() -> None:
     p.add_argument("--strategy", default="fsdp", help="trainer.strategy")
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--vocab-size", type=int, default=None, help="pad the tokenizer to this")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides")
     args = p.parse_args()
     if 1 not in args.workers:
         args.workers = [1, *args.workers]  # the baseline
@@ -117,7 +121,19 @@ def main() -> None:
         most = args.prompts * (max(args.workers) if args.scaling == "weak" else 1)
         rows = generate_rows(args.env_id, most * args.steps, env_options=opts)
         write_rows(rows, tmp / "train.parquet")
-        model = build_model(args.preset, tmp / "model", corpus=text_corpus(), overwrite=True).path
+        # On a GPU the policy is drawn there (an 8B host build takes minutes and 35 GB).
+        model = build_model(
+            args.preset,
+            tmp / "model",
+            corpus=text_corpus(),
+            device="cuda" if args.device == "cuda" else None,
+            padded_vocab_size=args.vocab_size,
+            overwrite=True,
+        ).path
+        if args.device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
         results = [run(args, model, tmp / "train.parquet", tmp / "runs", n) for n in args.workers]
     base = next(r for r in results if r["workers"] == 1)
     print(
