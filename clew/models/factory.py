@@ -48,6 +48,7 @@ from transformers import (
 )
 
 from clew.errors import ConfigError
+from clew.models.fused_norm import fused_rms_norm
 from clew.models.on_device import instantiate_on_device
 from clew.models.patch_embed import linear_patch_embed
 from clew.models.presets import PRESETS, QWEN_VOCAB_SIZE, Preset
@@ -362,6 +363,7 @@ def build_model(
     }
     (output_dir / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     linear_patch_embed(model)  # computing as the loaded policy does (load_policy)
+    fused_rms_norm(model)
     return BuiltModel(output_dir, model, processor, num_parameters, build_s, save_s)
 
 

@@ -31,6 +31,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, PreTrainedM
 from transformers.processing_utils import ProcessorMixin
 
 from clew.errors import CheckpointError, ConfigError, ModelError
+from clew.models.fused_norm import fused_rms_norm
 from clew.models.patch_embed import linear_patch_embed
 from clew.models.processor import ClewVLProcessor
 from clew.models.vision_attention import batch_vision_attention, share_vision_positions
@@ -183,8 +184,9 @@ def load_policy(
     "cuda:N" or a ``torch.device``. ``attn_implementation`` is passed to transformers
     ("sdpa", "eager", "flex_attention", ...); None keeps its default. The model is returned
     in eval mode, its vision attention batched over same-size images
-    (``clew.models.vision_attention``) and its patch embedding a matrix product
-    (``clew.models.patch_embed``); on CUDA, float32 matmuls use TF32. Raises
+    (``clew.models.vision_attention``), its patch embedding a matrix product
+    (``clew.models.patch_embed``) and its RMSNorms one fused kernel
+    (``clew.models.fused_norm``); on CUDA, float32 matmuls use TF32. Raises
     ``CheckpointError`` for a missing or incomplete directory, ``ModelError`` for a config
     that is not a supported VL model, ``ConfigError`` for a bad dtype or device.
     """
@@ -211,5 +213,6 @@ def load_policy(
     batch_vision_attention(model)
     share_vision_positions(model)
     linear_patch_embed(model)
+    fused_rms_norm(model)
     processor = load_processor(path)
     return model, processor
