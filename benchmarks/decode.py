@@ -5,8 +5,9 @@ Each batch size gets a batch of text rows whose lengths spread evenly over
 engine batch per KV cache (``generator.inference_engine.kv_cache``), and ``--steps`` decode
 steps timed after a warm-up; no row stops early (no stop token). ``graphs`` is the static
 cache with decode steps replayed from CUDA graphs (``generator.inference_engine.enforce_eager
-=false``); its captures are counted and their time left out of the step. Printed per cache
-and batch:
+=false``), ``flex`` the same with FlexAttention reading each row's own blocks
+(``decode_attention=flex``); their captures are counted and their time left out of the
+step. Printed per cache and batch:
 the decode step time, generated tokens/s, the bandwidth bound of a step (the text weights
 read once plus every row's live KV cache, at ``--bandwidth-tbs``) and the share of it
 reached, and the static cache's speed-up over the dynamic one. ``--generate`` adds the
@@ -125,7 +126,7 @@ def main() -> None:
     p.add_argument("--max-width", type=int, default=775)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--caches", default="dynamic,static,graphs")
+    p.add_argument("--caches", default="dynamic,static,graphs", help="or flex")
     p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
     p.add_argument("--device", default="cpu")
     p.add_argument(
@@ -165,9 +166,14 @@ def main() -> None:
         results = {}
         for cache in args.caches.split(","):
             # No stop token, so every row decodes every step.
-            kv = "static" if cache == "graphs" else cache
+            graphs = cache in ("graphs", "flex")
             engine = InferenceEngine(
-                model, chat, kv_cache=kv, stop_token_ids=(-1,), cuda_graphs=cache == "graphs"
+                model,
+                chat,
+                kv_cache="static" if graphs else cache,
+                stop_token_ids=(-1,),
+                cuda_graphs=graphs,
+                decode_attention="flex" if cache == "flex" else "sdpa",
             )
             r = results[cache] = _decode(engine, rows, args.steps, args.warmup)
             bound_s = (weights + size * r["mean_cache"] * kv_token) / (args.bandwidth_tbs * 1e12)
@@ -178,7 +184,7 @@ def main() -> None:
                 f"{cache:<9} {size:>5} {r['widths'][0]:>4}-{r['widths'][1]:<4} "
                 f"{r['step_s'] * 1e3:>8.2f} {r['tokens_s']:>10.0f} {bound_s * 1e3:>8.3f} "
                 f"{bound_s / r['step_s']:>8.1%} {ratio:>10}"
-                + (f"  ({r['captures']} graphs captured)" if cache == "graphs" else "")
+                + (f"  ({r['captures']} graphs captured)" if graphs else "")
             )
             del engine
             gc.collect()

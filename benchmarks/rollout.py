@@ -107,12 +107,17 @@ class EngineProfile:
 
     @contextmanager
     def installed(self):
+        from clew.inference.cuda_graphs import DecodeGraphs
         from clew.inference.engine import CacheBatch
 
         forward, extend = CacheBatch._forward, CacheBatch.extend_and_generate
+        graph_step = DecodeGraphs.step
         prof = self
+        in_graph_step = [False]
 
         def timed_forward(batch, input_ids, positions, attention_mask, **extra):
+            if in_graph_step[0]:  # a capture's forward: the graph step is timed whole
+                return forward(batch, input_ids, positions, attention_mask, **extra)
             prof._sync()
             t0 = time.perf_counter()
             out = forward(batch, input_ids, positions, attention_mask, **extra)
@@ -135,11 +140,27 @@ class EngineProfile:
             prof.engine_s += time.perf_counter() - t0
             return out
 
+        def timed_graph_step(graphs, ids, pos, active, active_host, fwd):
+            prof._sync()
+            t0 = time.perf_counter()
+            in_graph_step[0] = True
+            try:
+                out = graph_step(graphs, ids, pos, active, active_host, fwd)
+            finally:
+                in_graph_step[0] = False
+            prof._sync()
+            prof.decode_s += time.perf_counter() - t0
+            prof.decode_steps += 1
+            prof.kv_tokens_read += sum(graphs.cache.fill)
+            return out
+
         CacheBatch._forward, CacheBatch.extend_and_generate = timed_forward, timed_extend
+        DecodeGraphs.step = timed_graph_step
         try:
             yield self
         finally:
             CacheBatch._forward, CacheBatch.extend_and_generate = forward, extend
+            DecodeGraphs.step = graph_step
 
     def report(self, total_s: float, sizes, hw: Hardware) -> None:
         prefill_bound = hw.compute_s(2 * sizes.params * self.prefill_tokens)
@@ -210,6 +231,15 @@ def graphs_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -
         policy.engine.cuda_graphs = False
 
 
+def flex_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict:
+    """``graphs_side`` with FlexAttention decode steps (``decode_attention=flex``)."""
+    policy.engine.decode_attention = "flex"
+    try:
+        return graphs_side(policy, rows, n_samples, max_turns, max_tokens)
+    finally:
+        policy.engine.decode_attention = "sdpa"
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="tiny")
@@ -224,7 +254,13 @@ def main() -> None:
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="add a side whose decode steps replay CUDA graphs (enforce_eager=false)",
+        help="add a side whose decode steps replay CUDA graphs (enforce_eager=false); "
+        "--profile then profiles that side (a step's graph captures counted in its decode)",
+    )
+    p.add_argument(
+        "--flex",
+        action="store_true",
+        help="add a CUDA-graph side with FlexAttention decode steps (decode_attention=flex)",
     )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument(
@@ -254,6 +290,7 @@ def main() -> None:
         policy = open_policy(path, device=args.device)
         sides = [("clew engine", clew_side)]
         sides += [("clew cuda graphs", graphs_side)] if args.cuda_graphs else []
+        sides += [("clew graphs + flex", flex_side)] if args.flex else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
             f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
@@ -278,17 +315,17 @@ def main() -> None:
                 f"{r['gen'] / dt:>10.0f} {r['prefill'] / dt:>13.0f} {dt:>8.1f}"
             )
         eager = results["clew engine"]
-        if "clew cuda graphs" in results:
-            print(
-                f"speed-up of CUDA graphs (episodes/s): {results['clew cuda graphs'] / eager:.2f}x"
-            )
+        for name in ("clew cuda graphs", "clew graphs + flex"):
+            if name in results:
+                print(f"speed-up of {name[5:]} (episodes/s): {results[name] / eager:.2f}x")
         if "baseline generate" in results:
             print(f"speed-up (episodes/s): {eager / results['baseline generate']:.2f}x")
         if args.profile:
             prof = EngineProfile(policy.engine.device, policy.engine.chat.pad_id)
+            side = graphs_side if args.cuda_graphs else clew_side
             with prof.installed():
                 t0 = time.perf_counter()
-                clew_side(policy, rows, args.samples, args.max_turns, args.max_tokens)
+                side(policy, rows, args.samples, args.max_turns, args.max_tokens)
                 prof._sync()
                 total = time.perf_counter() - t0
             prof.report(total, sizes, hardware(args))

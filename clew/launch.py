@@ -167,6 +167,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
             max_cache_mb=ie.max_cache_mb,
             kv_cache=ie.kv_cache,
             cuda_graphs=not ie.enforce_eager,  # the worker keeps it to a CUDA device
+            decode_attention=ie.decode_attention,
             allowed_tokens=allowed,
         )
     limit_host_threads(device)
@@ -179,6 +180,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
         autocast=autocast,
         kv_cache=ie.kv_cache,
         cuda_graphs=not ie.enforce_eager and device.type == "cuda",
+        decode_attention=ie.decode_attention,
     )
     # A token text that is not one token fails here, before any rollout.
     for tokens in allowed:

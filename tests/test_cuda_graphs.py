@@ -10,6 +10,7 @@ import torch
 
 from clew.data.rows import generate_rows
 from clew.envs import make
+from clew.errors import ConfigError
 from clew.inference import cuda_graphs
 from clew.inference.cuda_graphs import DecodeGraphs, rows_bucket, width_bucket
 from clew.inference.engine import InferenceEngine
@@ -114,6 +115,42 @@ def test_padded_fixed_shape_steps_sample_what_the_plain_steps_sample(
     _assert_same(fixed, plain, tol=1e-5)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_flex_steps_read_each_row_s_own_blocks_and_sample_what_the_plain_steps_sample(
+    policy, temperature, monkeypatch
+):
+    model, chat, rows = policy
+    monkeypatch.setattr(cuda_graphs, "FLEX_BLOCK", 16)  # rows of different block counts
+    reads: list[tuple[list[int], list[int]]] = []
+    step = DecodeGraphs.step
+
+    def recording(graphs, ids, pos, active, active_host, forward):
+        logits = step(graphs, ids, pos, active, active_host, forward)
+        key = graphs.last_shape
+        s = graphs._steps[key]
+        # The block mask reads the step's own block counts, updated in place.
+        assert s.mask.kv_num_blocks.data_ptr() == s.blocks.data_ptr()
+        reads.append((s.blocks.flatten().tolist(), list(graphs.cache.fill[: ids.shape[0]])))
+        return logits
+
+    monkeypatch.setattr(DecodeGraphs, "step", recording)
+    flex = _play(
+        model, chat, rows, temperature, graphs=True, device_kw={"decode_attention": "flex"}
+    )
+    plain = _play(model, chat, rows, temperature, graphs=False)
+    assert reads and all(
+        blocks[: len(fills)] == [-(-f // 16) for f in fills] for blocks, fills in reads
+    )
+    assert any(len(set(blocks)) > 1 for blocks, _ in reads)  # rows read different widths
+    _assert_same(flex, plain, tol=1e-5)
+
+
+def test_an_unknown_decode_attention_is_refused_with_the_choices(policy):
+    model, chat, _ = policy
+    with pytest.raises(ConfigError, match="decode_attention='paged'.*sdpa, flex"):
+        InferenceEngine(model, chat, decode_attention="paged")
+
+
 def test_a_batch_with_adapters_or_the_dynamic_cache_takes_the_eager_steps(policy):
     model, chat, rows = policy
     engine = InferenceEngine(model, chat, cuda_graphs=True, kv_cache="dynamic")
@@ -147,3 +184,5 @@ def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
     eager = _play(model, chat, rows, 0.0, graphs=False)
     assert max(captured) >= 2  # several buckets were captured and replayed
     _assert_same(graphed, eager, tol=2e-2)  # bf16: summation order differs with the width
+    flex = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "flex"})
+    _assert_same(flex, eager, tol=2e-2)

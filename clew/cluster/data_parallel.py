@@ -155,6 +155,7 @@ class DataParallelWorker:
         max_cache_mb: int = 4096,
         kv_cache: str = "static",
         cuda_graphs: bool = False,
+        decode_attention: str = "sdpa",
         allowed_tokens: Sequence[Sequence[str]] = (),
         strategy: str = "fsdp",
     ) -> None:
@@ -192,6 +193,7 @@ class DataParallelWorker:
             autocast=settings.autocast_bf16,
             kv_cache=kv_cache,
             cuda_graphs=cuda_graphs and device.type == "cuda",
+            decode_attention=decode_attention,
         )
         for tokens in allowed_tokens:  # a token text that is not one token fails here
             self.engine.allowed_ids(tuple(tokens))

@@ -61,6 +61,12 @@ class InferenceEngineConfig(Section):
         "rounded up, attention width rounded up to 256 columns), with the static cache and "
         "rows without per-row adapters; no effect on a CPU.",
     )
+    decode_attention: Literal["sdpa", "flex"] = Field(
+        "sdpa",
+        description="The attention of CUDA-graph decode steps: 'sdpa' reads every row's keys "
+        "to the longest row's width (rounded up to 256); 'flex' is compiled FlexAttention "
+        "reading each row's own 128-column blocks, one graph per row count for every width.",
+    )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="SkyRL engine options; clew reads `max_model_len` (the engine's context "

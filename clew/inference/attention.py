@@ -16,11 +16,14 @@ KV heads as they are:
   memory-efficient kernel takes grouped KV heads with a mask (an older torch falls back to
   the math kernel, which expands them, as transformers did).
 
-Why SDPA and not FlexAttention: the engine's mask is a boolean tensor built once per
-forward from the rows' lengths and hidden columns (``clew.inference.kv_cache``) and shared
-by every layer, which SDPA takes as it is, on every device and in eager mode. FlexAttention
-needs a ``BlockMask`` built per forward and ``torch.compile`` to be fast; it is the next step
-for skipping the masked blocks entirely, not needed to stop the copies.
+Why SDPA by default: the engine's mask is a boolean tensor built once per forward from the
+rows' lengths and hidden columns (``clew.inference.kv_cache``) and shared by every layer,
+which SDPA takes as it is, on every device and in eager mode. SDPA reads every row's keys to
+the longest row's width, though. A decode step replayed from a CUDA graph may instead pass
+a FlexAttention ``BlockMask`` (``generator.inference_engine.decode_attention=flex``,
+``clew.inference.cuda_graphs``): each row then reads only the 128-column blocks up to its own
+length, through ``torch.compile``'d ``flex_attention`` on CUDA (its unfused reference on a
+CPU, which the tests compare).
 
 The function is registered in transformers' ``AttentionInterface`` under ``ATTENTION`` and
 selected only inside ``engine_attention``, on the text model's config alone: the vision
@@ -33,6 +36,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
 ATTENTION = "clew_gqa_sdpa"
@@ -50,6 +54,9 @@ def gqa_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention of ``query`` [B, H, T, D] over ``key``/``value`` [B, Hkv, L, D] under a
     boolean ``attention_mask`` [B, 1, T, L] (True: attend); returns [B, T, H, D]."""
+    if isinstance(attention_mask, BlockMask):
+        out = _flex(query, key, value, attention_mask, scaling)
+        return out.transpose(1, 2).contiguous(), None
     b, heads, t, d = query.shape
     kv_heads = key.shape[1]
     if heads % kv_heads:
@@ -72,6 +79,27 @@ def gqa_sdpa_attention(
         enable_gqa=group > 1,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+_compiled_flex = None
+
+
+def _flex(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_mask: BlockMask,
+    scale: float | None,
+) -> torch.Tensor:
+    """Grouped-query FlexAttention under ``block_mask``: compiled on CUDA (compiled once
+    with dynamic shapes for every batch and cache size), the unfused reference elsewhere."""
+    global _compiled_flex
+    fn = flex_attention
+    if query.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=True)
+        fn = _compiled_flex
+    return fn(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 AttentionInterface.register(ATTENTION, gqa_sdpa_attention)

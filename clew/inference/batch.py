@@ -107,7 +107,12 @@ class CacheBatch:
         # and not under autocast, whose cast weights would live in a graph's memory.
         self.graphs: DecodeGraphs | None = None
         if engine.cuda_graphs and isinstance(self.kv, SlotCache) and not engine.autocast:
-            self.graphs = DecodeGraphs(self.kv, engine.chat.pad_id, capture=dev.type == "cuda")
+            self.graphs = DecodeGraphs(
+                self.kv,
+                engine.chat.pad_id,
+                capture=dev.type == "cuda",
+                flex=engine.decode_attention == "flex",
+            )
 
     @property
     def cache(self):

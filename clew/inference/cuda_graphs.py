@@ -25,6 +25,14 @@ before each replay, and the logits come out in one buffer shared by every bucket
 graphs of a batch share one memory pool and are captured on first use; a cache growth
 (``SlotCache.generation``) moves the buffers the graphs read, so it drops them.
 
+With ``flex=True`` (``generator.inference_engine.decode_attention=flex``) the width is the
+whole capacity and the mask a FlexAttention ``BlockMask`` (``clew.inference.attention``)
+whose block counts are updated in place before each replay: each row reads the 128-column
+blocks up to its own length, not every row up to the longest's, and a graph serves every
+width (one capture per row bucket). Its ``mask_mod`` reads the cache's ``visible`` table, so
+hidden image columns stay hidden; padding rows see their free slot's first column, which the
+step marks visible there.
+
 On a device without CUDA graphs (the CPU), ``capture=False`` runs the same bucketed,
 padded step eagerly: what the CPU tests check against the plain path.
 """
@@ -36,12 +44,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from clew.inference.kv_cache import SlotCache
 
 # Attention width granularity: at 8B and 192 rows each extra column costs about 28 MB of
 # KV reads a step, while each distinct width is one more capture (about 0.1 s at 8B).
 WIDTH_STEP = 256
+# FlexAttention's key block: a row reads its length rounded up to this.
+FLEX_BLOCK = 128
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -64,17 +75,19 @@ class _Step:
     ids: torch.Tensor  # [R, 1]
     pos: torch.Tensor  # [3, R, 1]
     cols: torch.Tensor  # [R, 1]: the column each row writes
-    mask: torch.Tensor  # [R, 1, 1, W]
+    mask: torch.Tensor | BlockMask  # [R, 1, 1, W], or the flex path's block mask
     graph: torch.cuda.CUDAGraph | None = None
+    blocks: torch.Tensor | None = None  # flex: [R, 1, 1] key blocks each row reads
 
 
 class DecodeGraphs:
     """The decode steps of one ``CacheBatch`` over its ``SlotCache`` (module docstring)."""
 
-    def __init__(self, cache: SlotCache, pad_id: int, *, capture: bool) -> None:
+    def __init__(self, cache: SlotCache, pad_id: int, *, capture: bool, flex: bool = False) -> None:
         self.cache = cache
         self.pad_id = pad_id
         self.capture = capture
+        self.flex = flex
         self.captures = 0  # graphs captured so far, and the seconds they took (benchmarks)
         self.capture_s = 0.0
         self.last_shape: tuple[int, int] | None = None  # the last step's (rows, width)
@@ -101,7 +114,7 @@ class DecodeGraphs:
         b = ids.shape[0]
         cols = cache.advance(active, active_host)
         r = rows_bucket(b, cache.slots)
-        w = width_bucket(cache.width, cache.capacity)
+        w = cache.capacity if self.flex else width_bucket(cache.width, cache.capacity)
         self.last_shape = (r, w)
         step = self._steps.get((r, w))
         if step is None:
@@ -117,20 +130,47 @@ class DecodeGraphs:
 
     def _inputs(self, r: int, w: int) -> _Step:
         dev = self.cache.device
-        return _Step(
+        step = _Step(
             ids=torch.full((r, 1), self.pad_id, dtype=torch.long, device=dev),
             pos=torch.zeros((3, r, 1), dtype=torch.long, device=dev),
             cols=torch.full((r, 1), self.cache.capacity - 1, dtype=torch.long, device=dev),
             mask=torch.zeros((r, 1, 1, w), dtype=torch.bool, device=dev),
         )
+        if self.flex:
+            step.blocks = torch.ones((r, 1, 1), dtype=torch.int32, device=dev)
+            n = -(-w // FLEX_BLOCK)
+            order = torch.arange(n, dtype=torch.int32, device=dev).expand(r, 1, 1, n)
+            visible = self.cache.visible  # one closure tensor: one compiled kernel for all
+
+            def mask_mod(b, h, q, kv):
+                return visible[b, kv]
+
+            step.mask = BlockMask.from_kv_blocks(
+                step.blocks,
+                order.contiguous(),
+                BLOCK_SIZE=FLEX_BLOCK,
+                mask_mod=mask_mod,
+                seq_lengths=(1, w),
+                compute_q_blocks=False,
+            )
+        return step
 
     def _fill(
         self, step: _Step, ids: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, b: int
     ) -> None:
-        r, w = step.mask.shape[0], step.mask.shape[-1]
+        r, w = step.ids.shape[0], step.mask.shape[-1]
         step.ids[:b].copy_(ids)
         step.pos[:, :b].copy_(pos)
         step.cols[:b, 0].copy_(cols)
+        if step.blocks is not None:  # flex: each row's blocks up to its new length
+            step.blocks[:b, 0, 0].copy_((self.cache.fill_dev[:b] + FLEX_BLOCK - 1) // FLEX_BLOCK)
+            step.blocks[b:] = 1
+            # A free slot's table is reset when a row joins there (SlotCache.add_rows).
+            self.cache.visible[b:r, 0] = True
+            step.ids[b:] = self.pad_id
+            step.pos[:, b:] = 0
+            step.cols[b:] = self.cache.capacity - 1
+            return
         step.mask[:b, 0, 0].copy_(self.cache.visible[:b, :w])
         if b < r:  # rows that left since this bucket last ran are padding again
             step.ids[b:] = self.pad_id

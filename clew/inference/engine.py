@@ -52,6 +52,7 @@ from clew.models.chat import ChatFormat
 from clew.models.logit_masks import AllowedIds, banned_token_ids
 
 KV_CACHES = ("static", "dynamic")
+DECODE_ATTENTION = ("sdpa", "flex")
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -79,6 +80,7 @@ class InferenceEngine:
         autocast: bool = False,
         kv_cache: str = "static",
         cuda_graphs: bool = False,
+        decode_attention: str = "sdpa",
     ) -> None:
         if kv_cache not in KV_CACHES:
             raise ConfigError(
@@ -90,6 +92,13 @@ class InferenceEngine:
         # Decode steps replayed from CUDA graphs (static cache, rows without adapters); on a
         # CPU the same fixed-shape steps run eagerly (clew.inference.cuda_graphs).
         self.cuda_graphs = cuda_graphs
+        if decode_attention not in DECODE_ATTENTION:
+            raise ConfigError(
+                f"generator.inference_engine.decode_attention={decode_attention!r} is not a "
+                f"decode attention; choose one of {', '.join(DECODE_ATTENTION)}"
+            )
+        # In graph-replayed decode steps: SDPA to the longest row, or FlexAttention per row.
+        self.decode_attention = decode_attention
         # bfloat16 compute over float32 weights (clew.models.precision), as the trainer scores.
         self.autocast = autocast
         self.chat = chat
