@@ -186,3 +186,10 @@ def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
     _assert_same(graphed, eager, tol=2e-2)  # bf16: summation order differs with the width
     flex = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "flex"})
     _assert_same(flex, eager, tol=2e-2)
+
+
+def test_an_opened_policy_replays_graphs_only_on_cuda(tmp_path):
+    from clew.inference.runtime import open_policy
+
+    build_model("tiny", tmp_path, arch="qwen3_vl", image_size=224, overwrite=True)
+    assert open_policy(tmp_path, device="cpu", cuda_graphs=True).engine.cuda_graphs is False

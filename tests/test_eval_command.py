@@ -85,3 +85,16 @@ def test_eval_refuses_an_allowed_token_that_is_not_one_token(tmp_path, capsys):
                  "--allowed-tokens", "up,go north"])  # fmt: skip
     assert code != 0
     assert "'go north' is" in capsys.readouterr().err
+
+
+def test_eval_with_enforce_eager_plays_what_the_default_plays(tmp_path, capsys):
+    model, data = _tiny_policy_and_mazes(tmp_path)
+    runs = []
+    for extra in ([], ["--enforce-eager"]):
+        out = tmp_path / f"eval{len(runs)}"
+        code = main(["eval", "--model", str(model), "--data", str(data), "--output-dir", str(out),
+                     "--max-generate-length", "4", "--num-gifs", "0", "--device", "cpu",
+                     "--temperature", "1.0", "--seed", "3", *extra])  # fmt: skip
+        assert code == 0
+        runs.append((out / "trajectories.jsonl").read_text())
+    assert runs[0] == runs[1]  # on a CPU both step eagerly

@@ -204,6 +204,11 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
         "eval/all/pass_at_<n> and needs --temperature > 0",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="step every decode eagerly (by default a GPU replays decode steps from CUDA graphs)",
+    )
 
     def run(args: argparse.Namespace) -> int:
         if args.temperature < 0:
@@ -230,7 +235,9 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
                 print(f"{k}: {v:.4f}")
             print(f"trajectories and GIFs in {args.output_dir}")
             return 0
-        policy = open_policy(args.model, args.adapter, device=args.device)
+        policy = open_policy(
+            args.model, args.adapter, device=args.device, cuda_graphs=not args.enforce_eager
+        )
         if settings.sampling.allowed_tokens:
             # A text that is not one token fails here.
             policy.engine.allowed_ids(settings.sampling.allowed_tokens)

@@ -53,7 +53,10 @@ def open_policy(
     dtype: str = "auto",
     gpu_memory_utilization: float = 0.45,
     max_cache_mb: int = 4096,
+    cuda_graphs: bool = False,
 ) -> Policy:
+    """The policy of ``model_dir`` (with ``adapter_dir``'s adapter) and its engine;
+    ``cuda_graphs``: decode steps replayed from CUDA graphs, where the device is CUDA."""
     from clew.models import load_policy
     from clew.models.adapters import load_adapter
 
@@ -67,4 +70,7 @@ def open_policy(
     model.eval()
     chat = ChatFormat(processor)
     budget = cache_budget_bytes(dev, gpu_memory_utilization, max_cache_mb)
-    return Policy(model, processor, chat, InferenceEngine(model, chat, max_cache_bytes=budget))
+    engine = InferenceEngine(
+        model, chat, max_cache_bytes=budget, cuda_graphs=cuda_graphs and dev.type == "cuda"
+    )
+    return Policy(model, processor, chat, engine)
