@@ -36,7 +36,8 @@ from clew.errors import ConfigError
 from clew.inference.attention import engine_attention
 from clew.inference.cuda_graphs import DecodeGraphs
 from clew.inference.draws import RowDraws
-from clew.inference.kv_cache import DynamicKV, SlotCache
+from clew.inference.dynamic_kv import DynamicKV
+from clew.inference.kv_cache import SlotCache
 from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
 from clew.models.logit_masks import keep_allowed, mask_banned
