@@ -16,13 +16,15 @@ positions are given explicitly per sequence (``clew.models.positions``), so padd
 shifts a position. Finished sequences leave the batch. It is token in, token out: the
 engine returns sampled ids and their logprobs, and nothing is re-tokenized from text.
 
-Two caches (``generator.inference_engine.kv_cache``, ``clew.inference.kv_cache``):
-``static`` (the default) writes every row's keys in place into preallocated per-layer slots
-and attends over each row's live columns with grouped-query SDPA
-(``clew.inference.attention``); ``dynamic`` is transformers' ``DynamicCache``, which
-concatenates onto the whole cache every forward, kept as the reference path. Both give the
-same tokens and logprobs (to float summation order). A decode step builds its inputs, mask
-and positions on the device; the one host copy per step is the sampled tokens and logprobs.
+Two caches (``generator.inference_engine.kv_cache``): ``static`` (the default,
+``clew.inference.kv_cache``) writes every row's keys in place into preallocated per-layer
+slots and attends over each row's live columns with grouped-query SDPA
+(``clew.inference.attention``); ``dynamic`` (``clew.inference.dynamic_kv``) is transformers'
+``DynamicCache``, which concatenates onto the whole cache every forward, kept as the
+reference path. Both give the same tokens and logprobs (to float summation order). A decode
+step builds its inputs, mask and positions on the device; the one host copy per step is the
+sampled tokens and logprobs. On a GPU the static cache's decode steps are replayed from CUDA
+graphs (``cuda_graphs``; ``clew.inference.cuda_graphs``).
 
 Logprobs are those of the distribution sampled from before top-k/top-p truncation, at the
 sampling temperature (at temperature 1 for greedy decoding), which is what the trainer
