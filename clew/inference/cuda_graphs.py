@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from clew.errors import ClewError
 from clew.inference.kv_cache import SlotCache
 
 # Attention width granularity: at 8B and 192 rows each extra column costs about 28 MB of
@@ -191,12 +192,21 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = forward(step.ids, step.pos, step.mask)
-            if self._logits is None:
-                # Allocated in the pool by the first capture, kept alive for every later one.
-                self._logits = logits.new_empty((self.cache.slots, logits.shape[-1]))
-            self._logits[: logits.shape[0]].copy_(logits)
+        try:
+            # thread_local: another thread's CUDA work (a server's, a logger's) may go on.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                logits = forward(step.ids, step.pos, step.mask)
+                if self._logits is None:
+                    # Allocated in the pool by the first capture, kept alive for later ones.
+                    self._logits = logits.new_empty((self.cache.slots, logits.shape[-1]))
+                self._logits[: logits.shape[0]].copy_(logits)
+        except RuntimeError as error:
+            rows, width = step.ids.shape[0], step.mask.shape[-1]
+            raise ClewError(
+                f"capturing a decode step of {rows} rows over {width} cache columns as a "
+                f"CUDA graph failed ({error}); set generator.inference_engine.enforce_eager="
+                "true (clew eval --enforce-eager) to step eagerly"
+            ) from error
         step.graph = graph
         torch.cuda.synchronize()
         self.captures += 1
