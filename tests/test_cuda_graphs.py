@@ -3,13 +3,11 @@ rounded-up widths sample what the plain static cache samples; on CUDA, from capt
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
+from rollout_support import assert_same_samples, ending_at_different_turns
 
 from clew.data.rows import generate_rows
-from clew.envs import make
 from clew.errors import ConfigError
 from clew.inference import cuda_graphs
 from clew.inference.cuda_graphs import DecodeGraphs, rows_bucket, width_bucket
@@ -46,25 +44,6 @@ def policy(tmp_path_factory):
     return model, ChatFormat(processor), rows
 
 
-def _ending_at_different_turns():
-    """An env factory whose n-th episode ends after 1 + n % 4 turns, whatever the replies."""
-    count = itertools.count()
-
-    def factory(env_id, **options):
-        env = make(env_id, **options)
-        last, steps = 1 + next(count) % 4, itertools.count(1)
-        step = env.step
-
-        def stepping(text):
-            obs, reward, done, info = step(text)
-            return obs, reward, done or next(steps) >= last, info
-
-        env.step = stepping
-        return env
-
-    return factory
-
-
 def _play(model, chat, rows, temperature, graphs: bool, device_kw=None):
     settings = RolloutSettings(
         n_samples_per_prompt=3,  # 9 rows: 7 after the first turn, run padded to 8
@@ -77,16 +56,7 @@ def _play(model, chat, rows, temperature, graphs: bool, device_kw=None):
     engine = InferenceEngine(
         model, chat, cuda_graphs=graphs, max_cache_bytes=2**30, **(device_kw or {})
     )
-    return play(engine, rows, settings, seed=3, env_factory=_ending_at_different_turns())
-
-
-def _assert_same(a, b, tol: float) -> None:
-    assert [t.token_ids for t in a] == [t.token_ids for t in b]
-    worst = max(
-        float((torch.tensor(x.logprobs) - torch.tensor(y.logprobs)).abs().max())
-        for x, y in zip(a, b, strict=True)
-    )
-    assert worst < tol, f"largest logprob difference {worst:.2e}"
+    return play(engine, rows, settings, seed=3, env_factory=ending_at_different_turns())
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
@@ -112,7 +82,7 @@ def test_padded_fixed_shape_steps_sample_what_the_plain_steps_sample(
     # Rows left, so some steps ran padding rows, and most read masked extra columns.
     assert any(r > b for b, r, _ in shapes)
     assert any(extra > 0 for _, _, extra in shapes)
-    _assert_same(fixed, plain, tol=1e-5)
+    assert_same_samples(fixed, plain, tol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
@@ -142,7 +112,7 @@ def test_flex_steps_read_each_row_s_own_blocks_and_sample_what_the_plain_steps_s
         blocks[: len(fills)] == [-(-f // 16) for f in fills] for blocks, fills in reads
     )
     assert any(len(set(blocks)) > 1 for blocks, _ in reads)  # rows read different widths
-    _assert_same(flex, plain, tol=1e-5)
+    assert_same_samples(flex, plain, tol=1e-5)
 
 
 def test_an_unknown_decode_attention_is_refused_with_the_choices(policy):
@@ -183,9 +153,9 @@ def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
         DecodeGraphs.step = step
     eager = _play(model, chat, rows, 0.0, graphs=False)
     assert max(captured) >= 2  # several buckets were captured and replayed
-    _assert_same(graphed, eager, tol=2e-2)  # bf16: summation order differs with the width
+    assert_same_samples(graphed, eager, tol=2e-2)  # bf16: summation order differs with the width
     flex = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "flex"})
-    _assert_same(flex, eager, tol=2e-2)
+    assert_same_samples(flex, eager, tol=2e-2)
 
 
 def test_an_opened_policy_replays_graphs_only_on_cuda(tmp_path):

@@ -3,11 +3,11 @@ same tokens and logprobs, buffers written in place, and a budget counted by real
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import pytest
 import torch
+from rollout_support import assert_same_samples, ending_at_different_turns
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from clew.data.rows import generate_rows
@@ -41,25 +41,6 @@ def policy(request, tmp_path_factory):
     return model, ChatFormat(processor), rows
 
 
-def _ending_at_different_turns():
-    """An env factory whose n-th episode ends after 1 + n % 4 turns, whatever the replies."""
-    count = itertools.count()
-
-    def factory(env_id, **options):
-        env = make(env_id, **options)
-        last, steps = 1 + next(count) % 4, itertools.count(1)
-        step = env.step
-
-        def stepping(text):
-            obs, reward, done, info = step(text)
-            return obs, reward, done or next(steps) >= last, info
-
-        env.step = stepping
-        return env
-
-    return factory
-
-
 def _settings(temperature: float = 1.0, **kw) -> RolloutSettings:
     sampling = SamplingParams(
         temperature=temperature, max_tokens=kw.pop("max_tokens", 6), top_p=kw.pop("top_p", 1.0)
@@ -74,19 +55,8 @@ def _both(model, chat, rows, settings, seed=3, **engine_kw):
     out = []
     for kv_cache in ("static", "dynamic"):
         engine = InferenceEngine(model, chat, kv_cache=kv_cache, **engine_kw)
-        out.append(
-            play(engine, rows, settings, seed=seed, env_factory=_ending_at_different_turns())
-        )
+        out.append(play(engine, rows, settings, seed=seed, env_factory=ending_at_different_turns()))
     return out
-
-
-def _assert_same(static, dynamic, tol: float = 1e-5) -> None:
-    assert [t.token_ids for t in static] == [t.token_ids for t in dynamic]
-    worst = max(
-        float((torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max())
-        for a, b in zip(static, dynamic, strict=True)
-    )
-    assert worst < tol, f"largest logprob difference {worst:.2e}"
 
 
 @pytest.mark.parametrize(
@@ -98,7 +68,7 @@ def test_static_cache_samples_what_the_dynamic_cache_samples(policy, temperature
     static, dynamic = _both(model, chat, rows, settings)
     # Rows left the batch at every turn, so later rows moved into the freed slots.
     assert sorted({t.turns for t in static}) == [1, 2, 3, 4]
-    _assert_same(static, dynamic)
+    assert_same_samples(static, dynamic)
     # The trainer's forwards keep their own attention.
     assert text_config(model)._attn_implementation == "sdpa"
 
@@ -119,10 +89,10 @@ def test_hidden_images_are_masked_and_compacted_in_place_with_the_same_samples(p
     static = play(engine, rows, settings, seed=5)
     dynamic = play(InferenceEngine(model, chat, kv_cache="dynamic"), rows, settings, seed=5)
     assert any(after < before for before, after in widths)
-    _assert_same(static, dynamic)
+    assert_same_samples(static, dynamic)
     # Never compacting gives the same samples too: hidden columns were masked all along.
     monkeypatch.setattr(batch_module, "_COMPACT_WHEN_VISIBLE_BELOW", 0.0)
-    _assert_same(play(engine, rows, settings, seed=5), dynamic)
+    assert_same_samples(play(engine, rows, settings, seed=5), dynamic)
 
 
 def test_a_merged_lora_policy_samples_the_same_with_either_cache(policy):
@@ -138,7 +108,7 @@ def test_a_merged_lora_policy_samples_the_same_with_either_cache(policy):
     with merged_for_rollouts(lora):
         static, dynamic = _both(lora, chat, rows, _settings())
         plain = play(InferenceEngine(model, chat), rows, _settings(), seed=3)
-    _assert_same(static, dynamic)
+    assert_same_samples(static, dynamic)
     assert [t.token_ids for t in static] != [t.token_ids for t in plain]  # the adapter counts
 
 

@@ -13,8 +13,9 @@ A graph fixes every shape and address it touches, so a step runs over a *bucket*
 - rows: the batch's rows rounded up (1, 2, 4, 8, then multiples of 16, at most the cache's
   slots). The padding rows live in free slots of the cache: they feed the pad token at
   position 0, write their keys into the last column of their own free slot (which nothing
-  reads before a row joining there has overwritten it) and attend to their slot's first
-  column only, so they stay finite and touch no live row;
+  reads before a row joining there has overwritten it) and attend to what that slot's
+  ``visible`` row shows, its first column marked visible by the step, so they stay finite
+  and touch no live row;
 - width: the columns the attention reads, the longest live row rounded up to a multiple of
   ``WIDTH_STEP`` (at most the capacity); the extra columns are masked as they are in eager
   mode for rows shorter than the longest.
@@ -30,8 +31,7 @@ whole capacity and the mask a FlexAttention ``BlockMask`` (``clew.inference.atte
 whose block counts are updated in place before each replay: each row reads the 128-column
 blocks up to its own length, not every row up to the longest's, and a graph serves every
 width (one capture per row bucket). Its ``mask_mod`` reads the cache's ``visible`` table, so
-hidden image columns stay hidden; padding rows see their free slot's first column, which the
-step marks visible there.
+hidden image columns stay hidden; padding rows read one block of their free slot.
 
 On a device without CUDA graphs (the CPU), ``capture=False`` runs the same bucketed,
 padded step eagerly: what the CPU tests check against the plain path.
@@ -159,26 +159,21 @@ class DecodeGraphs:
     def _fill(
         self, step: _Step, ids: torch.Tensor, pos: torch.Tensor, cols: torch.Tensor, b: int
     ) -> None:
-        r, w = step.ids.shape[0], step.mask.shape[-1]
+        r = step.ids.shape[0]
         step.ids[:b].copy_(ids)
         step.pos[:, :b].copy_(pos)
         step.cols[:b, 0].copy_(cols)
+        if b < r:  # padding rows, in free slots (module docstring)
+            step.ids[b:] = self.pad_id
+            step.pos[:, b:] = 0
+            step.cols[b:] = self.cache.capacity - 1
+            # A free slot's table is reset when a row joins there (SlotCache.add_rows).
+            self.cache.visible[b:r, 0] = True
         if step.blocks is not None:  # flex: each row's blocks up to its new length
             step.blocks[:b, 0, 0].copy_((self.cache.fill_dev[:b] + FLEX_BLOCK - 1) // FLEX_BLOCK)
             step.blocks[b:] = 1
-            # A free slot's table is reset when a row joins there (SlotCache.add_rows).
-            self.cache.visible[b:r, 0] = True
-            step.ids[b:] = self.pad_id
-            step.pos[:, b:] = 0
-            step.cols[b:] = self.cache.capacity - 1
-            return
-        step.mask[:b, 0, 0].copy_(self.cache.visible[:b, :w])
-        if b < r:  # rows that left since this bucket last ran are padding again
-            step.ids[b:] = self.pad_id
-            step.pos[:, b:] = 0
-            step.cols[b:] = self.cache.capacity - 1
-            step.mask[b:] = False
-            step.mask[b:, 0, 0, 0] = True
+        else:
+            step.mask[:, 0, 0].copy_(self.cache.visible[:r, : step.mask.shape[-1]])
 
     def _capture(self, step: _Step, forward: Forward) -> None:
         start = time.perf_counter()

@@ -241,9 +241,9 @@ class SlotCache(Cache):
         """Plan a decode step (one token a row; inactive rows write nothing visible and keep
         their length); returns its attention mask ``[rows, 1, 1, width]``."""
         cols = self.advance(active, active_host)
-        b, width = active.shape[0], self.width
-        self._write = (self._arange[:b, None], cols[:, None], width, 0)
-        return self.visible[:b, None, None, :width]
+        width = self.width
+        self.plan_write(cols[:, None], width)
+        return self.visible[: cols.shape[0], None, None, :width]
 
     def advance(self, active: torch.Tensor, active_host: list[bool]) -> torch.Tensor:
         """A decode step's bookkeeping: each row's next column becomes visible if the row is
