@@ -17,9 +17,10 @@ what runs outside the engine (env steps, frame encoding, trajectories), each for
 between device synchronizations (which the plain run does not pay), and prints each beside
 its bound (``benchmarks/bounds.py``): prefill at ``2 N`` FLOPs a token at the matrix rate,
 a decode step reading the text weights and every live row's KV cache at the bandwidth.
-``--trace FILE`` plays once more under ``torch.profiler`` (host, and device on CUDA), prints
-the operators that took the most host time (CUDA runtime calls such as ``cudaMalloc``
-included) and writes a Chrome trace.
+``--trace FILE`` plays once more under ``torch.profiler`` (host, and device on CUDA; the
+CUDA-graph side with ``--cuda-graphs``), prints the operators that took the most host time
+(CUDA runtime calls such as ``cudaMalloc`` included) and, on CUDA, the kernels that took the
+most device time, and writes a Chrome trace.
 """
 
 from __future__ import annotations
@@ -194,12 +195,17 @@ def _trace(policy, rows, args) -> None:
     """One more play under torch.profiler (host and, on CUDA, device activity)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if policy.engine.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
+    cuda = policy.engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    side = graphs_side if args.cuda_graphs else clew_side
     with profile(activities=activities, record_shapes=False) as prof:
-        clew_side(policy, rows, args.samples, args.max_turns, args.max_tokens)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        side(policy, rows, args.samples, args.max_turns, args.max_tokens)
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
+    if cuda:  # where the GPU's own time goes, kernel by kernel (graph replays included)
+        print(
+            averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
+        )
     prof.export_chrome_trace(args.trace)
     print(f"trace: {args.trace}")
 
