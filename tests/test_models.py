@@ -381,12 +381,51 @@ def test_frames_patched_later_equal_the_processor_and_stay_bytes_when_joined(
     assert torch.equal(_patch_torch(joined.data, joined.table, *shape), ref)
 
 
-def test_fast_patches_leave_what_needs_resizing_to_the_processor(tiny: BuiltModel) -> None:
+def test_fast_patches_leave_mixed_sizes_and_modes_to_the_processor(tiny: BuiltModel) -> None:
     ip = tiny.processor.image_processor
     assert fast_patches([_image(252), _image(224)], ip) is None  # mixed sizes
-    assert fast_patches([_image(250)], ip) is None  # not a multiple of patch x merge
     assert fast_patches([_image(252).convert("L")], ip) is None  # not RGB
     assert fast_patches([], ip) is None
+
+
+@pytest.mark.parametrize(("patch", "size"), [(16, 252), (14, 250), (16, 90)])
+def test_fast_patches_resize_as_the_processor_does_bit_for_bit(
+    tmp_path: Path, patch: int, size: int
+) -> None:
+    # Qwen3-VL's patch 16 x merge 2 does not divide maze_2d/easy's 252 px frames: the
+    # processor resizes them to 256 px (and 90 px frames up to 96).
+    built = build_model("tiny", tmp_path / "m", arch="qwen3_vl", patch_size=patch)
+    ip = built.processor.image_processor
+    images = [_image(size, seed) for seed in range(3)]
+    covered = fast_patches(images, ip)
+    assert covered is not None
+    ref = ip(images=images, return_tensors="pt")
+    assert torch.equal(covered[0], ref["pixel_values"])
+    assert torch.equal(covered[1], ref["image_grid_thw"])
+    assert int(covered[1][0, 1]) * patch != size  # a resize really happened
+    frames = fast_frames(images, ip)
+    assert torch.equal(as_patches(frames), ref["pixel_values"])
+
+
+class _OtherResize:
+    """An image processor whose resize Pillow's does not reproduce (a torchvision one)."""
+
+    def __init__(self, ip) -> None:
+        self.ip = ip
+
+    def __getattr__(self, name: str):
+        return getattr(self.ip, name)
+
+    def __call__(self, **kwargs):
+        out = self.ip(**kwargs)
+        out["pixel_values"] = out["pixel_values"] + 1e-3
+        return out
+
+
+def test_a_processor_that_resizes_another_way_keeps_its_resized_frames(tiny: BuiltModel) -> None:
+    ip = _OtherResize(tiny.processor.image_processor)
+    assert fast_patches([_image(250)], ip) is None  # resized: left to the processor
+    assert fast_patches([_image(252)], ip) is not None  # kept as it is: covered
 
 
 def test_policy_precision_keeps_trained_weights_in_float32() -> None:

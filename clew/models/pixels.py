@@ -3,14 +3,23 @@
 The Qwen2-VL image processor (the PIL one: clew runs without torchvision) encodes image by
 image in Python: about 0.6 ms per 126 px image, which made image encoding the largest
 host-side cost of an SFT step on the GPU (0.58 s of a 2.6 s step at 64 demonstrations,
-profiled on an H200) and capped demonstration building at 40 per second. Maze
-frames are all the same size and already a multiple of the patch, so the processor's
-resize is the identity and what remains (rescale, normalise, cut into patches, repeat each
-patch over the temporal axis) is a table lookup and one copy over the whole stack. This module
-does exactly those, in the processor's own order and layout; for anything it does not
-cover (mixed sizes, a size the processor would resize, a non-RGB image, a processor
-without these settings) it returns ``None`` and the caller uses the processor.
-``tests/test_models.py`` checks the output against the processor's, value for value.
+profiled on an H200) and capped demonstration building at 40 per second. Maze frames
+are all the same size, so what the processor does (resize to a multiple of patch x merge,
+rescale, normalise, cut into patches, repeat each patch over the temporal axis) is one
+resize per frame, a table lookup and one copy over the whole stack. This module does
+exactly those, in the processor's own order and layout; for anything it does not cover
+(mixed sizes, a non-RGB image, a processor without these settings) it returns ``None`` and
+the caller uses the processor. ``tests/test_models.py`` checks the output against the
+processor's, value for value.
+
+The resize matters for Qwen3-VL: its patch 16 x merge 2 does not divide the 252 px frames
+of ``maze_2d/easy`` (cells of 28 px), so the processor resizes each to 256 px, and that
+path through the processor took 3 ms a frame, 36% of an 8B rollout's wall time on an H100
+(``benchmarks/rollout.py --profile``: "outside the engine"). The processor resizes the
+uint8 frame with Pillow (``transformers.image_transforms.resize``) to ``smart_resize``'s
+size before rescaling; this module calls the same two. Whether they give the processor's
+values is checked once per processor and size on a random probe image (``_resize_agrees``);
+a processor that resizes any other way (a torchvision one) is left to itself.
 
 The bytes can also wait (``Frames``): training batches and the rollout engine carry frames
 as uint8 and patch them on the device that runs the model, where the lookup and the copy
@@ -19,6 +28,8 @@ cost next to nothing, instead of building and moving 8x as many float bytes on t
 
 from __future__ import annotations
 
+import sys
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -50,10 +61,55 @@ def _pixel_bounds(ip: Any) -> tuple[int, int] | None:
     return (int(lo), int(hi)) if lo is not None and hi is not None else None
 
 
-def _keeps_size(height: int, width: int, factor: int, lo: int, hi: int) -> bool:
-    # The processor's smart_resize leaves a size alone exactly when both sides are
-    # multiples of the factor and the pixel count lies in [lo, hi].
-    return height % factor == 0 and width % factor == 0 and lo <= height * width <= hi
+def _resized(
+    ip: Any, height: int, width: int, factor: int, lo: int, hi: int
+) -> tuple[int, int] | None:
+    """The (height, width) the processor resizes a frame to, by its own module's
+    ``smart_resize``; without one, the frame's size if ``smart_resize`` would keep it
+    (both sides multiples of the factor, the pixel count in [lo, hi]), else ``None``."""
+    for cls in type(ip).__mro__:
+        fn = getattr(sys.modules.get(cls.__module__), "smart_resize", None)
+        if callable(fn):
+            return tuple(fn(height, width, factor=factor, min_pixels=lo, max_pixels=hi))
+    keeps = height % factor == 0 and width % factor == 0 and lo <= height * width <= hi
+    return (height, width) if keeps else None
+
+
+# Per image processor: {(height, width): whether Pillow's resize gives its values}.
+_RESIZE_CHECKS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], bool]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _resize_agrees(ip: Any, height: int, width: int, size: tuple[int, int]) -> bool:
+    """Whether ``_resize`` to ``size`` then the byte table give ``ip``'s own pixel values
+    for a ``height`` x ``width`` frame, checked once on a random probe image."""
+    try:
+        checks = _RESIZE_CHECKS.setdefault(ip, {})
+    except TypeError:  # not weakly referable: check every time rather than never
+        checks = {}
+    if (height, width) not in checks:
+        rng = np.random.default_rng(0)
+        probe = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        patch, merge, temporal, scale, mean, std = _settings(ip)  # type: ignore[misc]
+        table = _byte_table(scale, tuple(mean.tolist()), tuple(std.tolist()))
+        raw = np.asarray(_resize(probe, size, ip), dtype=np.uint8)[None]
+        ours = _patch_numpy(raw, table.numpy(), patch, merge, temporal)
+        try:
+            theirs = ip(images=[probe], return_tensors="pt")["pixel_values"]
+        except Exception:  # noqa: BLE001 - a processor that cannot run the probe is not covered
+            checks[(height, width)] = False
+        else:
+            checks[(height, width)] = torch.equal(torch.from_numpy(ours), theirs)
+    return checks[(height, width)]
+
+
+def _resize(image: Image.Image, size: tuple[int, int], ip: Any) -> Image.Image:
+    """``image`` at ``size`` (height, width) as the PIL image processor resizes it."""
+    if image.size == (size[1], size[0]):
+        return image
+    resample = getattr(ip, "resample", None)
+    return image.resize((size[1], size[0]), resample=3 if resample is None else int(resample))
 
 
 def _settings(ip: Any) -> tuple[int, int, int, float, np.ndarray, np.ndarray] | None:
@@ -70,8 +126,9 @@ def _settings(ip: Any) -> tuple[int, int, int, float, np.ndarray, np.ndarray] | 
     return (patch, merge, temporal, scale, mean, std) if flags == (True, True) else None
 
 
-def _covered(images: list[Image.Image], ip: Any) -> tuple[Any, ...] | None:
-    """The processor's settings when the fast path covers ``images``, else ``None``."""
+def _covered(images: list[Image.Image], ip: Any) -> tuple[tuple[Any, ...], tuple[int, int]] | None:
+    """The processor's settings and the (height, width) it resizes ``images`` to, when the
+    fast path covers them, else ``None``."""
     settings, bounds = _settings(ip), _pixel_bounds(ip)
     if not images or settings is None or bounds is None:
         return None
@@ -79,12 +136,20 @@ def _covered(images: list[Image.Image], ip: Any) -> tuple[Any, ...] | None:
     if any(im.mode != "RGB" or im.size != (width, height) for im in images):
         return None
     patch, merge = settings[0], settings[1]
-    return settings if _keeps_size(height, width, patch * merge, *bounds) else None
+    try:
+        size = _resized(ip, height, width, patch * merge, *bounds)
+    except ValueError:  # a frame the processor itself refuses (aspect ratio, too small)
+        return None
+    if size is None:
+        return None
+    if size != (height, width) and not _resize_agrees(ip, height, width, size):
+        return None
+    return settings, size
 
 
-def _grid(images: list[Image.Image], patch: int) -> torch.Tensor:
-    width, height = images[0].size
-    return torch.tensor([[1, height // patch, width // patch]] * len(images), dtype=torch.int64)
+def _grid(count: int, size: tuple[int, int], patch: int) -> torch.Tensor:
+    height, width = size
+    return torch.tensor([[1, height // patch, width // patch]] * count, dtype=torch.int64)
 
 
 def fast_grid(images: list[Image.Image], ip: Any) -> torch.Tensor | None:
@@ -92,19 +157,19 @@ def fast_grid(images: list[Image.Image], ip: Any) -> torch.Tensor | None:
 
     What a caller needs that only counts image tokens (building SFT demonstrations).
     """
-    settings = _covered(images, ip)
-    return None if settings is None else _grid(images, settings[0])
+    covered = _covered(images, ip)
+    return None if covered is None else _grid(len(images), covered[1], covered[0][0])
 
 
 def fast_frames(images: list[Image.Image], ip: Any) -> Frames | None:
     """The images as ``Frames`` (bytes, patched where they are used), or ``None`` if not covered."""
-    settings = _covered(images, ip)
-    if settings is None:
+    covered = _covered(images, ip)
+    if covered is None:
         return None
-    patch, merge, temporal, scale, mean, std = settings
+    (patch, merge, temporal, scale, mean, std), size = covered
     table = _byte_table(scale, tuple(mean.tolist()), tuple(std.tolist()))
-    raw = np.stack([np.asarray(im, dtype=np.uint8) for im in images])  # [N, H, W, C]
-    return Frames(torch.from_numpy(raw), table, patch, merge, temporal)
+    raw = np.stack([np.asarray(_resize(im, size, ip), dtype=np.uint8) for im in images])
+    return Frames(torch.from_numpy(raw), table, patch, merge, temporal)  # raw: [N, H, W, C]
 
 
 @lru_cache(maxsize=8)
@@ -123,7 +188,10 @@ def _byte_table(scale: float, mean: tuple[float, ...], std: tuple[float, ...]) -
 def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(pixel_values [N * gh * gw, C * T * P * P], image_grid_thw [N, 3])`` or ``None``."""
     frames = fast_frames(images, ip)
-    return None if frames is None else (frames.patches(), _grid(images, frames.patch))
+    if frames is None:
+        return None
+    size = (int(frames.data.shape[1]), int(frames.data.shape[2]))
+    return frames.patches(), _grid(len(frames), size, frames.patch)
 
 
 @dataclass(frozen=True)
