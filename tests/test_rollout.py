@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -148,6 +150,35 @@ def test_greedy_samples_of_a_group_are_identical(policy, rows):
     trajs = play(InferenceEngine(model, chat), rows[:1], settings, seed=0)
     assert trajs[0].token_ids == trajs[1].token_ids
     assert trajs[0].state_keys == []  # frames are hashed only when asked (state_keys)
+
+
+def test_env_threads_play_exactly_what_the_loop_thread_plays(policy, rows):
+    model, chat = policy
+    threads: set[str] = set()
+
+    def factory(env_id, **options):
+        env = make(env_id, **options)
+        step = env.step
+
+        def recording(text):
+            threads.add(threading.current_thread().name)
+            return step(text)
+
+        env.step = recording
+        return env
+
+    def played(workers: int) -> list:
+        threads.clear()
+        settings = _settings(env_workers=workers, state_keys=True)
+        return play(InferenceEngine(model, chat), rows, settings, seed=3, env_factory=factory)
+
+    alone = played(1)
+    assert threads == {threading.current_thread().name}
+    pooled = played(4)
+    assert threads and all(n.startswith("clew-env") for n in threads)
+    for a, b in zip(alone, pooled, strict=True):
+        assert (a.token_ids, a.logprobs, a.actions) == (b.token_ids, b.logprobs, b.actions)
+        assert (a.reward, a.end_reason, a.state_keys) == (b.reward, b.end_reason, b.state_keys)
 
 
 class _Exploding:

@@ -110,6 +110,13 @@ class GeneratorConfig(Section):
         description="Text written after a reply that ran to max_generate_length (e.g. "
         "'</action>'), before <|im_end|>; the env reads prefix + sampled text + suffix.",
     )
+    env_workers: int = Field(
+        0,
+        ge=0,
+        description="Threads that step the envs and encode their observations between two "
+        "turns; 0: one per CPU core, at most 8; 1: in the rollout loop's own thread (for envs "
+        "whose instances share mutable state).",
+    )
     batched: bool = Field(False, description="SkyRL: batched single-turn generation.")
     vision_language_generator: bool = Field(
         True, description="SkyRL: use the vision-language generator."

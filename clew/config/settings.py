@@ -27,6 +27,7 @@ def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
         keep_last_k_images=g.keep_last_k_images,
         reply_prefix=g.reply_prefix,
         reply_suffix=g.reply_suffix,
+        env_workers=g.env_workers,
         state_keys=not evaluation
         and "state_keys" in get_estimator(cfg.trainer.algorithm.advantage_estimator).needs,
         sampling=SamplingParams(
