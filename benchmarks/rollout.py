@@ -17,6 +17,8 @@ what runs outside the engine (env steps, frame encoding, trajectories), each for
 between device synchronizations (which the plain run does not pay), and prints each beside
 its bound (``benchmarks/bounds.py``): prefill at ``2 N`` FLOPs a token at the matrix rate,
 a decode step reading the text weights and every live row's KV cache at the bandwidth.
+``--env-workers 1,0`` profiles once per ``generator.env_workers`` value: the env steps and
+the encoding of the next observations in the loop's own thread, then on one thread per core.
 ``--trace FILE`` plays once more under ``torch.profiler`` (host, and device on CUDA; the
 CUDA-graph side with ``--cuda-graphs``), prints the operators that took the most host time
 (CUDA runtime calls such as ``cudaMalloc`` included) and, on CUDA, the kernels that took the
@@ -40,7 +42,7 @@ from clew.envs.base import text_corpus
 from clew.inference.runtime import open_policy
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model
-from clew.rollout.loop import RolloutSettings, play
+from clew.rollout.loop import RolloutSettings, env_threads, play
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import Hardware, add_hardware_flags, hardware, model_sizes  # noqa: E402
@@ -214,9 +216,16 @@ def _user(obs) -> dict:
     return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": obs.text}]}
 
 
+ENV_WORKERS = [0]  # generator.env_workers of the clew sides (--env-workers)
+
+
 def clew_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict[str, float]:
     settings = RolloutSettings(
-        n_samples, max_turns, 32768, SamplingParams(1.0, max_tokens=max_tokens)
+        n_samples,
+        max_turns,
+        32768,
+        SamplingParams(1.0, max_tokens=max_tokens),
+        env_workers=ENV_WORKERS[0],
     )
     trajs = play(policy.engine, rows, settings, seed=0)
     prefill = sum(len(t.token_ids) - t.generated_tokens for t in trajs)
@@ -269,6 +278,13 @@ def main() -> None:
         help="add a CUDA-graph side with FlexAttention decode steps (decode_attention=flex)",
     )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
+    p.add_argument("--arch", default=None, help="qwen2_vl or qwen3_vl (default: the preset's)")
+    p.add_argument(
+        "--env-workers",
+        default="0",
+        help="generator.env_workers, comma-separated: --profile runs once per value "
+        "(1: env steps and observation encoding in the loop's thread; 0: one thread per core)",
+    )
     p.add_argument(
         "--trace",
         metavar="FILE",
@@ -289,6 +305,7 @@ def main() -> None:
                 tmp,
                 corpus=text_corpus(),
                 device="cuda" if cuda else None,
+                arch=args.arch,
                 overwrite=True,
             ).path
         )
@@ -326,7 +343,10 @@ def main() -> None:
                 print(f"speed-up of {name[5:]} (episodes/s): {results[name] / eager:.2f}x")
         if "baseline generate" in results:
             print(f"speed-up (episodes/s): {eager / results['baseline generate']:.2f}x")
-        if args.profile:
+        workers = [int(w) for w in args.env_workers.split(",")]
+        for w in workers if args.profile else []:
+            ENV_WORKERS[0] = w
+            print(f"env_workers={w} ({env_threads(w)} threads):")
             prof = EngineProfile(policy.engine.device, policy.engine.chat.pad_id)
             side = graphs_side if args.cuda_graphs else clew_side
             with prof.installed():
@@ -335,6 +355,7 @@ def main() -> None:
                 prof._sync()
                 total = time.perf_counter() - t0
             prof.report(total, sizes, hardware(args))
+        ENV_WORKERS[0] = workers[-1]
         if args.trace:
             _trace(policy, rows, args)
 

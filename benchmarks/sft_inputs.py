@@ -22,7 +22,11 @@
    device. Both ``pixel_values`` are checked equal.
 
     python benchmarks/sft_inputs.py [--sequences 64] [--frames 14] [--cell-px 14] [--demos 300]
-        [--device cpu]
+        [--device cpu] [--patch-size 16 --merge-size 2]
+
+With ``--cell-px 28 --patch-size 16 --merge-size 2`` (Qwen3-VL's geometry on
+``maze_2d/easy``'s 252 px frames) the processor resizes every frame to 256 px, and so does
+clew's path (``clew.models.pixels``).
 """
 
 from __future__ import annotations
@@ -89,11 +93,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--demos", type=int, default=300)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--patch-size",
+        type=int,
+        default=None,
+        help="the processor's patch (default: --cell-px, so no frame is resized)",
+    )
+    ap.add_argument("--merge-size", type=int, default=1)
     args = ap.parse_args()
     side = 9 * args.cell_px
+    patch = args.patch_size or args.cell_px
     with tempfile.TemporaryDirectory() as tmp:
         built = build_model(
-            "tiny", Path(tmp) / "m", image_size=side, patch_size=args.cell_px, merge_size=1
+            "tiny", Path(tmp) / "m", image_size=side, patch_size=patch, merge_size=args.merge_size
         )
     chat = ChatFormat(built.processor)
     batch = frames(args.sequences, args.frames, args.cell_px)
