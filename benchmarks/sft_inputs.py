@@ -104,8 +104,13 @@ def main() -> None:
     side = 9 * args.cell_px
     patch = args.patch_size or args.cell_px
     with tempfile.TemporaryDirectory() as tmp:
+        factor = patch * args.merge_size
         built = build_model(
-            "tiny", Path(tmp) / "m", image_size=side, patch_size=patch, merge_size=args.merge_size
+            "tiny",
+            Path(tmp) / "m",
+            image_size=side if side % factor == 0 else None,  # else the processor resizes
+            patch_size=patch,
+            merge_size=args.merge_size,
         )
     chat = ChatFormat(built.processor)
     batch = frames(args.sequences, args.frames, args.cell_px)
