@@ -65,7 +65,8 @@ class InferenceEngineConfig(Section):
         "sdpa",
         description="The attention of CUDA-graph decode steps: 'sdpa' reads every row's keys "
         "to the longest row's width (rounded up to 256); 'flex' is compiled FlexAttention "
-        "reading each row's own 128-column blocks, one graph per row count for every width.",
+        "reading each row's own 128-column blocks, one graph per row count for every width "
+        "(at Qwen3-VL-8B's shape on an H100 it took 1.7-2x as long a step: BENCHMARKS.md).",
     )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,
