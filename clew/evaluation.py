@@ -21,7 +21,8 @@ from tqdm import tqdm
 from clew.data.rows import Row
 from clew.envs.media import replay, write_episode
 from clew.inference.engine import InferenceEngine
-from clew.rollout.loop import RolloutSettings, event_shares, play
+from clew.rollout.loop import RolloutSettings, play
+from clew.rollout.metrics import event_shares
 from clew.rollout.trajectory import Trajectory
 
 

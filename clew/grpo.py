@@ -38,7 +38,8 @@ from clew.rollout.filtering import (
     spread_per_batch,
     take_groups,
 )
-from clew.rollout.loop import RolloutSettings, rollout_metrics
+from clew.rollout.loop import RolloutSettings
+from clew.rollout.metrics import rollout_metrics
 from clew.rollout.trajectory import Trajectory
 from clew.stopping import GracefulStop
 from clew.train.optim import MAX_DROPPED_STEPS

@@ -17,7 +17,8 @@ from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.models.positions import sequence_positions
-from clew.rollout.loop import RolloutSettings, play, rollout_metrics
+from clew.rollout.loop import RolloutSettings, play
+from clew.rollout.metrics import rollout_metrics
 from clew.rollout.trajectory import Trajectory
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
@@ -216,6 +217,30 @@ def test_env_exception_ends_only_that_episode_with_zero_reward(policy, rows):
     )
     assert all(t.end_reason != "env_error" and t.turns == 4 for t in good)
     assert rollout_metrics(trajs, "train")["train/env_errors"] == 2
+
+
+def test_an_env_that_cannot_reset_fails_only_its_episodes(policy, rows):
+    model, chat = policy
+
+    def factory(env_id, **options):
+        env = make(env_id, **options)
+        reset = env.reset
+
+        def failing(seed):
+            if seed == rows[0].seed:
+                raise ValueError("no such maze")
+            return reset(seed)
+
+        env.reset = failing
+        return env
+
+    trajs = play(InferenceEngine(model, chat), rows, _settings(), seed=0, env_factory=factory)
+    assert [(t.group_id, t.sample_index) for t in trajs] == [
+        (g, s) for g in range(3) for s in (0, 1)
+    ]
+    assert [t.end_reason for t in trajs[:2]] == ["env_error"] * 2
+    assert all("no such maze" in t.error and t.turns == 0 for t in trajs[:2])
+    assert all(t.end_reason != "env_error" and t.turns > 0 for t in trajs[2:])
 
 
 def test_event_shares_count_every_turn_by_what_the_env_reported(policy, rows):

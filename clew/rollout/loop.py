@@ -14,8 +14,9 @@ Between two turns the GPU waits for every episode's env step and the encoding of
 observation (a frame resized and cut into patches, its text tokenized), about 1.5 ms an
 episode on one core: at 192 episodes that was a third of an 8B rollout's time on an H100.
 ``env_workers`` threads do this per episode at once (Pillow and numpy release the GIL for
-their work); each episode's results are the same whichever thread ran it, and they are
-gathered in the episodes' order. Envs are stepped from those threads, so two env
+their work), and likewise start episodes (``START_AHEAD`` at a time: env resets and first
+observations) before the waves admit them; each episode's results are the same whichever
+thread ran it, and they are gathered in the episodes' order. Envs are stepped from those threads, so two env
 instances must not share mutable state (``env_workers=1`` steps them in the loop's thread).
 
 ``reply_prefix`` / ``reply_suffix`` fix the reply's format around what is sampled, as
@@ -31,8 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +50,9 @@ from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
 from clew.rollout.trajectory import Trajectory, state_key
 
+# Episodes started together ahead of the wave that admits them (their envs reset and first
+# observations encoded on the env threads).
+START_AHEAD = 64
 # Past 8 threads the env steps of a 192-episode turn stop getting shorter (each is ~1.5 ms).
 ENV_WORKERS_MAX = 8
 
@@ -154,59 +160,36 @@ def play(
 ) -> list[Trajectory]:
     """Play every row ``n_samples_per_prompt`` times; trajectories in (row, sample) order."""
     chat = engine.chat
-    specs = [
-        (g, s, row) for g, row in enumerate(rows) for s in range(settings.n_samples_per_prompt)
-    ]
-
-    def keyed(obs: Any) -> str | None:
-        return state_key(obs.images, obs.text) if settings.state_keys else None
-
-    prefix = chat.encode_text(settings.reply_prefix)
-    suffix = chat.encode_text(settings.reply_suffix)
+    framing = (chat.encode_text(settings.reply_prefix), chat.encode_text(settings.reply_suffix))
     # A row must be able to reach max_input_length alone (a ConfigError otherwise).
     engine.max_sequences(settings.max_input_length)
+    n = settings.n_samples_per_prompt
+    todo = [(g, s, row) for g, row in enumerate(rows) for s in range(n)][::-1]
+    ready: deque[tuple[Episode, Any, Chunk]] = deque()  # started, not yet in a wave
+    done: list[Trajectory] = []
+    begin = functools.partial(
+        first_turn, chat=chat, settings=settings, framing=framing, env_factory=env_factory
+    )
+    step = functools.partial(next_turn, chat=chat, settings=settings, framing=framing)
     with env_pool(env_threads(settings.env_workers)) as pool:
-        todo = list(reversed(specs))
-        held: tuple[Episode, Any, Chunk] | None = None  # started, but the last wave was full
-        done: list[Trajectory] = []
-        w = 0
-        while todo or held:
+        for wave in itertools.count():
             episodes: dict[int, Episode] = {}
             chunks: dict[int, Chunk] = {}
             peak = 0  # the longest any episode of the wave is expected to grow
-            while todo or held:
-                if held is None:
-                    g, s, row = todo.pop()
-                    try:
-                        ep, obs = start_episode(
-                            row.env_id, row.options(), int(row.seed), g, s, env_factory
-                        )
-                    except (
-                        Exception
-                    ) as exc:  # an env that cannot even reset is that episode's failure
-                        traj = Trajectory(row.env_id, row.options(), int(row.seed), g, s)
-                        fail_episode(traj, exc)
-                        done.append(traj)
-                        continue
-                    chunk = _framed(chat.user_turn(obs.text, obs.images, first=True), [], prefix)
-                    if (
-                        len(chunk.token_ids) + settings.sampling.max_tokens
-                        > settings.max_input_length
-                    ):
-                        raise ConfigError(
-                            f"generator.max_input_length={settings.max_input_length} cannot hold one "
-                            f"turn: the first observation of {row.env_id} takes {len(chunk.token_ids)} "
-                            f"tokens and a reply up to {settings.sampling.max_tokens}; raise "
-                            "max_input_length to at least "
-                            f"{len(chunk.token_ids) + settings.sampling.max_tokens}"
-                        )
-                    held = (ep, obs, chunk)
-                ep, obs, chunk = held
+            while todo or ready:
+                if not ready:  # start the next episodes together (env threads)
+                    batch = [todo.pop() for _ in range(min(len(todo), START_AHEAD))]
+                    for started in pool.map(begin, batch):
+                        (done if isinstance(started, Trajectory) else ready).append(started)
+                    continue
+                ep, obs, chunk = ready[0]
                 expected = _expected_length(engine, settings, ep, len(chunk.token_ids))
                 if episodes and engine.max_sequences(max(peak, expected)) <= len(episodes):
                     break
-                held, peak = None, max(peak, expected)
-                ep.traj.add_observation(chunk, obs.images, keyed(obs))
+                ready.popleft()
+                peak = max(peak, expected)
+                key = state_key(obs.images, obs.text) if settings.state_keys else None
+                ep.traj.add_observation(chunk, obs.images, key)
                 ep.traj.image_window = settings.keep_last_k_images
                 episodes[len(episodes)] = ep
                 chunks[len(chunks)] = chunk
@@ -214,54 +197,88 @@ def play(
                 break
             cached = engine.open_batch(
                 len(episodes),
-                seed=seed * 100_003 + w,
+                seed=seed * 100_003 + wave,
                 keep_last_k_images=settings.keep_last_k_images,
                 capacity_hint=peak,
             )
-            w += 1
-            turn_cap = settings.max_turns
-            while episodes:
-                # A turn that outgrows the budget ends as few episodes as it takes (the last
-                # admitted first) with ``cache_budget``: finished cleanly, never out of memory.
-                over: list[int] = []
-                while episodes and not cached.fits(
-                    max(len(c.token_ids) for c in chunks.values())
-                    + 1
-                    + settings.sampling.max_tokens
-                ):
-                    last = max(episodes)
-                    episodes[last].traj.end_reason = "cache_budget"
-                    done.append(episodes.pop(last).traj)
-                    chunks.pop(last)
-                    cached.drop([last])
-                    over.append(last)
-                if progress and over:
-                    progress(len(over))
-                if not episodes:
-                    break
-                gens = cached.extend_and_generate(chunks, settings.sampling)
-                cache_row = {seq: r for r, seq in enumerate(cached.rows)}
-                chunks, finished = {}, []
-                step = functools.partial(
-                    next_turn,
-                    chat=chat,
-                    settings=settings,
-                    turn_cap=turn_cap,
-                    framing=(prefix, suffix),
-                )
-                turns = [(episodes[i], g, cached.lengths[cache_row[i]]) for i, g in gens.items()]
-                for i, chunk in zip(gens, pool.map(step, turns), strict=True):
-                    if chunk is None:
-                        finished.append(i)
-                    else:
-                        chunks[i] = chunk
-                for i in finished:
-                    done.append(episodes.pop(i).traj)
-                if progress and finished:
-                    progress(len(finished))
-                cached.drop(finished)
+            play_wave(cached, episodes, chunks, settings, pool.map, step, done, progress)
     done.sort(key=lambda t: (t.group_id, t.sample_index))
     return done
+
+
+def play_wave(
+    cached: Any,
+    episodes: dict[int, Episode],
+    chunks: dict[int, Chunk],
+    settings: RolloutSettings,
+    map_: Callable[..., Iterator[Any]],
+    step: Callable[[tuple[Episode, Any, int]], Chunk | None],
+    done: list[Trajectory],
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Play a wave's ``episodes`` (their first ``chunks`` given) in ``cached``, turn by turn,
+    to their ends; each finished trajectory goes to ``done``."""
+    while episodes:
+        # A turn that outgrows the budget ends as few episodes as it takes (the last
+        # admitted first) with ``cache_budget``: finished cleanly, never out of memory.
+        over: list[int] = []
+        longest = max(len(c.token_ids) for c in chunks.values())
+        while episodes and not cached.fits(longest + 1 + settings.sampling.max_tokens):
+            last = max(episodes)
+            episodes[last].traj.end_reason = "cache_budget"
+            done.append(episodes.pop(last).traj)
+            chunks.pop(last)
+            cached.drop([last])
+            over.append(last)
+            longest = max((len(c.token_ids) for c in chunks.values()), default=0)
+        if progress and over:
+            progress(len(over))
+        if not episodes:
+            return
+        gens = cached.extend_and_generate(chunks, settings.sampling)
+        cache_row = {seq: r for r, seq in enumerate(cached.rows)}
+        turns = [(episodes[i], g, cached.lengths[cache_row[i]]) for i, g in gens.items()]
+        chunks.clear()
+        finished = []
+        for i, chunk in zip(gens, map_(step, turns), strict=True):
+            if chunk is None:
+                finished.append(i)
+                done.append(episodes.pop(i).traj)
+            else:
+                chunks[i] = chunk
+        if progress and finished:
+            progress(len(finished))
+        cached.drop(finished)
+
+
+def first_turn(
+    spec: tuple[int, int, Row],
+    *,
+    chat: Any,
+    settings: RolloutSettings,
+    framing: tuple[list[int], list[int]],
+    env_factory: Callable[..., Any],
+) -> tuple[Episode, Any, Chunk] | Trajectory:
+    """Episode ``spec`` (group, sample, row) started, run in the env threads: the episode,
+    its first observation and that observation's chunk; or the failed trajectory of an env
+    that cannot even reset."""
+    g, s, row = spec
+    try:
+        ep, obs = start_episode(row.env_id, row.options(), int(row.seed), g, s, env_factory)
+    except Exception as exc:  # noqa: BLE001 - that episode's failure, not the batch's
+        traj = Trajectory(row.env_id, row.options(), int(row.seed), g, s)
+        fail_episode(traj, exc)
+        return traj
+    chunk = _framed(chat.user_turn(obs.text, obs.images, first=True), [], framing[0])
+    reply = settings.sampling.max_tokens
+    if len(chunk.token_ids) + reply > settings.max_input_length:
+        raise ConfigError(
+            f"generator.max_input_length={settings.max_input_length} cannot hold one turn: "
+            f"the first observation of {row.env_id} takes {len(chunk.token_ids)} tokens and a "
+            f"reply up to {reply}; raise max_input_length to at least "
+            f"{len(chunk.token_ids) + reply}"
+        )
+    return ep, obs, chunk
 
 
 def next_turn(
@@ -269,7 +286,6 @@ def next_turn(
     *,
     chat: Any,
     settings: RolloutSettings,
-    turn_cap: int,
     framing: tuple[list[int], list[int]],
 ) -> Chunk | None:
     """One episode between two turns, run in the env threads: ``turn`` is the episode, its
@@ -280,7 +296,8 @@ def next_turn(
     prefix, suffix = framing
     traj.add_reply(gen.token_ids, gen.logprobs)
     stopped = gen.finish_reason == "stop"  # a reply that closed itself gets no suffix
-    obs = take_turn(ep, settings.reply_text(chat.decode(gen.token_ids), stopped), turn_cap)
+    text = settings.reply_text(chat.decode(gen.token_ids), stopped)
+    obs = take_turn(ep, text, settings.max_turns)
     if obs is None:
         return None
     chunk = chat.user_turn(obs.text, obs.images, first=False, after_reply_end=stopped)
@@ -343,37 +360,3 @@ def fail_episode(traj: Trajectory, exc: BaseException) -> None:
     traj.reward = 0.0
     traj.end_reason = "env_error"
     traj.error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-
-
-def rollout_metrics(trajs: Sequence[Trajectory], prefix: str) -> dict[str, float]:
-    """Per-batch episode statistics (see ``clew.metrics.catalog`` for their meaning)."""
-    n = max(len(trajs), 1)
-    out = {
-        f"{prefix}/reward_mean": sum(t.reward for t in trajs) / n,
-        f"{prefix}/solve_rate": sum(t.success for t in trajs) / n,
-        f"{prefix}/turns_mean": sum(t.turns for t in trajs) / n,
-        f"{prefix}/episode_tokens_mean": sum(len(t.token_ids) for t in trajs) / n,
-        f"{prefix}/generated_tokens_mean": sum(t.generated_tokens for t in trajs) / n,
-        f"{prefix}/parse_error_rate": sum(t.parse_errors for t in trajs)
-        / max(sum(t.turns for t in trajs), 1),
-        f"{prefix}/env_errors": float(sum(t.end_reason == "env_error" for t in trajs)),
-    }
-    for reason in sorted({t.end_reason for t in trajs}):
-        out[f"{prefix}/end_reason/{reason}"] = sum(t.end_reason == reason for t in trajs) / n
-    return out | event_shares(trajs, prefix)
-
-
-def event_shares(trajs: Sequence[Trajectory], prefix: str) -> dict[str, float]:
-    """``{prefix}/event/<event>``: the share of turns whose env info named that ``event``.
-
-    For the maze: moved, wall (a bump: the agent stayed), stop, reached, parse_error. A
-    policy that bumps into walls on half its turns reads the walls poorly, which the
-    solve rate alone does not show.
-    """
-    counts: dict[str, int] = {}
-    for t in trajs:
-        for info in t.infos:
-            if (event := info.get("event")) is not None:
-                counts[str(event)] = counts.get(str(event), 0) + 1
-    total = max(sum(counts.values()), 1)
-    return {f"{prefix}/event/{e}": c / total for e, c in sorted(counts.items())}
