@@ -4,7 +4,9 @@ An environment is plain Python (no Ray): ``reset(seed) -> Observation`` and
 ``step(action_text) -> (Observation, reward, done, info)``. Observations carry images and
 text, because the policies clew trains read both. Environments are created by id through
 ``make``; ids are registered with their default options so other sizes or rule variants
-are one ``register`` call, not a subclass.
+are one ``register`` call, not a subclass. Every episode gets its own instance, and the
+rollout loop resets and steps instances on several threads at once
+(``generator.env_workers``), so instances must not share mutable state.
 
 An id may be registered with two optional companions, and everything in clew that goes
 beyond playing episodes reaches an env through them, never through its module:
