@@ -1,0 +1,189 @@
+"""One layer's decode attention at Qwen3-VL-8B's shape: which kernel reads the KV cache fastest.
+
+A decode step reads the text weights once and every row's keys and values; at batch 96 to
+192 over a 5- or 15-turn cache the second is a third to a half of the step's bytes
+(``benchmarks/decode.py``). The engine's attention (``clew.inference.attention``) gives SDPA
+a boolean mask over every row to the longest row's width rounded up to 256 columns, so
+short rows are read as far as the longest. This benchmark times, for one layer, the
+candidates that read each row only to its own length, against that baseline, on one batch
+of rows whose lengths spread evenly over ``--min-width``..``--max-width``:
+
+- ``sdpa_mask``: the engine's path (query heads folded onto the KV heads, the mask
+  ``[B, 1, 1, W]``), KV as ``[B, Hkv, capacity, D]``;
+- ``efficient_seqlen``: torch's memory-efficient kernel in its variable-length form
+  (``aten._efficient_attention_forward`` with ``seqlen_k``), folded queries, KV laid out
+  ``[B, capacity, Hkv, D]``;
+- ``flash_seqused``: FlashAttention's variable-length form with ``seqused_k``
+  (``aten._flash_attention_forward``), grouped-query heads natively, the same layout;
+- ``flex``: compiled FlexAttention with a block mask of each row's 128-column blocks.
+
+Each result is checked against ``sdpa_mask`` (largest absolute difference printed); time is
+the median of ``--repeats`` calls between CUDA events, and the bound is the row's live KV
+bytes at ``--bandwidth-tbs``. ``x layers`` extrapolates to a whole step's attention. A
+candidate the device or torch build cannot run says why and is skipped (on a CPU, only
+``sdpa_mask`` and the unfused ``flex`` run).
+
+    python benchmarks/decode_attention.py --device cuda --batch 96,192
+    python benchmarks/decode_attention.py --device cuda --batch 96,192 --max-width 1400
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+FLEX_BLOCK = 128
+WIDTH_STEP = 256  # the engine's width bucket (clew.inference.cuda_graphs)
+
+
+def _timed(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:
+    """Median seconds of one call (three warm-up calls first)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def candidates(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each candidate as a call returning the output ``[B, H, D]``; ``q`` [B, H, D],
+    ``k``/``v`` [B, capacity, Hkv, D] (each row valid to ``lengths``)."""
+    b, heads, d = q.shape
+    cap, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    dev = q.device
+    width = min(-(-int(lengths.max()) // WIDTH_STEP) * WIDTH_STEP, cap)
+    k_hnd = k.transpose(1, 2).contiguous()  # the engine's layout, [B, Hkv, capacity, D]
+    v_hnd = v.transpose(1, 2).contiguous()
+    cols = torch.arange(width, device=dev)
+    mask = (cols[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, W]
+    folded = q.reshape(b, kv_heads, group, d)
+
+    def sdpa_mask() -> torch.Tensor:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            folded, k_hnd[:, :, :width], v_hnd[:, :, :width], attn_mask=mask, scale=scale
+        )
+        return out.reshape(b, heads, d)
+
+    lens32 = lengths.to(torch.int32)
+    cu_k = torch.arange(0, (b + 1) * cap, cap, device=dev, dtype=torch.int32)
+    k_flat, v_flat = k.reshape(1, b * cap, kv_heads, d), v.reshape(1, b * cap, kv_heads, d)
+    # Folded queries: row r's `group` queries of KV head h sit at positions r*group..+group.
+    q_fold = folded.transpose(1, 2).reshape(1, b * group, kv_heads, d)
+    cu_q = torch.arange(0, (b + 1) * group, group, device=dev, dtype=torch.int32)
+
+    def efficient_seqlen() -> torch.Tensor:
+        out = torch.ops.aten._efficient_attention_forward(
+            q_fold, k_flat, v_flat, None, cu_q, cu_k, group, cap, 0.0, 0, False,
+            scale=scale, seqlen_k=lens32,
+        )[0]  # fmt: skip
+        return out.reshape(b, group, kv_heads, d).transpose(1, 2).reshape(b, heads, d)
+
+    cu_q1 = torch.arange(0, b + 1, device=dev, dtype=torch.int32)
+
+    def flash_seqused() -> torch.Tensor:
+        out = torch.ops.aten._flash_attention_forward(
+            q, k.reshape(b * cap, kv_heads, d), v.reshape(b * cap, kv_heads, d), cu_q1, cu_k,
+            1, cap, 0.0, False, False, scale=scale, seqused_k=lens32,
+        )[0]  # fmt: skip
+        return out.reshape(b, heads, d)
+
+    blocks = -(-cap // FLEX_BLOCK) * FLEX_BLOCK
+
+    def live(bi, h, qi, kv):
+        return kv < lengths[bi]
+
+    block_mask = create_block_mask(live, b, None, 1, blocks, device=dev, BLOCK_SIZE=FLEX_BLOCK)
+    k_pad = torch.nn.functional.pad(k_hnd, (0, 0, 0, blocks - cap))
+    v_pad = torch.nn.functional.pad(v_hnd, (0, 0, 0, blocks - cap))
+    flex_fn = torch.compile(flex_attention) if dev.type == "cuda" else flex_attention
+
+    def flex() -> torch.Tensor:
+        out = flex_fn(
+            q[:, :, None], k_pad, v_pad, block_mask=block_mask, scale=scale, enable_gqa=True
+        )
+        return out.reshape(b, heads, d)
+
+    return {
+        "sdpa_mask": sdpa_mask,
+        "efficient_seqlen": efficient_seqlen,
+        "flash_seqused": flash_seqused,
+        "flex": flex,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", default="96,192", help="batch sizes, comma-separated")
+    p.add_argument("--min-width", type=int, default=180)
+    p.add_argument("--max-width", type=int, default=775)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=36, help="for the x-layers column")
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--bandwidth-tbs", type=float, default=4.2)
+    p.add_argument("--only", default=None, help="comma-separated candidates to run")
+    args = p.parse_args()
+    dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    print(
+        f"decode attention, one layer: {args.heads} query / {args.kv_heads} KV heads of "
+        f"{args.head_dim}, {args.dtype} on {dev}; rows {args.min_width}-{args.max_width} "
+        f"tokens; bound: live KV bytes at {args.bandwidth_tbs} TB/s"
+    )
+    print(
+        f"{'candidate':<18} {'batch':>5} {'us':>9} {'bound us':>9} {'of bound':>8} "
+        f"{'x layers ms':>11} {'vs sdpa':>8} {'max diff':>9}"
+    )
+    for b in (int(x) for x in args.batch.split(",")):
+        lo, hi = args.min_width, args.max_width
+        lengths = torch.tensor([lo + (hi - lo) * r // max(1, b - 1) for r in range(b)], device=dev)
+        cap = -(-hi // WIDTH_STEP) * WIDTH_STEP
+        shape = (b, cap, args.kv_heads, args.head_dim)
+        k = torch.randn(shape, device=dev, dtype=dtype)
+        v = torch.randn(shape, device=dev, dtype=dtype)
+        q = torch.randn(b, args.heads, args.head_dim, device=dev, dtype=dtype)
+        live = int(lengths.sum()) * args.kv_heads * args.head_dim * 2 * k.element_size()
+        bound = live / (args.bandwidth_tbs * 1e12)
+        runs = candidates(q, k, v, lengths, args.head_dim**-0.5)
+        chosen = args.only.split(",") if args.only else list(runs)
+        ref = runs["sdpa_mask"]()
+        base = None
+        for name in chosen:
+            try:
+                diff = (runs[name]().float() - ref.float()).abs().max().item()
+                s = _timed(runs[name], dev, args.repeats)
+            except (RuntimeError, NotImplementedError) as error:
+                print(f"{name:<18} {b:>5}  unavailable: {str(error).splitlines()[0][:90]}")
+                continue
+            base = s if name == "sdpa_mask" else base
+            speed = f"{base / s:.2f}x" if base else ""
+            print(
+                f"{name:<18} {b:>5} {s * 1e6:>9.1f} {bound * 1e6:>9.1f} {100 * bound / s:>7.1f}% "
+                f"{s * args.layers * 1e3:>11.2f} {speed:>8} {diff:>9.2e}"
+            )
+
+
+if __name__ == "__main__":
+    main()
