@@ -10,6 +10,9 @@ of rows whose lengths spread evenly over ``--min-width``..``--max-width``:
 
 - ``sdpa_mask``: the engine's path (query heads folded onto the KV heads, the mask
   ``[B, 1, 1, W]``), KV as ``[B, Hkv, capacity, D]``;
+- ``sdpa_mask_nhd``: the same over strided views of KV laid out ``[B, capacity, Hkv, D]``,
+  the layout the two variable-length kernels below need (what moving the cache to it would
+  cost the SDPA path);
 - ``efficient_seqlen``: torch's memory-efficient kernel in its variable-length form
   (``aten._efficient_attention_forward`` with ``seqlen_k``), folded queries, KV laid out
   ``[B, capacity, Hkv, D]``;
@@ -83,6 +86,13 @@ def candidates(
         )
         return out.reshape(b, heads, d)
 
+    def sdpa_mask_nhd() -> torch.Tensor:  # the same over views of the [B, capacity, Hkv, D] layout
+        keys, values = k[:, :width].transpose(1, 2), v[:, :width].transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            folded, keys, values, attn_mask=mask, scale=scale
+        )
+        return out.reshape(b, heads, d)
+
     lens32 = lengths.to(torch.int32)
     cu_k = torch.arange(0, (b + 1) * cap, cap, device=dev, dtype=torch.int32)
     k_flat, v_flat = k.reshape(1, b * cap, kv_heads, d), v.reshape(1, b * cap, kv_heads, d)
@@ -124,6 +134,7 @@ def candidates(
 
     return {
         "sdpa_mask": sdpa_mask,
+        "sdpa_mask_nhd": sdpa_mask_nhd,
         "efficient_seqlen": efficient_seqlen,
         "flash_seqused": flash_seqused,
         "flex": flex,
