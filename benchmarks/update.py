@@ -12,7 +12,9 @@ settings changed between them (``clew.train.settings.WorkerSettings``):
   counted) and ``packed_budget`` (the same with ``remove_padding``);
 - ``chunked`` (``trainer.logprobs_chunk_size``, ``--chunk`` tokens);
 - ``checkpointing`` (``trainer.gradient_checkpointing``);
-- ``all``: every switch on.
+- ``all``: every switch on;
+- ``peft_lora``: ``packed_budget`` with peft's own LoRA forward instead of clew's fused one
+  (``clew.train.fused_lora``), to show what the fusion buys.
 
 The episodes are expert demonstrations of ``--env`` (images and replies laid out as the
 rollout engine lays them out), ``--prompts`` of them each repeated ``--samples`` times as
@@ -55,6 +57,7 @@ from clew.envs.base import text_corpus  # noqa: E402
 from clew.models import build_model  # noqa: E402
 from clew.models.chat import ChatFormat  # noqa: E402
 from clew.train.demonstrations import demonstrations  # noqa: E402
+from clew.train.fused_lora import fuse_lora  # noqa: E402
 from clew.train.training_batch import TrainingBatch  # noqa: E402
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings  # noqa: E402
 
@@ -66,6 +69,7 @@ CONFIGS = (
     "chunked",
     "checkpointing",
     "all",
+    "peft_lora",
 )
 
 
@@ -85,6 +89,7 @@ def switches(name: str, args: argparse.Namespace) -> dict:
             "logprobs_chunk_size": args.chunk,
             "gradient_checkpointing": True,
         },
+        "peft_lora": {"remove_padding": True, **budget, "fused_lora": False},
     }
     if name not in table:
         raise SystemExit(f"unknown configuration {name!r}; accepted: {', '.join(table)}")
@@ -94,6 +99,8 @@ def switches(name: str, args: argparse.Namespace) -> dict:
 def configure(worker: PolicyWorker, base: WorkerSettings, changes: dict) -> None:
     """Give the built worker ``changes`` on top of ``base``: the update-path settings are
     read at every forward; gradient checkpointing is a switch on the model."""
+    changes = dict(changes)
+    fuse_lora(worker.model, changes.pop("fused_lora", True))
     worker.settings = replace(base, **changes)
     model = (
         worker.model.get_base_model() if hasattr(worker.model, "get_base_model") else worker.model
