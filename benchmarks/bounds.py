@@ -1,9 +1,12 @@
 """What the hardware allows: the floor of a phase from its FLOPs and bytes.
 
-The benchmarks print each figure beside such a bound and the share of it reached. The
-defaults are one H200's: 801 TFLOP/s of bfloat16 matrix rate (``--peak-tflops``; the
-dense figure of its datasheet less what its matrix units reach on large GEMMs here) and
-4.2 TB/s of memory bandwidth (``--bandwidth-tbs``; what a large copy reaches of its 4.8).
+The benchmarks print each figure beside such a bound and the share of it reached: the
+bfloat16 matrix rate (``--peak-tflops``) and the memory bandwidth (``--bandwidth-tbs``) that
+the card reaches, measured at the start of a run on CUDA (``measure_hardware``: a large
+bfloat16 GEMM and a large copy, about a second) unless the flags give them. One H200
+measured 801 TFLOP/s (its datasheet's dense figure is 989) and 4.2 TB/s (of 4.8); those are
+the figures on a machine without CUDA, and the H200 figures in BENCHMARKS.md up to commit
+f52c420 used them as constants.
 
 The arithmetic, for a model of ``N`` parameters (``model_sizes``):
 
@@ -17,6 +20,7 @@ The arithmetic, for a model of ``N`` parameters (``model_sizes``):
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,11 +79,59 @@ class Hardware:
 
 
 def add_hardware_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--peak-tflops", type=float, default=H200_TFLOPS, help="matrix rate bound")
-    p.add_argument("--bandwidth-tbs", type=float, default=H200_TBS, help="memory bandwidth bound")
+    p.add_argument(
+        "--peak-tflops", type=float, default=None, help="matrix rate bound (default: measured)"
+    )
+    p.add_argument(
+        "--bandwidth-tbs", type=float, default=None, help="bandwidth bound (default: measured)"
+    )
+
+
+def measure_hardware(device: torch.device, n: int = 8192, copy_bytes: int = 2**30) -> Hardware:
+    """The matrix rate of ``n``-square bfloat16 GEMMs and the bandwidth of a ``copy_bytes``
+    device copy (read and write counted), each the best of a few timed repeats."""
+
+    def best(fn, repeats: int = 10) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+        return min(times)
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    tflops = 2 * n**3 / best(lambda: a @ b) / 1e12
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    tbs = 2 * copy_bytes / best(lambda: dst.copy_(src)) / 1e12
+    return Hardware(round(tflops, 1), round(tbs, 3))
 
 
 def hardware(args: argparse.Namespace) -> Hardware:
+    """The bounds of this run: the flags where given, else measured on CUDA (once, and
+    written back to ``args``), else the H200's figures."""
+    if args.peak_tflops is None or args.bandwidth_tbs is None:
+        if torch.cuda.is_available():
+            measured = measure_hardware(torch.device("cuda"))
+            print(
+                f"measured on {torch.cuda.get_device_name()}: {measured.tflops:g} TFLOP/s of "
+                f"bf16 GEMM, {measured.tbs:g} TB/s of copy"
+            )
+        else:
+            measured = Hardware()
+        args.peak_tflops = args.peak_tflops or measured.tflops
+        args.bandwidth_tbs = args.bandwidth_tbs or measured.tbs
     return Hardware(args.peak_tflops, args.bandwidth_tbs)
 
 

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,6 +34,9 @@ from clew.inference.engine import InferenceEngine, kv_bytes_per_token
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model
 from clew.models.chat import ChatFormat, Chunk
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bounds import add_hardware_flags, hardware  # noqa: E402
 
 PREFILL_CHUNK = 256  # tokens a row per prefill forward, to bound the attention's memory
 
@@ -129,13 +134,9 @@ def main() -> None:
     p.add_argument("--caches", default="dynamic,static,graphs", help="or flex")
     p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
     p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--bandwidth-tbs",
-        type=float,
-        default=4.2,
-        help="memory bandwidth, TB/s (benchmarks/bounds.py)",
-    )
+    add_hardware_flags(p)
     args = p.parse_args()
+    hardware(args)  # the bounds: measured on CUDA unless given (benchmarks/bounds.py)
     device = torch.device(args.device)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

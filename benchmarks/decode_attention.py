@@ -34,11 +34,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bounds import add_hardware_flags, hardware  # noqa: E402
 
 FLEX_BLOCK = 128
 WIDTH_STEP = 256  # the engine's width bucket (clew.inference.cuda_graphs)
@@ -153,9 +158,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--bandwidth-tbs", type=float, default=4.2)
+    add_hardware_flags(p)
     p.add_argument("--only", default=None, help="comma-separated candidates to run")
     args = p.parse_args()
+    hardware(args)  # the bounds: measured on CUDA unless given (benchmarks/bounds.py)
     dev, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)
     print(

@@ -62,6 +62,7 @@ def main() -> None:
     )
     add_hardware_flags(p)
     args = p.parse_args()
+    hardware(args)  # the bounds: measured on CUDA unless given (benchmarks/bounds.py)
     forced = ["generator.reply_prefix=<action>", "generator.reply_suffix=</action>"]
     opts = {"cell_px": 28, "action_format": "keyword"}
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
 from clew.models.fused_norm import fused_rms_norm
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bounds import add_hardware_flags, hardware  # noqa: E402
 
 SHAPES = {"hidden (x2)": (4096,), "query heads": (32, 128), "key heads": (8, 128)}
 
@@ -43,8 +48,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--tokens", type=int, default=17000, help="a 192-row turn's prefill")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--bandwidth-tbs", type=float, default=4.2)
+    add_hardware_flags(p)
     args = p.parse_args()
+    hardware(args)  # the bounds: measured on CUDA unless given (benchmarks/bounds.py)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     print(
         f"RMSNorm at {args.tokens} tokens, {args.dtype} on {device}; bound at "

@@ -293,6 +293,7 @@ def main() -> None:
     )
     add_hardware_flags(p)
     args = p.parse_args()
+    hardware(args)  # the bounds: measured on CUDA unless given (benchmarks/bounds.py)
     cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     rows = generate_rows(
         args.env_id, args.prompts, env_options={"cell_px": 28, "action_format": "keyword"}

@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from bounds import add_hardware_flags, model_sizes  # noqa: E402
+from bounds import add_hardware_flags, hardware, model_sizes  # noqa: E402
 
 from clew.data.rows import generate_rows  # noqa: E402
 from clew.envs.base import text_corpus  # noqa: E402
@@ -180,6 +180,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1, help="timed updates per configuration")
     add_hardware_flags(p)
     args = p.parse_args()
+    hardware(args)  # the bounds: measured on CUDA unless given (benchmarks/bounds.py)
     device = torch.device(args.device)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
