@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -17,7 +18,7 @@ from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.models.positions import sequence_positions
-from clew.rollout.loop import RolloutSettings, play
+from clew.rollout.loop import RolloutSettings, env_threads, play
 from clew.rollout.metrics import rollout_metrics
 from clew.rollout.trajectory import Trajectory
 
@@ -151,6 +152,15 @@ def test_greedy_samples_of_a_group_are_identical(policy, rows):
     trajs = play(InferenceEngine(model, chat), rows[:1], settings, seed=0)
     assert trajs[0].token_ids == trajs[1].token_ids
     assert trajs[0].state_keys == []  # frames are hashed only when asked (state_keys)
+
+
+def test_env_workers_zero_means_one_thread_a_core_up_to_eight(monkeypatch):
+    assert env_threads(3) == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert env_threads(0) == 8
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # as on macOS
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert env_threads(0) == 2
 
 
 def test_env_threads_play_exactly_what_the_loop_thread_plays(policy, rows):

@@ -11,13 +11,15 @@ context would exceed ``max_input_length``, or when a turn would outgrow the cach
 env ends that episode with reward 0 (``env_error``) and never takes down the batch.
 
 Between two turns the GPU waits for every episode's env step and the encoding of its next
-observation (a frame resized and cut into patches, its text tokenized), about 1.5 ms an
-episode on one core: at 192 episodes that was a third of an 8B rollout's time on an H100.
-``env_workers`` threads do this per episode at once (Pillow and numpy release the GIL for
-their work), and likewise start episodes (``START_AHEAD`` at a time: env resets and first
-observations) before the waves admit them; each episode's results are the same whichever
-thread ran it, and they are gathered in the episodes' order. Envs are stepped from those threads, so two env
-instances must not share mutable state (``env_workers=1`` steps them in the loop's thread).
+observation (a frame resized and cut into patches, its text tokenized). On one core that
+was about 3.5 ms an episode, a third of an 8B rollout's time on an H100 at 192 episodes
+(BENCHMARKS.md), and is about 1.5 ms since frames the processor resizes take the fast path
+(``clew.models.pixels``). ``env_workers`` threads do this per episode at once (Pillow and
+numpy release the GIL for their work), and likewise start episodes (``START_AHEAD`` at a
+time: env resets and first observations) before the waves admit them; each episode's
+results are the same whichever thread ran it, and they are gathered in the episodes'
+order. Envs are stepped from those threads, so two env instances must not share mutable
+state (``env_workers=1`` steps them in the loop's thread).
 
 ``reply_prefix`` / ``reply_suffix`` fix the reply's format around what is sampled, as
 structured-output decoding does: the prefix's tokens end every observation chunk (after
@@ -53,7 +55,8 @@ from clew.rollout.trajectory import Trajectory, state_key
 # Episodes started together ahead of the wave that admits them (their envs reset and first
 # observations encoded on the env threads).
 START_AHEAD = 64
-# Past 8 threads the env steps of a 192-episode turn stop getting shorter (each is ~1.5 ms).
+# The default's cap: 192 episodes of ~1.5 ms take ~36 ms on 8 threads, and a many-core host
+# keeps its other cores for the processes beside the trainer (Ray's, data loading).
 ENV_WORKERS_MAX = 8
 
 
@@ -61,7 +64,9 @@ def env_threads(requested: int) -> int:
     """The threads ``env_workers=requested`` runs (0: one per CPU core, at most 8)."""
     if requested > 0:
         return requested
-    return max(1, min(ENV_WORKERS_MAX, len(os.sched_getaffinity(0))))
+    affinity = getattr(os, "sched_getaffinity", None)  # not on macOS
+    cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
+    return max(1, min(ENV_WORKERS_MAX, cores))
 
 
 @contextlib.contextmanager
