@@ -111,3 +111,20 @@ def test_a_float32_adapter_over_a_bf16_base_matches_peft(autocast: bool) -> None
         a, b = fused(x), plain(x)
     assert a.dtype == b.dtype
     assert torch.allclose(a.float(), b.float(), atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_on_cuda_under_bf16_autocast_the_fused_update_matches_peft() -> None:
+    fused = _model().cuda()
+    for name, p in fused.named_parameters():
+        if "lora_" not in name:
+            p.data = p.data.to(torch.bfloat16)
+    plain = copy.deepcopy(fused)
+    fuse_lora(plain, False)
+    x = torch.randn(64, 16, device="cuda", dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out_f, grads_f, _ = _grads(fused, x)
+        out_p, grads_p, _ = _grads(plain, x)
+    assert torch.allclose(out_f.float(), out_p.float(), atol=5e-2, rtol=2e-2)
+    for name, g in grads_f.items():
+        assert torch.allclose(g.float(), grads_p[name].float(), atol=5e-2, rtol=5e-2), name
