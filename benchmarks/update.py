@@ -27,7 +27,10 @@ of the logprobs it scores from ``plain``'s (a correctness check at this size).
 MFU is ``6 N`` FLOPs per training token over the language model's parameters (embeddings
 and output projection included, the vision tower not: its forward runs once per image and
 it is frozen), the usual convention whether or not the frozen weights get gradients (LoRA),
-divided by ``--peak-tflops`` (``benchmarks/bounds.py``). ``MFU+attn`` adds the causal
+divided by ``--peak-tflops`` (``benchmarks/bounds.py``). ``HFU`` counts the matmul FLOPs
+the update really does instead: with LoRA the frozen base computes no weight gradients
+(``4 N`` a token, not ``6 N``), and activation checkpointing runs the forward twice.
+``--trace`` profiles one more update and prints the kernels that took the most time. ``MFU+attn`` adds the causal
 attention's matmuls, ``6 * layers * heads * head_dim * n**2`` per episode of ``n`` tokens
 (forward and backward of ``Q K^T`` and ``P V`` over half the context on average). The
 issue's target is an MFU of 0.45 with the real vocabulary.
@@ -178,6 +181,12 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=1, help="timed updates per configuration")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="one more update of the last configuration under torch.profiler: the kernels "
+        "that took the most device time (CUDA) or host time",
+    )
     add_hardware_flags(p)
     args = p.parse_args()
     hardware(args)  # the bounds: measured on CUDA unless given (benchmarks/bounds.py)
@@ -240,7 +249,7 @@ def main() -> None:
         f"{settings.mini_batch_size}; bound {args.peak_tflops:.0f} TFLOP/s"
     )
     print(
-        f"{'config':<15} {'s/update':>9} {'tok/s':>9} {'MFU':>6} {'MFU+attn':>8} "
+        f"{'config':<15} {'s/update':>9} {'tok/s':>9} {'MFU':>6} {'MFU+attn':>8} {'HFU':>6} "
         f"{'peak GB':>8} {'vs plain':>8} {'|dlogp| max':>11}"
     )
     reference: list[torch.Tensor] | None = None
@@ -262,12 +271,39 @@ def main() -> None:
             if device.type == "cuda"
             else f"{'-':>8}"
         )
+        done = hardware_flops(sizes.text_params, tokens, attn_flops, args.lora_rank > 0, name)
         print(
             f"{name:<15} {seconds:>9.3f} {tokens / seconds:>9.0f} "
             f"{model_flops / seconds / peak:>6.3f} {(model_flops + attn_flops) / seconds / peak:>8.3f} "
-            f"{memory} {plain_s / seconds:>7.2f}x {drift:>11.2e}"
+            f"{done / seconds / peak:>6.3f} {memory} {plain_s / seconds:>7.2f}x {drift:>11.2e}"
         )
     print("target: MFU >= 0.45 with the real vocabulary (--vocab-size 151936)")
+    if args.trace:
+        _trace(worker, batch, settings, device)
+
+
+def hardware_flops(params: int, tokens: int, attn: float, lora: bool, config: str) -> float:
+    """The matmul FLOPs an update does (``HFU``'s numerator): forward ``2 N``, the backward's
+    input gradients ``2 N`` and, without LoRA, its weight gradients ``2 N`` a token; with
+    activation checkpointing the forward once more; the attention's matmuls likewise."""
+    passes = 2 if lora else 3  # a frozen base has no weight gradients to compute
+    checkpointing = config in ("checkpointing", "all")
+    # Attention has no weights: its backward is twice its forward either way (``attn`` counts
+    # both), plus the recomputed forward under checkpointing.
+    return (2 * passes + 2 * checkpointing) * params * tokens + attn * (3 + checkpointing) / 3
+
+
+def _trace(worker, batch, settings, device: torch.device) -> None:
+    """One update under torch.profiler: where its time goes, kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        worker.train_batch(batch, settings)
+        _sync(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=90))
 
 
 if __name__ == "__main__":
