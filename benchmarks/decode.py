@@ -6,7 +6,8 @@ engine batch per KV cache (``generator.inference_engine.kv_cache``), and ``--ste
 steps timed after a warm-up; no row stops early (no stop token). ``graphs`` is the static
 cache with decode steps replayed from CUDA graphs (``generator.inference_engine.enforce_eager
 =false``), ``flex`` the same with FlexAttention reading each row's own blocks
-(``decode_attention=flex``); their captures are counted and their time left out of the
+(``decode_attention=flex``) and ``varlen`` with the variable-length kernel reading each
+row's own columns (``decode_attention=varlen``); their captures are counted and their time left out of the
 step. Printed per cache and batch:
 the decode step time, generated tokens/s, the bandwidth bound of a step (the text weights
 read once plus every row's live KV cache, at ``--bandwidth-tbs``) and the share of it
@@ -131,7 +132,7 @@ def main() -> None:
     p.add_argument("--max-width", type=int, default=775)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--caches", default="dynamic,static,graphs", help="or flex")
+    p.add_argument("--caches", default="dynamic,static,graphs", help="or flex, varlen")
     p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
     p.add_argument("--device", default="cpu")
     add_hardware_flags(p)
@@ -167,14 +168,14 @@ def main() -> None:
         results = {}
         for cache in args.caches.split(","):
             # No stop token, so every row decodes every step.
-            graphs = cache in ("graphs", "flex")
+            graphs = cache in ("graphs", "flex", "varlen")
             engine = InferenceEngine(
                 model,
                 chat,
                 kv_cache="static" if graphs else cache,
                 stop_token_ids=(-1,),
                 cuda_graphs=graphs,
-                decode_attention="flex" if cache == "flex" else "sdpa",
+                decode_attention=cache if cache in ("flex", "varlen") else "sdpa",
             )
             r = results[cache] = _decode(engine, rows, args.steps, args.warmup)
             bound_s = (weights + size * r["mean_cache"] * kv_token) / (args.bandwidth_tbs * 1e12)

@@ -8,16 +8,13 @@ short rows are read as far as the longest. This benchmark times, for one layer, 
 candidates that read each row only to its own length, against that baseline, on one batch
 of rows whose lengths spread evenly over ``--min-width``..``--max-width``:
 
-- ``sdpa_mask``: the engine's path (query heads folded onto the KV heads, the mask
-  ``[B, 1, 1, W]``), KV as ``[B, Hkv, capacity, D]``;
-- ``sdpa_mask_nhd``: the same over strided views of KV laid out ``[B, capacity, Hkv, D]``,
-  the layout the two variable-length kernels below need (what moving the cache to it would
-  cost the SDPA path);
-- ``efficient_seqlen``: torch's memory-efficient kernel in its variable-length form
-  (``aten._efficient_attention_forward`` with ``seqlen_k``), folded queries, KV laid out
-  ``[B, capacity, Hkv, D]``;
-- ``flash_seqused``: FlashAttention's variable-length form with ``seqused_k``
-  (``aten._flash_attention_forward``), grouped-query heads natively, the same layout;
+- ``sdpa_mask``: the engine's default (query heads folded onto the KV heads, the mask
+  ``[B, 1, 1, W]``), over the cache's ``[B, Hkv, capacity, D]`` buffers;
+- ``efficient_seqlen``: the engine's ``decode_attention=varlen``
+  (``clew.inference.attention.varlen_decode``): torch's memory-efficient kernel in its
+  variable-length form (``seqlen_k``), every (row, KV head) one sequence of the buffers;
+- ``flash_seqused``: FlashAttention's variable-length form with ``seqused_k`` over the same
+  flattening;
 - ``flex``: compiled FlexAttention with a block mask of each row's 128-column blocks.
 
 Each result is checked against ``sdpa_mask`` (largest absolute difference printed); time is
@@ -41,6 +38,8 @@ from pathlib import Path
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from clew.inference.attention import varlen_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, hardware  # noqa: E402
@@ -73,51 +72,37 @@ def candidates(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """Each candidate as a call returning the output ``[B, H, D]``; ``q`` [B, H, D],
-    ``k``/``v`` [B, capacity, Hkv, D] (each row valid to ``lengths``)."""
+    ``k``/``v`` the engine's buffers [B, Hkv, capacity, D] (each row valid to ``lengths``)."""
     b, heads, d = q.shape
-    cap, kv_heads = k.shape[1], k.shape[2]
+    kv_heads, cap = k.shape[1], k.shape[2]
     group = heads // kv_heads
     dev = q.device
     width = min(-(-int(lengths.max()) // WIDTH_STEP) * WIDTH_STEP, cap)
-    k_hnd = k.transpose(1, 2).contiguous()  # the engine's layout, [B, Hkv, capacity, D]
-    v_hnd = v.transpose(1, 2).contiguous()
     cols = torch.arange(width, device=dev)
     mask = (cols[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, W]
     folded = q.reshape(b, kv_heads, group, d)
 
     def sdpa_mask() -> torch.Tensor:
         out = torch.nn.functional.scaled_dot_product_attention(
-            folded, k_hnd[:, :, :width], v_hnd[:, :, :width], attn_mask=mask, scale=scale
+            folded, k[:, :, :width], v[:, :, :width], attn_mask=mask, scale=scale
         )
         return out.reshape(b, heads, d)
 
-    def sdpa_mask_nhd() -> torch.Tensor:  # the same over views of the [B, capacity, Hkv, D] layout
-        keys, values = k[:, :width].transpose(1, 2), v[:, :width].transpose(1, 2)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            folded, keys, values, attn_mask=mask, scale=scale
-        )
+    def efficient_seqlen() -> torch.Tensor:  # the engine's decode_attention=varlen
+        out = varlen_decode(q[:, :, None], k[:, :, :width], v[:, :, :width], lengths, scale)
         return out.reshape(b, heads, d)
 
-    lens32 = lengths.to(torch.int32)
-    cu_k = torch.arange(0, (b + 1) * cap, cap, device=dev, dtype=torch.int32)
-    k_flat, v_flat = k.reshape(1, b * cap, kv_heads, d), v.reshape(1, b * cap, kv_heads, d)
-    # Folded queries: row r's `group` queries of KV head h sit at positions r*group..+group.
-    q_fold = folded.transpose(1, 2).reshape(1, b * group, kv_heads, d)
-    cu_q = torch.arange(0, (b + 1) * group, group, device=dev, dtype=torch.int32)
-
-    def efficient_seqlen() -> torch.Tensor:
-        out = torch.ops.aten._efficient_attention_forward(
-            q_fold, k_flat, v_flat, None, cu_q, cu_k, group, cap, 0.0, 0, False,
-            scale=scale, seqlen_k=lens32,
-        )[0]  # fmt: skip
-        return out.reshape(b, group, kv_heads, d).transpose(1, 2).reshape(b, heads, d)
-
-    cu_q1 = torch.arange(0, b + 1, device=dev, dtype=torch.int32)
+    # FlashAttention's variable-length form over the same flattening: every (row, KV head)
+    # one sequence of `group` queries and `cap` columns.
+    n = b * kv_heads
+    seqlens = lengths[:, None].expand(b, kv_heads).reshape(n).to(torch.int32)
+    cu_k = torch.arange(0, (n + 1) * cap, cap, device=dev, dtype=torch.int32)
+    cu_q = torch.arange(0, (n + 1) * group, group, device=dev, dtype=torch.int32)
 
     def flash_seqused() -> torch.Tensor:
         out = torch.ops.aten._flash_attention_forward(
-            q, k.reshape(b * cap, kv_heads, d), v.reshape(b * cap, kv_heads, d), cu_q1, cu_k,
-            1, cap, 0.0, False, False, scale=scale, seqused_k=lens32,
+            folded.reshape(n * group, 1, d), k.reshape(n * cap, 1, d), v.reshape(n * cap, 1, d),
+            cu_q, cu_k, group, cap, 0.0, False, False, scale=scale, seqused_k=seqlens,
         )[0]  # fmt: skip
         return out.reshape(b, heads, d)
 
@@ -127,8 +112,8 @@ def candidates(
         return kv < lengths[bi]
 
     block_mask = create_block_mask(live, b, None, 1, blocks, device=dev, BLOCK_SIZE=FLEX_BLOCK)
-    k_pad = torch.nn.functional.pad(k_hnd, (0, 0, 0, blocks - cap))
-    v_pad = torch.nn.functional.pad(v_hnd, (0, 0, 0, blocks - cap))
+    k_pad = torch.nn.functional.pad(k, (0, 0, 0, blocks - cap))
+    v_pad = torch.nn.functional.pad(v, (0, 0, 0, blocks - cap))
     flex_fn = torch.compile(flex_attention) if dev.type == "cuda" else flex_attention
 
     def flex() -> torch.Tensor:
@@ -139,7 +124,6 @@ def candidates(
 
     return {
         "sdpa_mask": sdpa_mask,
-        "sdpa_mask_nhd": sdpa_mask_nhd,
         "efficient_seqlen": efficient_seqlen,
         "flash_seqused": flash_seqused,
         "flex": flex,
@@ -177,7 +161,7 @@ def main() -> None:
         lo, hi = args.min_width, args.max_width
         lengths = torch.tensor([lo + (hi - lo) * r // max(1, b - 1) for r in range(b)], device=dev)
         cap = -(-hi // WIDTH_STEP) * WIDTH_STEP
-        shape = (b, cap, args.kv_heads, args.head_dim)
+        shape = (b, args.kv_heads, cap, args.head_dim)
         k = torch.randn(shape, device=dev, dtype=dtype)
         v = torch.randn(shape, device=dev, dtype=dtype)
         q = torch.randn(b, args.heads, args.head_dim, device=dev, dtype=dtype)

@@ -246,13 +246,17 @@ def graphs_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -
         policy.engine.cuda_graphs = False
 
 
-def flex_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict:
-    """``graphs_side`` with FlexAttention decode steps (``decode_attention=flex``)."""
-    policy.engine.decode_attention = "flex"
-    try:
-        return graphs_side(policy, rows, n_samples, max_turns, max_tokens)
-    finally:
-        policy.engine.decode_attention = "sdpa"
+def attention_side(attention: str):
+    """``graphs_side`` with ``decode_attention=attention`` (flex, varlen)."""
+
+    def side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict:
+        policy.engine.decode_attention = attention
+        try:
+            return graphs_side(policy, rows, n_samples, max_turns, max_tokens)
+        finally:
+            policy.engine.decode_attention = "sdpa"
+
+    return side
 
 
 def main() -> None:
@@ -276,6 +280,12 @@ def main() -> None:
         "--flex",
         action="store_true",
         help="add a CUDA-graph side with FlexAttention decode steps (decode_attention=flex)",
+    )
+    p.add_argument(
+        "--varlen",
+        action="store_true",
+        help="add a CUDA-graph side with variable-length decode attention (decode_attention="
+        "varlen); --profile then profiles that side",
     )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument("--arch", default=None, help="qwen2_vl or qwen3_vl (default: the preset's)")
@@ -314,7 +324,8 @@ def main() -> None:
         policy = open_policy(path, device=args.device)
         sides = [("clew engine", clew_side)]
         sides += [("clew cuda graphs", graphs_side)] if args.cuda_graphs else []
-        sides += [("clew graphs + flex", flex_side)] if args.flex else []
+        sides += [("clew graphs + flex", attention_side("flex"))] if args.flex else []
+        sides += [("clew graphs + varlen", attention_side("varlen"))] if args.varlen else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
             f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
@@ -339,7 +350,7 @@ def main() -> None:
                 f"{r['gen'] / dt:>10.0f} {r['prefill'] / dt:>13.0f} {dt:>8.1f}"
             )
         eager = results["clew engine"]
-        for name in ("clew cuda graphs", "clew graphs + flex"):
+        for name in ("clew cuda graphs", "clew graphs + flex", "clew graphs + varlen"):
             if name in results:
                 print(f"speed-up of {name[5:]} (episodes/s): {results[name] / eager:.2f}x")
         if "baseline generate" in results:
@@ -350,6 +361,7 @@ def main() -> None:
             print(f"env_workers={w} ({env_threads(w)} threads):")
             prof = EngineProfile(policy.engine.device, policy.engine.chat.pad_id)
             side = graphs_side if args.cuda_graphs else clew_side
+            side = attention_side("varlen") if args.varlen else side
             with prof.installed():
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)

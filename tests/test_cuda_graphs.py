@@ -44,12 +44,13 @@ def policy(tmp_path_factory):
     return model, ChatFormat(processor), rows
 
 
-def _play(model, chat, rows, temperature, graphs: bool, device_kw=None):
+def _play(model, chat, rows, temperature, graphs: bool, device_kw=None, keep_last_k_images=None):
     settings = RolloutSettings(
         n_samples_per_prompt=3,  # 9 rows: 7 after the first turn, run padded to 8
         max_turns=4,
         max_input_length=4096,
         sampling=SamplingParams(temperature=temperature, max_tokens=6),
+        keep_last_k_images=keep_last_k_images,
     )
     # Under a budget the slots are sized for the whole episode at once and never shrink,
     # so rows that leave leave free slots for padding.
@@ -96,8 +97,7 @@ def test_flex_steps_read_each_row_s_own_blocks_and_sample_what_the_plain_steps_s
 
     def recording(graphs, ids, pos, active, active_host, forward):
         logits = step(graphs, ids, pos, active, active_host, forward)
-        key = graphs.last_shape
-        s = graphs._steps[key]
+        s = graphs._steps[(*graphs.last_shape, graphs.last_mode)]
         # The block mask reads the step's own block counts, updated in place.
         assert s.mask.kv_num_blocks.data_ptr() == s.blocks.data_ptr()
         reads.append((s.blocks.flatten().tolist(), list(graphs.cache.fill[: ids.shape[0]])))
@@ -115,9 +115,40 @@ def test_flex_steps_read_each_row_s_own_blocks_and_sample_what_the_plain_steps_s
     assert_same_samples(flex, plain, tol=1e-5)
 
 
+@pytest.mark.parametrize("keep_last", [None, 1], ids=["all-images", "last-image"])
+def test_varlen_steps_read_each_row_s_length_and_sample_what_the_plain_steps_sample(
+    policy, keep_last, monkeypatch
+):
+    model, chat, rows = policy
+    modes: list[str] = []
+    step = DecodeGraphs.step
+
+    def recording(graphs, ids, pos, active, active_host, forward):
+        logits = step(graphs, ids, pos, active, active_host, forward)
+        s = graphs._steps[(*graphs.last_shape, graphs.last_mode)]
+        modes.append(graphs.last_mode)
+        b = ids.shape[0]
+        if graphs.last_mode == "varlen":  # each row reads its own columns, padding rows one
+            assert s.lengths[:b].tolist() == graphs.cache.fill[:b]
+            assert set(s.lengths[b:].tolist()) <= {1}
+            assert graphs.last_shape[1] == graphs.cache.capacity
+        return logits
+
+    monkeypatch.setattr(DecodeGraphs, "step", recording)
+    kw = {"keep_last_k_images": keep_last}
+    varlen = _play(
+        model, chat, rows, 1.0, graphs=True, device_kw={"decode_attention": "varlen"}, **kw
+    )
+    plain = _play(model, chat, rows, 1.0, graphs=False, **kw)
+    assert "varlen" in modes
+    # With hidden images a row's visible columns are not its first `length`: masked steps.
+    assert ("sdpa" in modes) == (keep_last is not None)
+    assert_same_samples(varlen, plain, tol=1e-5)
+
+
 def test_an_unknown_decode_attention_is_refused_with_the_choices(policy):
     model, chat, _ = policy
-    with pytest.raises(ConfigError, match="decode_attention='paged'.*sdpa, flex"):
+    with pytest.raises(ConfigError, match="decode_attention='paged'.*sdpa, flex, varlen"):
         InferenceEngine(model, chat, decode_attention="paged")
 
 
@@ -156,6 +187,14 @@ def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
     assert_same_samples(graphed, eager, tol=2e-2)  # bf16: summation order differs with the width
     flex = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "flex"})
     assert_same_samples(flex, eager, tol=2e-2)
+    # The variable-length kernel, with and without hidden images.
+    for keep in (None, 1):
+        varlen = _play(
+            model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "varlen"},
+            keep_last_k_images=keep,
+        )  # fmt: skip
+        reference = eager if keep is None else _play(model, chat, rows, 0.0, False, None, keep)
+        assert_same_samples(varlen, reference, tol=2e-2)
 
 
 def test_an_opened_policy_replays_graphs_only_on_cuda(tmp_path):

@@ -61,12 +61,14 @@ class InferenceEngineConfig(Section):
         "rounded up, attention width rounded up to 256 columns), with the static cache and "
         "rows without per-row adapters; no effect on a CPU.",
     )
-    decode_attention: Literal["sdpa", "flex"] = Field(
+    decode_attention: Literal["sdpa", "flex", "varlen"] = Field(
         "sdpa",
         description="The attention of CUDA-graph decode steps: 'sdpa' reads every row's keys "
         "to the longest row's width (rounded up to 256); 'flex' is compiled FlexAttention "
         "reading each row's own 128-column blocks, one graph per row count for every width "
-        "(at Qwen3-VL-8B's shape on an H100 it took 1.7-2x as long a step: BENCHMARKS.md).",
+        "(at Qwen3-VL-8B's shape on an H100 it took 1.7-2x as long a step: BENCHMARKS.md); "
+        "'varlen' is torch's variable-length memory-efficient kernel reading each row's own "
+        "columns, one graph per row count (steps while images are hidden use 'sdpa').",
     )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,

@@ -25,6 +25,16 @@ a FlexAttention ``BlockMask`` (``generator.inference_engine.decode_attention=fle
 length, through ``torch.compile``'d ``flex_attention`` on CUDA (its unfused reference on a
 CPU, which the tests compare).
 
+With ``decode_attention=varlen`` a decode step replayed from a CUDA graph gives each row's
+length instead (``row_lengths``): every (row, KV head) of the cache's buffers is then one
+sequence of the slot's capacity whose first ``length`` columns are read, through torch's
+variable-length memory-efficient kernel (``seqlen_k``), so each row reads its own keys and
+no more, with no mask. The buffers' ``[slots, kv_heads, capacity, head_dim]`` layout is
+already that flat sequence of sequences, so nothing is copied. This holds while no image
+column is hidden (the rows' visible columns are then exactly their first ``length``);
+``clew.inference.cuda_graphs`` steps with the mask otherwise. On a CPU the same lengths
+build a mask over the capacity for SDPA (what the tests compare).
+
 The function is registered in transformers' ``AttentionInterface`` under ``ATTENTION`` and
 selected only inside ``engine_attention``, on the text model's config alone: the vision
 tower and the trainer's forwards keep their own attention.
@@ -33,6 +43,7 @@ tower and the trainer's forwards keep their own attention.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -58,6 +69,9 @@ def gqa_sdpa_attention(
         out = _flex(query, key, value, attention_mask, scaling)
         return out.transpose(1, 2).contiguous(), None
     b, heads, t, d = query.shape
+    lengths = getattr(_DECODE, "lengths", None)
+    if lengths is not None and t == 1:
+        return varlen_decode(query, key, value, lengths, scaling), None
     kv_heads = key.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
@@ -79,6 +93,62 @@ def gqa_sdpa_attention(
         enable_gqa=group > 1,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+_DECODE = threading.local()  # .lengths: the rows' lengths of the decode step being run
+
+
+@contextlib.contextmanager
+def row_lengths(lengths: torch.Tensor) -> Iterator[None]:
+    """Within the block, one-query forwards attend to each row's first ``lengths[row]``
+    columns of the cache (``varlen_decode``) and ignore the mask."""
+    _DECODE.lengths = lengths
+    try:
+        yield
+    finally:
+        _DECODE.lengths = None
+
+
+def varlen_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One query a row, ``query`` [B, H, 1, D], over views ``key``/``value`` [B, Hkv, W, D]
+    of consecutive slots of ``SlotCache`` buffers, each row reading its first ``lengths``
+    [B] columns of its slot; returns [B, 1, H, D]."""
+    b, heads, _, d = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    cap = key.stride(1) // d
+    for t in (key, value):
+        if t.stride() != (kv_heads * cap * d, cap * d, d, 1):
+            raise ValueError("varlen decode reads the SlotCache's buffers, got another layout")
+    n = b * kv_heads  # sequences: every (row, KV head), `group` queries and `cap` columns each
+    if query.device.type != "cuda":  # the reference: a mask over each slot's capacity
+        keys, values = (
+            torch.as_strided(x, (b, kv_heads, cap, d), x.stride(), x.storage_offset())
+            for x in (key, value)
+        )
+        live = torch.arange(cap, device=key.device)[None, :] < lengths[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.reshape(b, kv_heads, group, d), keys, values, live[:, None, None], scale=scale
+        )
+        return out.reshape(b, 1, heads, d)
+    flat_k, flat_v = (
+        torch.as_strided(x, (1, n * cap, 1, d), (n * cap * d, d, d, 1), x.storage_offset())
+        for x in (key, value)
+    )
+    seqlens = lengths[:, None].expand(b, kv_heads).reshape(n).to(torch.int32)
+    cu_k = torch.arange(0, (n + 1) * cap, cap, device=key.device, dtype=torch.int32)
+    cu_q = torch.arange(0, (n + 1) * group, group, device=key.device, dtype=torch.int32)
+    out = torch.ops.aten._efficient_attention_forward(
+        query.reshape(1, n * group, 1, d), flat_k, flat_v, None, cu_q, cu_k, group, cap,
+        0.0, 0, False, scale=scale, seqlen_k=seqlens,
+    )[0]  # fmt: skip
+    return out.reshape(b, 1, heads, d)
 
 
 _compiled_flex = None

@@ -112,7 +112,7 @@ class CacheBatch:
                 self.kv,
                 engine.chat.pad_id,
                 capture=dev.type == "cuda",
-                flex=engine.decode_attention == "flex",
+                attention=engine.decode_attention,
             )
 
     @property

@@ -26,12 +26,20 @@ before each replay, and the logits come out in one buffer shared by every bucket
 graphs of a batch share one memory pool and are captured on first use; a cache growth
 (``SlotCache.generation``) moves the buffers the graphs read, so it drops them.
 
-With ``flex=True`` (``generator.inference_engine.decode_attention=flex``) the width is the
+With ``attention="flex"`` (``generator.inference_engine.decode_attention=flex``) the width is the
 whole capacity and the mask a FlexAttention ``BlockMask`` (``clew.inference.attention``)
 whose block counts are updated in place before each replay: each row reads the 128-column
 blocks up to its own length, not every row up to the longest's, and a graph serves every
 width (one capture per row bucket). Its ``mask_mod`` reads the cache's ``visible`` table, so
 hidden image columns stay hidden; padding rows read one block of their free slot.
+
+With ``attention="varlen"`` (``decode_attention=varlen``) the width is the whole capacity
+too, and the step passes each row's length (``clew.inference.attention.row_lengths``, a
+static tensor updated before each replay): each row reads its own columns through the
+variable-length kernel, with no mask and no block table, and one graph per row count serves
+every width. While an image column is hidden anywhere in the cache (``SlotCache.hidden_any``)
+a row's visible columns are no longer its first ``length``, so those steps take the masked
+SDPA step instead (graphs of their own).
 
 On a device without CUDA graphs (the CPU), ``capture=False`` runs the same bucketed,
 padded step eagerly: what the CPU tests check against the plain path.
@@ -47,6 +55,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from clew.errors import ClewError
+from clew.inference.attention import row_lengths
 from clew.inference.kv_cache import SlotCache
 
 # Attention width granularity: at 8B and 192 rows each extra column costs about 28 MB of
@@ -79,19 +88,23 @@ class _Step:
     mask: torch.Tensor | BlockMask  # [R, 1, 1, W], or the flex path's block mask
     graph: torch.cuda.CUDAGraph | None = None
     blocks: torch.Tensor | None = None  # flex: [R, 1, 1] key blocks each row reads
+    lengths: torch.Tensor | None = None  # varlen: [R] columns each row reads
 
 
 class DecodeGraphs:
     """The decode steps of one ``CacheBatch`` over its ``SlotCache`` (module docstring)."""
 
-    def __init__(self, cache: SlotCache, pad_id: int, *, capture: bool, flex: bool = False) -> None:
+    def __init__(
+        self, cache: SlotCache, pad_id: int, *, capture: bool, attention: str = "sdpa"
+    ) -> None:
         self.cache = cache
         self.pad_id = pad_id
         self.capture = capture
-        self.flex = flex
+        self.attention = attention  # "sdpa", "flex" or "varlen" (module docstring)
         self.captures = 0  # graphs captured so far, and the seconds they took (benchmarks)
         self.capture_s = 0.0
         self.last_shape: tuple[int, int] | None = None  # the last step's (rows, width)
+        self.last_mode = attention  # and its attention ("varlen" steps "sdpa" at times)
         self._steps: dict[tuple[int, int], _Step] = {}
         self._generation = cache.generation
         self._pool = None
@@ -115,29 +128,40 @@ class DecodeGraphs:
         b = ids.shape[0]
         cols = cache.advance(active, active_host)
         r = rows_bucket(b, cache.slots)
-        w = cache.capacity if self.flex else width_bucket(cache.width, cache.capacity)
-        self.last_shape = (r, w)
-        step = self._steps.get((r, w))
+        mode = "sdpa" if self.attention == "varlen" and cache.hidden_any else self.attention
+        w = cache.capacity if mode != "sdpa" else width_bucket(cache.width, cache.capacity)
+        self.last_shape, self.last_mode = (r, w), mode
+        step = self._steps.get((r, w, mode))
         if step is None:
-            step = self._steps[(r, w)] = self._inputs(r, w)
+            step = self._steps[(r, w, mode)] = self._inputs(r, w, mode)
         self._fill(step, ids, pos, cols, b)
         cache.plan_write(step.cols, w)
         if not self.capture:
-            return forward(step.ids, step.pos, step.mask)[:b]
+            return self._run(step, forward)[:b]
         if step.graph is None:
             self._capture(step, forward)
         step.graph.replay()
         return self._logits[:b]
 
-    def _inputs(self, r: int, w: int) -> _Step:
+    @staticmethod
+    def _run(step: _Step, forward: Forward) -> torch.Tensor:
+        if step.lengths is None:
+            return forward(step.ids, step.pos, step.mask)
+        with row_lengths(step.lengths):
+            return forward(step.ids, step.pos, step.mask)
+
+    def _inputs(self, r: int, w: int, mode: str) -> _Step:
         dev = self.cache.device
         step = _Step(
             ids=torch.full((r, 1), self.pad_id, dtype=torch.long, device=dev),
             pos=torch.zeros((3, r, 1), dtype=torch.long, device=dev),
             cols=torch.full((r, 1), self.cache.capacity - 1, dtype=torch.long, device=dev),
-            mask=torch.zeros((r, 1, 1, w), dtype=torch.bool, device=dev),
+            # varlen: transformers wants a mask; the attention reads the lengths instead.
+            mask=torch.zeros((r, 1, 1, 1 if mode == "varlen" else w), dtype=torch.bool, device=dev),
         )
-        if self.flex:
+        if mode == "varlen":
+            step.lengths = torch.ones(r, dtype=torch.long, device=dev)
+        if mode == "flex":
             step.blocks = torch.ones((r, 1, 1), dtype=torch.int32, device=dev)
             n = -(-w // FLEX_BLOCK)
             order = torch.arange(n, dtype=torch.int32, device=dev).expand(r, 1, 1, n)
@@ -172,6 +196,9 @@ class DecodeGraphs:
         if step.blocks is not None:  # flex: each row's blocks up to its new length
             step.blocks[:b, 0, 0].copy_((self.cache.fill_dev[:b] + FLEX_BLOCK - 1) // FLEX_BLOCK)
             step.blocks[b:] = 1
+        elif step.lengths is not None:  # varlen: each row's new length; padding rows read 1
+            step.lengths[:b].copy_(self.cache.fill_dev[:b])
+            step.lengths[b:] = 1
         else:
             step.mask[:, 0, 0].copy_(self.cache.visible[:r, : step.mask.shape[-1]])
 
@@ -182,7 +209,7 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            forward(step.ids, step.pos, step.mask)
+            self._run(step, forward)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -190,13 +217,13 @@ class DecodeGraphs:
         try:
             # thread_local: another thread's CUDA work (a server's, a logger's) may go on.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                logits = forward(step.ids, step.pos, step.mask)
+                logits = self._run(step, forward)
                 if self._logits is None:
                     # Allocated in the pool by the first capture, kept alive for later ones.
                     self._logits = logits.new_empty((self.cache.slots, logits.shape[-1]))
                 self._logits[: logits.shape[0]].copy_(logits)
         except RuntimeError as error:
-            rows, width = step.ids.shape[0], step.mask.shape[-1]
+            rows, width = self.last_shape or (step.ids.shape[0], 0)
             raise ClewError(
                 f"capturing a decode step of {rows} rows over {width} cache columns as a "
                 f"CUDA graph failed ({error}); set generator.inference_engine.enforce_eager="

@@ -54,7 +54,7 @@ from clew.models.chat import ChatFormat
 from clew.models.logit_masks import AllowedIds, banned_token_ids
 
 KV_CACHES = ("static", "dynamic")
-DECODE_ATTENTION = ("sdpa", "flex")
+DECODE_ATTENTION = ("sdpa", "flex", "varlen")
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -99,7 +99,8 @@ class InferenceEngine:
                 f"generator.inference_engine.decode_attention={decode_attention!r} is not a "
                 f"decode attention; choose one of {', '.join(DECODE_ATTENTION)}"
             )
-        # In graph-replayed decode steps: SDPA to the longest row, or FlexAttention per row.
+        # In graph-replayed decode steps: SDPA to the longest row, FlexAttention per row's
+        # blocks, or the variable-length kernel per row's columns.
         self.decode_attention = decode_attention
         # bfloat16 compute over float32 weights (clew.models.precision), as the trainer scores.
         self.autocast = autocast
