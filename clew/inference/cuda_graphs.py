@@ -105,7 +105,7 @@ class DecodeGraphs:
         self.capture_s = 0.0
         self.last_shape: tuple[int, int] | None = None  # the last step's (rows, width)
         self.last_mode = attention  # and its attention ("varlen" steps "sdpa" at times)
-        self._steps: dict[tuple[int, int], _Step] = {}
+        self._steps: dict[tuple[int, int, str], _Step] = {}  # (rows, width, attention)
         self._generation = cache.generation
         self._pool = None
         self._logits: torch.Tensor | None = None  # [slots, vocab], shared by every bucket
