@@ -87,27 +87,34 @@ def add_hardware_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def call_seconds(fn, device: torch.device, repeats: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones: between
+    CUDA events on a GPU, by the host clock elsewhere."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return times
+
+
 def measure_hardware(device: torch.device, n: int = 8192, copy_bytes: int = 2**30) -> Hardware:
     """The matrix rate of ``n``-square bfloat16 GEMMs and the bandwidth of a ``copy_bytes``
     device copy (read and write counted), each the best of a few timed repeats."""
 
-    def best(fn, repeats: int = 10) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1000)
-            else:
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-        return min(times)
+    def best(fn) -> float:
+        return min(call_seconds(fn, device, repeats=10))
 
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,30 +41,10 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from clew.inference.attention import varlen_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bounds import add_hardware_flags, hardware  # noqa: E402
+from bounds import add_hardware_flags, call_seconds, hardware  # noqa: E402
 
 FLEX_BLOCK = 128
 WIDTH_STEP = 256  # the engine's width bucket (clew.inference.cuda_graphs)
-
-
-def _timed(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> float:
-    """Median seconds of one call (three warm-up calls first)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1000)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def candidates(
@@ -174,7 +153,7 @@ def main() -> None:
         for name in chosen:
             try:
                 diff = (runs[name]().float() - ref.float()).abs().max().item()
-                s = _timed(runs[name], dev, args.repeats)
+                s = statistics.median(call_seconds(runs[name], dev, args.repeats, warmup=3))
             except (RuntimeError, NotImplementedError) as error:
                 print(f"{name:<18} {b:>5}  unavailable: {str(error).splitlines()[0][:90]}")
                 continue
