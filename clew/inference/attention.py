@@ -102,11 +102,30 @@ _DECODE = threading.local()  # .lengths: the rows' lengths of the decode step be
 def row_lengths(lengths: torch.Tensor) -> Iterator[None]:
     """Within the block, one-query forwards attend to each row's first ``lengths[row]``
     columns of the cache (``varlen_decode``) and ignore the mask."""
-    _DECODE.lengths = lengths
+    _DECODE.lengths, _DECODE.index = lengths, {}
     try:
         yield
     finally:
-        _DECODE.lengths = None
+        _DECODE.lengths, _DECODE.index = None, {}
+
+
+def _varlen_index(
+    lengths: torch.Tensor, kv_heads: int, cap: int, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's per-sequence key lengths and query and key offsets; within
+    ``row_lengths`` built by the first layer and reused by the others (once per step)."""
+    memo = getattr(_DECODE, "index", None) if lengths is getattr(_DECODE, "lengths", None) else None
+    if memo is not None and (kv_heads, cap, group) in memo:
+        return memo[(kv_heads, cap, group)]
+    n, dev = lengths.shape[0] * kv_heads, lengths.device
+    index = (
+        lengths[:, None].expand(-1, kv_heads).reshape(n).to(torch.int32),
+        torch.arange(0, (n + 1) * group, group, device=dev, dtype=torch.int32),
+        torch.arange(0, (n + 1) * cap, cap, device=dev, dtype=torch.int32),
+    )
+    if memo is not None:
+        memo[(kv_heads, cap, group)] = index
+    return index
 
 
 def varlen_decode(
@@ -141,9 +160,7 @@ def varlen_decode(
         torch.as_strided(x, (1, n * cap, 1, d), (n * cap * d, d, d, 1), x.storage_offset())
         for x in (key, value)
     )
-    seqlens = lengths[:, None].expand(b, kv_heads).reshape(n).to(torch.int32)
-    cu_k = torch.arange(0, (n + 1) * cap, cap, device=key.device, dtype=torch.int32)
-    cu_q = torch.arange(0, (n + 1) * group, group, device=key.device, dtype=torch.int32)
+    seqlens, cu_q, cu_k = _varlen_index(lengths, kv_heads, cap, group)
     out = torch.ops.aten._efficient_attention_forward(
         query.reshape(1, n * group, 1, d), flat_k, flat_v, None, cu_q, cu_k, group, cap,
         0.0, 0, False, scale=scale, seqlen_k=seqlens,
