@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import threading
-
 import pytest
 import torch
 
@@ -18,7 +15,7 @@ from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.models.positions import sequence_positions
-from clew.rollout.loop import RolloutSettings, env_threads, play
+from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.metrics import rollout_metrics
 from clew.rollout.trajectory import Trajectory
 
@@ -154,44 +151,6 @@ def test_greedy_samples_of_a_group_are_identical(policy, rows):
     assert trajs[0].state_keys == []  # frames are hashed only when asked (state_keys)
 
 
-def test_env_workers_zero_means_one_thread_a_core_up_to_eight(monkeypatch):
-    assert env_threads(3) == 3
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    assert env_threads(0) == 8
-    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # as on macOS
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert env_threads(0) == 2
-
-
-def test_env_threads_play_exactly_what_the_loop_thread_plays(policy, rows):
-    model, chat = policy
-    threads: set[str] = set()
-
-    def factory(env_id, **options):
-        env = make(env_id, **options)
-        step = env.step
-
-        def recording(text):
-            threads.add(threading.current_thread().name)
-            return step(text)
-
-        env.step = recording
-        return env
-
-    def played(workers: int) -> list:
-        threads.clear()
-        settings = _settings(env_workers=workers, state_keys=True)
-        return play(InferenceEngine(model, chat), rows, settings, seed=3, env_factory=factory)
-
-    alone = played(1)
-    assert threads == {threading.current_thread().name}
-    pooled = played(4)
-    assert threads and all(n.startswith("clew-env") for n in threads)
-    for a, b in zip(alone, pooled, strict=True):
-        assert (a.token_ids, a.logprobs, a.actions) == (b.token_ids, b.logprobs, b.actions)
-        assert (a.reward, a.end_reason, a.state_keys) == (b.reward, b.end_reason, b.state_keys)
-
-
 class _Exploding:
     """An env that raises on its second step, to show one failure never takes down the batch."""
 
@@ -227,30 +186,6 @@ def test_env_exception_ends_only_that_episode_with_zero_reward(policy, rows):
     )
     assert all(t.end_reason != "env_error" and t.turns == 4 for t in good)
     assert rollout_metrics(trajs, "train")["train/env_errors"] == 2
-
-
-def test_an_env_that_cannot_reset_fails_only_its_episodes(policy, rows):
-    model, chat = policy
-
-    def factory(env_id, **options):
-        env = make(env_id, **options)
-        reset = env.reset
-
-        def failing(seed):
-            if seed == rows[0].seed:
-                raise ValueError("no such maze")
-            return reset(seed)
-
-        env.reset = failing
-        return env
-
-    trajs = play(InferenceEngine(model, chat), rows, _settings(), seed=0, env_factory=factory)
-    assert [(t.group_id, t.sample_index) for t in trajs] == [
-        (g, s) for g in range(3) for s in (0, 1)
-    ]
-    assert [t.end_reason for t in trajs[:2]] == ["env_error"] * 2
-    assert all("no such maze" in t.error and t.turns == 0 for t in trajs[:2])
-    assert all(t.end_reason != "env_error" and t.turns > 0 for t in trajs[2:])
 
 
 def test_event_shares_count_every_turn_by_what_the_env_reported(policy, rows):
