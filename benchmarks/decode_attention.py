@@ -10,18 +10,19 @@ of rows whose lengths spread evenly over ``--min-width``..``--max-width``:
 
 - ``sdpa_mask``: the engine's default (query heads folded onto the KV heads, the mask
   ``[B, 1, 1, W]``), over the cache's ``[B, Hkv, capacity, D]`` buffers;
-- ``efficient_seqlen``: the engine's ``decode_attention=varlen``
-  (``clew.inference.attention.varlen_decode``): torch's memory-efficient kernel in its
-  variable-length form (``seqlen_k``), every (row, KV head) one sequence of the buffers;
-- ``flash_seqused``: FlashAttention's variable-length form with ``seqused_k`` over the same
-  flattening;
+- ``efficient_seqlen``: torch's memory-efficient kernel in its variable-length form
+  (``seqlen_k``), every (row, KV head) one sequence of the buffers;
+- ``flash_seqused``: the engine's ``decode_attention=varlen``
+  (``clew.inference.attention.varlen_decode``): FlashAttention's variable-length form with
+  ``seqused_k`` over the same flattening (the engine falls back to ``efficient_seqlen``
+  where flash cannot run);
 - ``flex``: compiled FlexAttention with a block mask of each row's 128-column blocks.
 
 Each result is checked against ``sdpa_mask`` (largest absolute difference printed); time is
 the median of ``--repeats`` calls between CUDA events, and the bound is the row's live KV
 bytes at ``--bandwidth-tbs``. ``x layers`` extrapolates to a whole step's attention. A
-candidate the device or torch build cannot run says why and is skipped (on a CPU, only
-``sdpa_mask`` and the unfused ``flex`` run).
+candidate the device or torch build cannot run says why and is skipped (on a CPU,
+``sdpa_mask``, the unfused ``flex`` and the engine's CPU reference of ``flash_seqused`` run).
 
     python benchmarks/decode_attention.py --device cuda --batch 96,192
     python benchmarks/decode_attention.py --device cuda --batch 96,192 --max-width 1400
@@ -67,22 +68,22 @@ def candidates(
         )
         return out.reshape(b, heads, d)
 
-    def efficient_seqlen() -> torch.Tensor:  # the engine's decode_attention=varlen
-        out = varlen_decode(q[:, :, None], k[:, :, :width], v[:, :, :width], lengths, scale)
-        return out.reshape(b, heads, d)
-
-    # FlashAttention's variable-length form over the same flattening: every (row, KV head)
-    # one sequence of `group` queries and `cap` columns.
+    # Every (row, KV head) one sequence of `group` queries and `cap` columns.
     n = b * kv_heads
     seqlens = lengths[:, None].expand(b, kv_heads).reshape(n).to(torch.int32)
     cu_k = torch.arange(0, (n + 1) * cap, cap, device=dev, dtype=torch.int32)
     cu_q = torch.arange(0, (n + 1) * group, group, device=dev, dtype=torch.int32)
 
-    def flash_seqused() -> torch.Tensor:
-        out = torch.ops.aten._flash_attention_forward(
-            folded.reshape(n * group, 1, d), k.reshape(n * cap, 1, d), v.reshape(n * cap, 1, d),
-            cu_q, cu_k, group, cap, 0.0, False, False, scale=scale, seqused_k=seqlens,
+    def efficient_seqlen() -> torch.Tensor:
+        out = torch.ops.aten._efficient_attention_forward(
+            folded.reshape(1, n * group, 1, d), k.reshape(1, n * cap, 1, d),
+            v.reshape(1, n * cap, 1, d), None, cu_q, cu_k, group, cap, 0.0, 0, False,
+            scale=scale, seqlen_k=seqlens,
         )[0]  # fmt: skip
+        return out.reshape(b, heads, d)
+
+    def flash_seqused() -> torch.Tensor:  # the engine's decode_attention=varlen
+        out = varlen_decode(q[:, :, None], k[:, :, :width], v[:, :, :width], lengths, scale)
         return out.reshape(b, heads, d)
 
     blocks = -(-cap // FLEX_BLOCK) * FLEX_BLOCK

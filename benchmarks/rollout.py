@@ -247,14 +247,14 @@ def graphs_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -
 
 
 def attention_side(attention: str):
-    """``graphs_side`` with ``decode_attention=attention`` (flex, varlen)."""
+    """``graphs_side`` with ``decode_attention=attention`` (sdpa, flex, varlen)."""
 
     def side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict:
-        policy.engine.decode_attention = attention
+        before, policy.engine.decode_attention = policy.engine.decode_attention, attention
         try:
             return graphs_side(policy, rows, n_samples, max_turns, max_tokens)
         finally:
-            policy.engine.decode_attention = "sdpa"
+            policy.engine.decode_attention = before
 
     return side
 
@@ -273,7 +273,8 @@ def main() -> None:
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="add a side whose decode steps replay CUDA graphs (enforce_eager=false); "
+        help="add a side whose decode steps replay CUDA graphs (enforce_eager=false) with "
+        "masked SDPA (decode_attention=sdpa); "
         "--profile then profiles that side (a step's graph captures counted in its decode)",
     )
     p.add_argument(
@@ -323,7 +324,7 @@ def main() -> None:
         sizes = model_sizes(path)
         policy = open_policy(path, device=args.device)
         sides = [("clew engine", clew_side)]
-        sides += [("clew cuda graphs", graphs_side)] if args.cuda_graphs else []
+        sides += [("clew cuda graphs", attention_side("sdpa"))] if args.cuda_graphs else []
         sides += [("clew graphs + flex", attention_side("flex"))] if args.flex else []
         sides += [("clew graphs + varlen", attention_side("varlen"))] if args.varlen else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
@@ -360,7 +361,7 @@ def main() -> None:
             ENV_WORKERS[0] = w
             print(f"env_workers={w} ({env_threads(w)} threads):")
             prof = EngineProfile(policy.engine.device, policy.engine.chat.pad_id)
-            side = graphs_side if args.cuda_graphs else clew_side
+            side = attention_side("sdpa") if args.cuda_graphs else clew_side
             side = attention_side("varlen") if args.varlen else side
             with prof.installed():
                 t0 = time.perf_counter()

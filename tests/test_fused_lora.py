@@ -127,4 +127,7 @@ def test_on_cuda_under_bf16_autocast_the_fused_update_matches_peft() -> None:
         out_p, grads_p, _ = _grads(plain, x)
     assert torch.allclose(out_f.float(), out_p.float(), atol=5e-2, rtol=2e-2)
     for name, g in grads_f.items():
-        assert torch.allclose(g.float(), grads_p[name].float(), atol=5e-2, rtol=5e-2), name
+        # bf16 gradients summed over 64 rows in another order: within 1% of the norm (a
+        # wrong scale, transpose or missing term is off by the norm itself).
+        ref = grads_p[name].float()
+        assert (g.float() - ref).norm() <= 1e-2 * ref.norm(), name

@@ -155,7 +155,7 @@ class DataParallelWorker:
         max_cache_mb: int = 4096,
         kv_cache: str = "static",
         cuda_graphs: bool = False,
-        decode_attention: str = "sdpa",
+        decode_attention: str = "varlen",
         allowed_tokens: Sequence[Sequence[str]] = (),
         strategy: str = "fsdp",
     ) -> None:

@@ -62,13 +62,14 @@ class InferenceEngineConfig(Section):
         "rows without per-row adapters; no effect on a CPU.",
     )
     decode_attention: Literal["sdpa", "flex", "varlen"] = Field(
-        "sdpa",
-        description="The attention of CUDA-graph decode steps: 'sdpa' reads every row's keys "
-        "to the longest row's width (rounded up to 256); 'flex' is compiled FlexAttention "
-        "reading each row's own 128-column blocks, one graph per row count for every width "
-        "(at Qwen3-VL-8B's shape on an H100 it took 1.7-2x as long a step: BENCHMARKS.md); "
-        "'varlen' is torch's variable-length memory-efficient kernel reading each row's own "
-        "columns, one graph per row count (steps while images are hidden use 'sdpa').",
+        "varlen",
+        description="The attention of CUDA-graph decode steps: 'varlen' (the default) is "
+        "torch's variable-length FlashAttention kernel reading each row's own columns, one "
+        "graph per row count (steps while images are hidden use 'sdpa'; at Qwen3-VL-8B's "
+        "shape on an H200 it took 1.3-1.6x less time a step than 'sdpa': BENCHMARKS.md); "
+        "'sdpa' reads every row's keys to the longest row's width (rounded up to 256); "
+        "'flex' is compiled FlexAttention reading each row's own 128-column blocks (on an "
+        "H100 it took 1.7-2x as long a step as 'sdpa').",
     )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,

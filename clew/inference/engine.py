@@ -82,7 +82,7 @@ class InferenceEngine:
         autocast: bool = False,
         kv_cache: str = "static",
         cuda_graphs: bool = False,
-        decode_attention: str = "sdpa",
+        decode_attention: str = "varlen",
     ) -> None:
         if kv_cache not in KV_CACHES:
             raise ConfigError(
