@@ -12,17 +12,19 @@ of rows whose lengths spread evenly over ``--min-width``..``--max-width``:
   ``[B, 1, 1, W]``), over the cache's ``[B, Hkv, capacity, D]`` buffers;
 - ``efficient_seqlen``: torch's memory-efficient kernel in its variable-length form
   (``seqlen_k``), every (row, KV head) one sequence of the buffers;
-- ``flash_seqused``: the engine's ``decode_attention=varlen``
-  (``clew.inference.attention.varlen_decode``): FlashAttention's variable-length form with
-  ``seqused_k`` over the same flattening (the engine falls back to ``efficient_seqlen``
-  where flash cannot run);
+- ``engine_varlen``: the same kernel through the engine's ``decode_attention=varlen``
+  function (``clew.inference.attention.varlen_decode``), which also builds its index of
+  lengths and offsets each call, as the first layer of a step does (inside a CUDA-graph
+  step that host work is gone: ``benchmarks/decode.py --caches varlen`` times the step);
+- ``flash_seqused``: FlashAttention's variable-length form with ``seqused_k`` over the same
+  flattening;
 - ``flex``: compiled FlexAttention with a block mask of each row's 128-column blocks.
 
 Each result is checked against ``sdpa_mask`` (largest absolute difference printed); time is
 the median of ``--repeats`` calls between CUDA events, and the bound is the row's live KV
 bytes at ``--bandwidth-tbs``. ``x layers`` extrapolates to a whole step's attention. A
 candidate the device or torch build cannot run says why and is skipped (on a CPU,
-``sdpa_mask``, the unfused ``flex`` and the engine's CPU reference of ``flash_seqused`` run).
+``sdpa_mask``, the unfused ``flex`` and the engine's CPU reference of ``engine_varlen`` run).
 
     python benchmarks/decode_attention.py --device cuda --batch 96,192
     python benchmarks/decode_attention.py --device cuda --batch 96,192 --max-width 1400
@@ -82,8 +84,15 @@ def candidates(
         )[0]  # fmt: skip
         return out.reshape(b, heads, d)
 
-    def flash_seqused() -> torch.Tensor:  # the engine's decode_attention=varlen
+    def engine_varlen() -> torch.Tensor:
         out = varlen_decode(q[:, :, None], k[:, :, :width], v[:, :, :width], lengths, scale)
+        return out.reshape(b, heads, d)
+
+    def flash_seqused() -> torch.Tensor:
+        out = torch.ops.aten._flash_attention_forward(
+            folded.reshape(n * group, 1, d), k.reshape(n * cap, 1, d), v.reshape(n * cap, 1, d),
+            cu_q, cu_k, group, cap, 0.0, False, False, scale=scale, seqused_k=seqlens,
+        )[0]  # fmt: skip
         return out.reshape(b, heads, d)
 
     blocks = -(-cap // FLEX_BLOCK) * FLEX_BLOCK
@@ -105,6 +114,7 @@ def candidates(
     return {
         "sdpa_mask": sdpa_mask,
         "efficient_seqlen": efficient_seqlen,
+        "engine_varlen": engine_varlen,
         "flash_seqused": flash_seqused,
         "flex": flex,
     }

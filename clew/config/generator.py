@@ -64,7 +64,7 @@ class InferenceEngineConfig(Section):
     decode_attention: Literal["sdpa", "flex", "varlen"] = Field(
         "varlen",
         description="The attention of CUDA-graph decode steps: 'varlen' (the default) is "
-        "torch's variable-length FlashAttention kernel reading each row's own columns, one "
+        "torch's variable-length memory-efficient kernel reading each row's own columns, one "
         "graph per row count (steps while images are hidden use 'sdpa'; at Qwen3-VL-8B's "
         "shape on an H200 it took 1.3-1.6x less time a step than 'sdpa': BENCHMARKS.md); "
         "'sdpa' reads every row's keys to the longest row's width (rounded up to 256); "
