@@ -102,6 +102,7 @@ class EngineProfile:
         self.device, self.pad_id = device, pad_id
         self.engine_s = self.prefill_s = self.decode_s = 0.0
         self.prefill_tokens = self.decode_steps = 0
+        self.prefill_columns = 0  # rows x width of the prefill forwards, padding included
         self.kv_tokens_read = 0  # live cache tokens summed over decode steps
 
     def _sync(self) -> None:
@@ -129,6 +130,7 @@ class EngineProfile:
             if input_ids.shape[1] > 1:
                 prof.prefill_s += dt
                 prof.prefill_tokens += int((input_ids != prof.pad_id).sum())
+                prof.prefill_columns += input_ids.numel()
             else:
                 prof.decode_s += dt
                 prof.decode_steps += 1
@@ -186,7 +188,8 @@ class EngineProfile:
             tail = f"{bound:>8.2f} {bound / sec:>8.1%}" if bound is not None and sec > 0 else ""
             print(f"{name:<28} {sec:>8.2f} {sec / total_s:>6.0%} {tail}")
         print(
-            f"prefill: {self.prefill_tokens} tokens, {self.prefill_tokens / max(self.prefill_s, 1e-9):,.0f} "
+            f"prefill: {self.prefill_tokens} tokens ({self.prefill_columns} with padding), "
+            f"{self.prefill_tokens / max(self.prefill_s, 1e-9):,.0f} "
             f"tokens/s (bound {hw.tflops * 1e12 / (2 * sizes.params):,.0f}); decode: "
             f"{self.decode_steps} steps, {1000 * self.decode_s / max(self.decode_steps, 1):.1f} ms a "
             f"step (bound {1000 * decode_bound / max(self.decode_steps, 1):.1f} ms)"
