@@ -18,6 +18,10 @@ of rows whose lengths spread evenly over ``--min-width``..``--max-width``:
   step that host work is gone: ``benchmarks/decode.py --caches varlen`` times the step);
 - ``flash_seqused``: FlashAttention's variable-length form with ``seqused_k`` over the same
   flattening;
+- ``flash_decode``: the same, with each (row, KV head) one query of ``H/Hkv`` heads over one
+  KV head rather than ``H/Hkv`` queries: FlashAttention then takes its decoding path (the
+  query heads swapped onto the query axis, keys split over several blocks by its own
+  heuristic), and ``flash_decode_s4`` forces 4 splits;
 - ``flex``: compiled FlexAttention with a block mask of each row's 128-column blocks.
 
 Each result is checked against ``sdpa_mask`` (largest absolute difference printed); time is
@@ -111,11 +115,26 @@ def candidates(
         )
         return out.reshape(b, heads, d)
 
+    cu_one = torch.arange(0, n + 1, device=dev, dtype=torch.int32)
+
+    def flash_decode(splits: int | None = None) -> Callable[[], torch.Tensor]:
+        def call() -> torch.Tensor:
+            out = torch.ops.aten._flash_attention_forward(
+                folded.reshape(n, group, d), k.reshape(n * cap, 1, d), v.reshape(n * cap, 1, d),
+                cu_one, cu_k, 1, cap, 0.0, False, False, scale=scale, seqused_k=seqlens,
+                num_splits=splits,
+            )[0]  # fmt: skip
+            return out.reshape(b, heads, d)
+
+        return call
+
     return {
         "sdpa_mask": sdpa_mask,
         "efficient_seqlen": efficient_seqlen,
         "engine_varlen": engine_varlen,
         "flash_seqused": flash_seqused,
+        "flash_decode": flash_decode(),
+        "flash_decode_s4": flash_decode(4),
         "flex": flex,
     }
 
