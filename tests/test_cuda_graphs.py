@@ -77,7 +77,8 @@ def test_padded_fixed_shape_steps_sample_what_the_plain_steps_sample(
         return logits
 
     monkeypatch.setattr(DecodeGraphs, "step", recording)
-    fixed = _play(model, chat, rows, temperature, graphs=True)
+    sdpa = {"decode_attention": "sdpa"}  # the masked steps over rounded-up widths
+    fixed = _play(model, chat, rows, temperature, graphs=True, device_kw=sdpa)
     plain = _play(model, chat, rows, temperature, graphs=False)
     assert sorted({t.turns for t in fixed}) == [1, 2, 3, 4]
     # Rows left, so some steps ran padding rows, and most read masked extra columns.
@@ -179,7 +180,7 @@ def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
 
     DecodeGraphs.step = counting
     try:
-        graphed = _play(model, chat, rows, 0.0, graphs=True)
+        graphed = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "sdpa"})
     finally:
         DecodeGraphs.step = step
     eager = _play(model, chat, rows, 0.0, graphs=False)
