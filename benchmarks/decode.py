@@ -7,8 +7,10 @@ steps timed after a warm-up; no row stops early (no stop token). ``graphs`` is t
 cache with decode steps replayed from CUDA graphs (``generator.inference_engine.enforce_eager
 =false``), ``flex`` the same with FlexAttention reading each row's own blocks
 (``decode_attention=flex``) and ``varlen`` with the variable-length kernel reading each
-row's own columns (``decode_attention=varlen``); their captures are counted and their time left out of the
-step. Printed per cache and batch:
+row's own columns (``decode_attention=varlen``), and ``fused`` is ``varlen`` with the rotary
+embedding and the SwiGLU gate compiled into one kernel each
+(``generator.inference_engine.fused_pointwise=true``); their captures (and compilations)
+are counted and their time left out of the step. Printed per cache and batch:
 the decode step time, generated tokens/s, the bandwidth bound of a step (the text weights
 read once plus every row's live KV cache, at ``--bandwidth-tbs``) and the share of it
 reached, and the static cache's speed-up over the dynamic one. ``--generate`` adds the
@@ -132,7 +134,7 @@ def main() -> None:
     p.add_argument("--max-width", type=int, default=775)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--caches", default="dynamic,static,graphs", help="or flex, varlen")
+    p.add_argument("--caches", default="dynamic,static,graphs", help="or flex, varlen, fused")
     p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
     p.add_argument("--device", default="cpu")
     add_hardware_flags(p)
@@ -168,14 +170,17 @@ def main() -> None:
         results = {}
         for cache in args.caches.split(","):
             # No stop token, so every row decodes every step.
-            graphs = cache in ("graphs", "flex", "varlen")
+            graphs = cache in ("graphs", "flex", "varlen", "fused")
             engine = InferenceEngine(
                 model,
                 chat,
                 kv_cache="static" if graphs else cache,
                 stop_token_ids=(-1,),
                 cuda_graphs=graphs,
-                decode_attention=cache if cache in ("flex", "varlen") else "sdpa",
+                decode_attention={"fused": "varlen"}.get(cache, cache)
+                if graphs and cache != "graphs"
+                else "sdpa",
+                fused_pointwise=cache == "fused",
             )
             r = results[cache] = _decode(engine, rows, args.steps, args.warmup)
             bound_s = (weights + size * r["mean_cache"] * kv_token) / (args.bandwidth_tbs * 1e12)

@@ -42,6 +42,7 @@ from clew.envs.base import text_corpus
 from clew.inference.runtime import open_policy
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model
+from clew.models.fused_pointwise import fuse_pointwise
 from clew.rollout.loop import RolloutSettings, env_threads, play
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -249,15 +250,20 @@ def graphs_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -
         policy.engine.cuda_graphs = False
 
 
-def attention_side(attention: str):
-    """``graphs_side`` with ``decode_attention=attention`` (sdpa, flex, varlen)."""
+def attention_side(attention: str, fused: bool = False):
+    """``graphs_side`` with ``decode_attention=attention`` (sdpa, flex, varlen) and, with
+    ``fused``, the engine's fused rotary and gate (``fused_pointwise``)."""
 
     def side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict:
-        before, policy.engine.decode_attention = policy.engine.decode_attention, attention
+        engine = policy.engine
+        before = engine.decode_attention, engine.fused_pointwise
+        engine.decode_attention, engine.fused_pointwise = attention, fused
+        if fused:
+            fuse_pointwise(engine.model)
         try:
             return graphs_side(policy, rows, n_samples, max_turns, max_tokens)
         finally:
-            policy.engine.decode_attention = before
+            engine.decode_attention, engine.fused_pointwise = before
 
     return side
 
@@ -290,6 +296,12 @@ def main() -> None:
         action="store_true",
         help="add a CUDA-graph side with variable-length decode attention (decode_attention="
         "varlen); --profile then profiles that side",
+    )
+    p.add_argument(
+        "--fused",
+        action="store_true",
+        help="add a graphs + varlen side with the rotary embedding and the SwiGLU gate "
+        "compiled (fused_pointwise=true); --profile then profiles that side",
     )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument("--arch", default=None, help="qwen2_vl or qwen3_vl (default: the preset's)")
@@ -330,6 +342,7 @@ def main() -> None:
         sides += [("clew cuda graphs", attention_side("sdpa"))] if args.cuda_graphs else []
         sides += [("clew graphs + flex", attention_side("flex"))] if args.flex else []
         sides += [("clew graphs + varlen", attention_side("varlen"))] if args.varlen else []
+        sides += [("clew varlen + fused", attention_side("varlen", True))] if args.fused else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
             f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
@@ -354,7 +367,12 @@ def main() -> None:
                 f"{r['gen'] / dt:>10.0f} {r['prefill'] / dt:>13.0f} {dt:>8.1f}"
             )
         eager = results["clew engine"]
-        for name in ("clew cuda graphs", "clew graphs + flex", "clew graphs + varlen"):
+        for name in (
+            "clew cuda graphs",
+            "clew graphs + flex",
+            "clew graphs + varlen",
+            "clew varlen + fused",
+        ):
             if name in results:
                 print(f"speed-up of {name[5:]} (episodes/s): {results[name] / eager:.2f}x")
         if "baseline generate" in results:
@@ -366,6 +384,7 @@ def main() -> None:
             prof = EngineProfile(policy.engine.device, policy.engine.chat.pad_id)
             side = attention_side("sdpa") if args.cuda_graphs else clew_side
             side = attention_side("varlen") if args.varlen else side
+            side = attention_side("varlen", True) if args.fused else side
             with prof.installed():
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)

@@ -168,6 +168,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
             kv_cache=ie.kv_cache,
             cuda_graphs=not ie.enforce_eager,  # the worker keeps it to a CUDA device
             decode_attention=ie.decode_attention,
+            fused_pointwise=ie.fused_pointwise,
             allowed_tokens=allowed,
         )
     limit_host_threads(device)
@@ -181,6 +182,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
         kv_cache=ie.kv_cache,
         cuda_graphs=not ie.enforce_eager and device.type == "cuda",
         decode_attention=ie.decode_attention,
+        fused_pointwise=ie.fused_pointwise,
     )
     # A token text that is not one token fails here, before any rollout.
     for tokens in allowed:

@@ -156,6 +156,7 @@ class DataParallelWorker:
         kv_cache: str = "static",
         cuda_graphs: bool = False,
         decode_attention: str = "varlen",
+        fused_pointwise: bool = False,
         allowed_tokens: Sequence[Sequence[str]] = (),
         strategy: str = "fsdp",
     ) -> None:
@@ -194,6 +195,7 @@ class DataParallelWorker:
             kv_cache=kv_cache,
             cuda_graphs=cuda_graphs and device.type == "cuda",
             decode_attention=decode_attention,
+            fused_pointwise=fused_pointwise,
         )
         for tokens in allowed_tokens:  # a token text that is not one token fails here
             self.engine.allowed_ids(tuple(tokens))

@@ -40,6 +40,7 @@ from clew.inference.dynamic_kv import DynamicKV
 from clew.inference.kv_cache import SlotCache
 from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
+from clew.models.fused_pointwise import pointwise_fused
 from clew.models.logit_masks import keep_allowed, mask_banned
 from clew.models.pixels import as_patches, cat_pixels
 from clew.models.positions import mrope_positions
@@ -365,6 +366,7 @@ class CacheBatch:
         with (
             bf16_autocast(dev, eng.autocast),
             engine_attention(eng.model) if static else contextlib.nullcontext(),
+            pointwise_fused(eng.fused_pointwise),
             eng.lora.rows(adapters),
         ):
             out = eng.model(

@@ -51,6 +51,7 @@ from clew.inference.kv_cache import cache_budget_bytes as cache_budget_bytes  # 
 from clew.inference.kv_cache import kv_bytes_per_token
 from clew.inference.multi_lora import AdapterSource, MultiLoRA
 from clew.models.chat import ChatFormat
+from clew.models.fused_pointwise import fuse_pointwise
 from clew.models.logit_masks import AllowedIds, banned_token_ids
 
 KV_CACHES = ("static", "dynamic")
@@ -83,6 +84,7 @@ class InferenceEngine:
         kv_cache: str = "static",
         cuda_graphs: bool = False,
         decode_attention: str = "varlen",
+        fused_pointwise: bool = False,
     ) -> None:
         if kv_cache not in KV_CACHES:
             raise ConfigError(
@@ -102,6 +104,11 @@ class InferenceEngine:
         # In graph-replayed decode steps: SDPA to the longest row, FlexAttention per row's
         # blocks, or the variable-length kernel per row's columns.
         self.decode_attention = decode_attention
+        # The rotary embedding and the SwiGLU gate as one compiled kernel each, in the
+        # engine's forwards on CUDA (clew.models.fused_pointwise).
+        self.fused_pointwise = fused_pointwise
+        if fused_pointwise:
+            fuse_pointwise(model)
         # bfloat16 compute over float32 weights (clew.models.precision), as the trainer scores.
         self.autocast = autocast
         self.chat = chat

@@ -1,0 +1,147 @@
+"""Tests for clew.models.fused_pointwise: the rotary embedding and the SwiGLU gate compiled.
+
+On a CPU the kernels are compiled by Inductor's C++ backend when the tests add "cpu" to
+``COMPILE_DEVICES``: the same compiled functions a GPU runs through Triton."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from rollout_support import assert_same_samples
+from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+from clew.data.rows import generate_rows
+from clew.inference.engine import InferenceEngine
+from clew.inference.sampling import SamplingParams
+from clew.models import build_model, fused_pointwise, load_policy
+from clew.models.chat import ChatFormat
+from clew.models.fused_pointwise import fuse_pointwise, pointwise_fused, rotary, silu_mul
+from clew.rollout.loop import RolloutSettings, play
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.setattr(fused_pointwise, "COMPILE_DEVICES", {"cuda", "cpu"})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3_vl")
+    build_model("tiny", path, arch="qwen3_vl", image_size=84, patch_size=14, overwrite=True)
+    model, processor = load_policy(path)
+    return model.eval(), ChatFormat(processor)
+
+
+def _counts() -> dict[str, int]:
+    return dict(fused_pointwise.calls)
+
+
+def test_the_compiled_kernels_compute_transformers_rotary_and_gate(on_cpu) -> None:
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 4, 5, 32, generator=g), torch.randn(3, 2, 5, 32, generator=g)
+    cos, sin = torch.randn(3, 5, 32, generator=g), torch.randn(3, 5, 32, generator=g)
+    original = modeling_qwen3_vl.apply_rotary_pos_emb
+    original = getattr(original, "_clew_original", original)
+    before = _counts()
+    with pointwise_fused():
+        got = fused_pointwise._fused("rotary", rotary, q, k, cos, sin, 1)
+        gate = fused_pointwise._fused("silu_mul", silu_mul, q, q.flip(0))
+    for a, b in zip(got, original(q, k, cos, sin), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gate, torch.nn.functional.silu(q) * q.flip(0))
+    after = _counts()
+    assert after.get("rotary", 0) == before.get("rotary", 0) + 1
+    assert after.get("silu_mul", 0) == before.get("silu_mul", 0) + 1
+
+
+def test_a_fused_policy_takes_the_kernels_only_inside_pointwise_fused(tiny, on_cpu) -> None:
+    model, chat = tiny
+    fused = copy.deepcopy(model)
+    layers = fused.config.get_text_config().num_hidden_layers
+    assert fuse_pointwise(fused) == layers
+    assert fuse_pointwise(fused) == 0  # once
+    ids = torch.tensor([chat.encode_text("go left then down") * 2])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        before = _counts()
+        outside = fused(input_ids=ids).logits
+        assert _counts() == before  # the trainer's forwards: transformers' own code
+        torch.testing.assert_close(outside, want, rtol=0, atol=0)
+        with pointwise_fused():
+            inside = fused(input_ids=ids).logits
+    after = _counts()
+    assert after["rotary"] - before.get("rotary", 0) == layers
+    assert after["silu_mul"] - before.get("silu_mul", 0) == layers
+    torch.testing.assert_close(inside, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_engine_with_fused_pointwise_samples_what_the_plain_engine_samples(
+    tiny, on_cpu
+) -> None:
+    model, chat = tiny
+    rows = generate_rows("maze_2d/small", 2, env_options={"cell_px": 12})
+    settings = RolloutSettings(2, 3, 4096, SamplingParams(temperature=1.0, max_tokens=6))
+
+    def run(fused: bool):
+        engine = InferenceEngine(
+            copy.deepcopy(model), chat, cuda_graphs=True, fused_pointwise=fused
+        )
+        return play(engine, rows, settings, seed=5)
+
+    before = _counts()
+    fused = run(True)
+    assert _counts().get("rotary", 0) > before.get("rotary", 0)  # prefill and decode steps
+    assert_same_samples(fused, run(False), tol=1e-4)
+
+
+def test_a_failed_compilation_warns_and_the_kernel_stays_eager(monkeypatch, on_cpu) -> None:
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no backend")
+
+        return call
+
+    monkeypatch.setattr(fused_pointwise.torch, "compile", broken)
+    monkeypatch.setattr(fused_pointwise, "_eager_only", set())
+    x = torch.randn(4, 8)
+    with pointwise_fused(), pytest.warns(RuntimeWarning, match="compiling the fused probe"):
+        out = fused_pointwise._fused("probe", silu_mul, x, x)
+    torch.testing.assert_close(out, silu_mul(x, x))
+    assert "probe" in fused_pointwise._eager_only
+    with pointwise_fused():
+        torch.testing.assert_close(fused_pointwise._fused("probe", silu_mul, x, x), out)
+
+
+def test_a_config_key_turns_it_on_and_is_off_by_default() -> None:
+    from clew.config import load_config
+
+    assert load_config(None).generator.inference_engine.fused_pointwise is False
+    cfg = load_config(None, ["generator.inference_engine.fused_pointwise=true"])
+    assert cfg.generator.inference_engine.fused_pointwise is True
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_fused_kernels_run_in_graph_steps_and_keep_the_logits(
+    tmp_path: Path,
+) -> None:
+    build_model("tiny", tmp_path, arch="qwen3_vl", image_size=224, overwrite=True)
+    model, processor = load_policy(tmp_path, dtype="bfloat16", device=torch.device("cuda"))
+    model.eval()
+    chat = ChatFormat(processor)
+    ids = torch.tensor([chat.encode_text("go left then down") * 4], device="cuda")
+    fused = copy.deepcopy(model)
+    fuse_pointwise(fused)
+    with torch.no_grad(), pointwise_fused():
+        got = fused(input_ids=ids).logits.float()
+    want = model(input_ids=ids).logits.float()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()  # bf16: rounded once, not six times
+    rows = generate_rows("maze_2d/small", 3, env_options={"cell_px": 32})
+    settings = RolloutSettings(3, 3, 4096, SamplingParams(temperature=1.0, max_tokens=6))
+    before = _counts()
+    engine = InferenceEngine(fused, chat, cuda_graphs=True, fused_pointwise=True)
+    trajs = play(engine, rows, settings, seed=5)
+    assert all(t.turns >= 1 for t in trajs)
+    assert _counts().get("rotary", 0) > before.get("rotary", 0)
