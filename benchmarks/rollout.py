@@ -19,6 +19,8 @@ its bound (``benchmarks/bounds.py``): prefill at ``2 N`` FLOPs a token at the ma
 a decode step reading the text weights and every live row's KV cache at the bandwidth.
 ``--env-workers 1,0`` profiles once per ``generator.env_workers`` value: the env steps and
 the encoding of the next observations in the loop's own thread, then on one thread per core.
+``--frame-cache-mb 0,64`` profiles each of those with every frame resized, then with resized
+frames kept by content (``clew.models.frame_cache``), and prints how many frames each resized.
 ``--trace FILE`` plays once more under ``torch.profiler`` (host, and device on CUDA; the
 CUDA-graph side with ``--cuda-graphs``), prints the operators that took the most host time
 (CUDA runtime calls such as ``cudaMalloc`` included) and, on CUDA, the kernels that took the
@@ -42,6 +44,7 @@ from clew.envs.base import text_corpus
 from clew.inference.runtime import open_policy
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model
+from clew.models.frame_cache import frame_cache
 from clew.models.fused_pointwise import fuse_pointwise
 from clew.rollout.loop import RolloutSettings, env_threads, play
 
@@ -312,6 +315,12 @@ def main() -> None:
         "(1: env steps and observation encoding in the loop's thread; 0: one thread per core)",
     )
     p.add_argument(
+        "--frame-cache-mb",
+        default="64",
+        help="resized frames kept by content (clew.models.frame_cache), comma-separated MB: "
+        "--profile runs once per value and env_workers value (0: every frame resized)",
+    )
+    p.add_argument(
         "--trace",
         metavar="FILE",
         help="play once more under torch.profiler: print the top operators by host time and "
@@ -378,9 +387,13 @@ def main() -> None:
         if "baseline generate" in results:
             print(f"speed-up (episodes/s): {eager / results['baseline generate']:.2f}x")
         workers = [int(w) for w in args.env_workers.split(",")]
-        for w in workers if args.profile else []:
+        caches = [int(mb) for mb in args.frame_cache_mb.split(",")]
+        for w, mb in [(w, mb) for w in workers for mb in caches] if args.profile else []:
             ENV_WORKERS[0] = w
-            print(f"env_workers={w} ({env_threads(w)} threads):")
+            frame_cache.capacity_bytes = mb << 20
+            frame_cache.clear()
+            frame_cache.hits = frame_cache.misses = 0
+            print(f"env_workers={w} ({env_threads(w)} threads), frame cache {mb} MB:")
             prof = EngineProfile(policy.engine.device, policy.engine.chat.pad_id)
             side = attention_side("sdpa") if args.cuda_graphs else clew_side
             side = attention_side("varlen") if args.varlen else side
@@ -391,7 +404,9 @@ def main() -> None:
                 prof._sync()
                 total = time.perf_counter() - t0
             prof.report(total, sizes, hardware(args))
+            print(f"frames resized: {frame_cache.misses}, from the cache: {frame_cache.hits}")
         ENV_WORKERS[0] = workers[-1]
+        frame_cache.capacity_bytes = caches[-1] << 20
         if args.trace:
             _trace(policy, rows, args)
 

@@ -21,6 +21,9 @@ size before rescaling; this module calls the same two. Whether they give the pro
 values is checked once per processor and size on a random probe image (``_resize_agrees``);
 a processor that resizes any other way (a torchvision one) is left to itself.
 
+A frame shown again (the samples of a prompt start alike, a refused move shows the same
+frame) is resized once: ``clew.models.frame_cache`` keeps resized frames by content.
+
 The bytes can also wait (``Frames``): training batches and the rollout engine carry frames
 as uint8 and patch them on the device that runs the model, where the lookup and the copy
 cost next to nothing, instead of building and moving 8x as many float bytes on the host.
@@ -38,6 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+
+from clew.models.frame_cache import frame_cache
 
 __all__ = [
     "Frames",
@@ -104,12 +109,24 @@ def _resize_agrees(ip: Any, height: int, width: int, size: tuple[int, int]) -> b
     return checks[(height, width)]
 
 
+def _resample(ip: Any) -> int:
+    resample = getattr(ip, "resample", None)
+    return 3 if resample is None else int(resample)  # 3: bicubic, the processor's default
+
+
 def _resize(image: Image.Image, size: tuple[int, int], ip: Any) -> Image.Image:
     """``image`` at ``size`` (height, width) as the PIL image processor resizes it."""
     if image.size == (size[1], size[0]):
         return image
-    resample = getattr(ip, "resample", None)
-    return image.resize((size[1], size[0]), resample=3 if resample is None else int(resample))
+    return image.resize((size[1], size[0]), resample=_resample(ip))
+
+
+def _frame(image: Image.Image, size: tuple[int, int], ip: Any) -> np.ndarray:
+    """``_resize``'s pixels as uint8, resized once per distinct frame
+    (``clew.models.frame_cache``)."""
+    if image.size == (size[1], size[0]):
+        return np.asarray(image, dtype=np.uint8)
+    return frame_cache.resized(image, size, _resample(ip), lambda: _resize(image, size, ip))
 
 
 def _settings(ip: Any) -> tuple[int, int, int, float, np.ndarray, np.ndarray] | None:
@@ -168,7 +185,7 @@ def fast_frames(images: list[Image.Image], ip: Any) -> Frames | None:
         return None
     (patch, merge, temporal, scale, mean, std), size = covered
     table = _byte_table(scale, tuple(mean.tolist()), tuple(std.tolist()))
-    raw = np.stack([np.asarray(_resize(im, size, ip), dtype=np.uint8) for im in images])
+    raw = np.stack([_frame(im, size, ip) for im in images])
     return Frames(torch.from_numpy(raw), table, patch, merge, temporal)  # raw: [N, H, W, C]
 
 
