@@ -7,7 +7,8 @@ steps timed after a warm-up; no row stops early (no stop token). ``graphs`` is t
 cache with decode steps replayed from CUDA graphs (``generator.inference_engine.enforce_eager
 =false``), ``flex`` the same with FlexAttention reading each row's own blocks
 (``decode_attention=flex``) and ``varlen`` with the variable-length kernel reading each
-row's own columns (``decode_attention=varlen``), and ``fused`` is ``varlen`` with the rotary
+row's own columns (``decode_attention=varlen``; ``flash`` through FlashAttention's decoding
+path), and ``fused`` is ``varlen`` with the rotary
 embedding and the SwiGLU gate compiled into one kernel each
 (``generator.inference_engine.fused_pointwise=true``); their captures (and compilations)
 are counted and their time left out of the step. Printed per cache and batch:
@@ -134,7 +135,9 @@ def main() -> None:
     p.add_argument("--max-width", type=int, default=775)
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
     p.add_argument("--warmup", type=int, default=4)
-    p.add_argument("--caches", default="dynamic,static,graphs", help="or flex, varlen, fused")
+    p.add_argument(
+        "--caches", default="dynamic,static,graphs", help="or flex, varlen, flash, fused"
+    )
     p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
     p.add_argument("--device", default="cpu")
     add_hardware_flags(p)
@@ -170,7 +173,7 @@ def main() -> None:
         results = {}
         for cache in args.caches.split(","):
             # No stop token, so every row decodes every step.
-            graphs = cache in ("graphs", "flex", "varlen", "fused")
+            graphs = cache in ("graphs", "flex", "varlen", "flash", "fused")
             engine = InferenceEngine(
                 model,
                 chat,

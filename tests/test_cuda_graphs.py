@@ -116,9 +116,10 @@ def test_flex_steps_read_each_row_s_own_blocks_and_sample_what_the_plain_steps_s
     assert_same_samples(flex, plain, tol=1e-5)
 
 
+@pytest.mark.parametrize("attention", ["varlen", "flash"])
 @pytest.mark.parametrize("keep_last", [None, 1], ids=["all-images", "last-image"])
-def test_varlen_steps_read_each_row_s_length_and_sample_what_the_plain_steps_sample(
-    policy, keep_last, monkeypatch
+def test_steps_by_length_read_each_row_s_length_and_sample_what_the_plain_steps_sample(
+    policy, keep_last, attention, monkeypatch
 ):
     model, chat, rows = policy
     modes: list[str] = []
@@ -129,19 +130,20 @@ def test_varlen_steps_read_each_row_s_length_and_sample_what_the_plain_steps_sam
         s = graphs._steps[(*graphs.last_shape, graphs.last_mode)]
         modes.append(graphs.last_mode)
         b = ids.shape[0]
-        if graphs.last_mode == "varlen":  # each row reads its own columns, padding rows one
+        if graphs.last_mode == attention:  # each row reads its own columns, padding rows one
             assert s.lengths[:b].tolist() == graphs.cache.fill[:b]
             assert set(s.lengths[b:].tolist()) <= {1}
             assert graphs.last_shape[1] == graphs.cache.capacity
+            assert s.kernel == ("flash" if attention == "flash" else "efficient")
         return logits
 
     monkeypatch.setattr(DecodeGraphs, "step", recording)
     kw = {"keep_last_k_images": keep_last}
     varlen = _play(
-        model, chat, rows, 1.0, graphs=True, device_kw={"decode_attention": "varlen"}, **kw
+        model, chat, rows, 1.0, graphs=True, device_kw={"decode_attention": attention}, **kw
     )
     plain = _play(model, chat, rows, 1.0, graphs=False, **kw)
-    assert "varlen" in modes
+    assert attention in modes
     # With hidden images a row's visible columns are not its first `length`: masked steps.
     assert ("sdpa" in modes) == (keep_last is not None)
     assert_same_samples(varlen, plain, tol=1e-5)
@@ -149,7 +151,7 @@ def test_varlen_steps_read_each_row_s_length_and_sample_what_the_plain_steps_sam
 
 def test_an_unknown_decode_attention_is_refused_with_the_choices(policy):
     model, chat, _ = policy
-    with pytest.raises(ConfigError, match="decode_attention='paged'.*sdpa, flex, varlen"):
+    with pytest.raises(ConfigError, match="decode_attention='paged'.*sdpa, flex, varlen, flash"):
         InferenceEngine(model, chat, decode_attention="paged")
 
 
@@ -196,6 +198,21 @@ def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
         )  # fmt: skip
         reference = eager if keep is None else _play(model, chat, rows, 0.0, False, None, keep)
         assert_same_samples(varlen, reference, tol=2e-2)
+    # FlashAttention's decoding path rounds the attention weights to bf16: greedy replies may
+    # part from the eager ones at a near tie, but not before, and not at the first token.
+    flash = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "flash"})
+    _assert_same_until_they_part(flash, eager, tol=5e-2)
+
+
+def _assert_same_until_they_part(a, b, tol: float) -> None:
+    for x, y in zip(a, b, strict=True):
+        pairs = list(zip(x.token_ids, y.token_ids, strict=False))
+        part = next((i for i, (p, q) in enumerate(pairs) if p != q), len(pairs))
+        first = x.loss_mask.index(1)  # the first generated token
+        assert part > first, "the replies differ from their first token"
+        lp = zip(x.logprobs[:part], y.logprobs[:part], strict=True)
+        worst = max(abs(p - q) for p, q in lp)
+        assert worst < tol, f"largest logprob difference before they part {worst:.2e}"
 
 
 def test_an_opened_policy_replays_graphs_only_on_cuda(tmp_path):

@@ -61,7 +61,7 @@ class InferenceEngineConfig(Section):
         "rounded up, attention width rounded up to 256 columns), with the static cache and "
         "rows without per-row adapters; no effect on a CPU.",
     )
-    decode_attention: Literal["sdpa", "flex", "varlen"] = Field(
+    decode_attention: Literal["sdpa", "flex", "varlen", "flash"] = Field(
         "varlen",
         description="The attention of CUDA-graph decode steps: 'varlen' (the default) is "
         "torch's variable-length memory-efficient kernel reading each row's own columns, one "
@@ -69,7 +69,9 @@ class InferenceEngineConfig(Section):
         "shape on an H200 it took 1.3-1.6x less time a step than 'sdpa': BENCHMARKS.md); "
         "'sdpa' reads every row's keys to the longest row's width (rounded up to 256); "
         "'flex' is compiled FlexAttention reading each row's own 128-column blocks (on an "
-        "H100 it took 1.7-2x as long a step as 'sdpa').",
+        "H100 it took 1.7-2x as long a step as 'sdpa'); 'flash' reads each row's own columns "
+        "through FlashAttention's decoding path, keys split over blocks (not yet measured "
+        "in a step).",
     )
     fused_pointwise: bool = Field(
         False,

@@ -32,8 +32,13 @@ variable-length memory-efficient kernel (``seqlen_k``), so each row reads its ow
 no more, with no mask. FlashAttention's variable-length form (``seqused_k``) reads the same
 flattening; inside a CUDA-graph step at Qwen3-VL-8B's shape on an H200 it was no faster
 (12.3 against 12.2 ms at batch 96, 19.2 against 17.3 ms at 192), and its bf16 rounding of
-the attention weights flipped greedy tokens of the tiny test policy, so the engine keeps
-the memory-efficient kernel (``benchmarks/decode_attention.py`` times both). The buffers' ``[slots, kv_heads, capacity, head_dim]`` layout is
+the attention weights flipped greedy tokens of the tiny test policy, so ``varlen`` keeps
+the memory-efficient kernel (``benchmarks/decode_attention.py`` times both).
+``decode_attention=flash`` takes FlashAttention's decoding path instead: each (row, KV head)
+is one query of the group's heads over one KV head, which FlashAttention serves by
+splitting the keys over several blocks (flash-decoding) where the rows are few for the
+card; it falls back to the memory-efficient kernel where flash cannot run (float32, cards
+before Ampere). The buffers' ``[slots, kv_heads, capacity, head_dim]`` layout is
 already that flat sequence of sequences, so nothing is copied. This holds while no image
 column is hidden (the rows' visible columns are then exactly their first ``length``);
 ``clew.inference.cuda_graphs`` steps with the mask otherwise. On a CPU the same lengths
@@ -75,7 +80,8 @@ def gqa_sdpa_attention(
     b, heads, t, d = query.shape
     lengths = getattr(_DECODE, "lengths", None)
     if lengths is not None and t == 1:
-        return varlen_decode(query, key, value, lengths, scaling), None
+        kernel = getattr(_DECODE, "kernel", "efficient")
+        return varlen_decode(query, key, value, lengths, scaling, kernel), None
     kv_heads = key.shape[1]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
@@ -99,18 +105,21 @@ def gqa_sdpa_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-_DECODE = threading.local()  # .lengths: the rows' lengths of the decode step being run
+_DECODE = threading.local()  # .lengths, .kernel: those of the decode step being run
+KERNELS = ("efficient", "flash")  # varlen_decode's kernels (module docstring)
 
 
 @contextlib.contextmanager
-def row_lengths(lengths: torch.Tensor) -> Iterator[None]:
+def row_lengths(lengths: torch.Tensor, kernel: str = "efficient") -> Iterator[None]:
     """Within the block, one-query forwards attend to each row's first ``lengths[row]``
-    columns of the cache (``varlen_decode``) and ignore the mask."""
-    _DECODE.lengths, _DECODE.index = lengths, {}
+    columns of the cache (``varlen_decode`` with ``kernel``) and ignore the mask."""
+    if kernel not in KERNELS:
+        raise ValueError(f"no varlen decode kernel {kernel!r}; choose one of {KERNELS}")
+    _DECODE.lengths, _DECODE.kernel, _DECODE.index = lengths, kernel, {}
     try:
         yield
     finally:
-        _DECODE.lengths, _DECODE.index = None, {}
+        _DECODE.lengths, _DECODE.kernel, _DECODE.index = None, "efficient", {}
 
 
 def _varlen_index(
@@ -138,10 +147,12 @@ def varlen_decode(
     value: torch.Tensor,
     lengths: torch.Tensor,
     scale: float | None = None,
+    kernel: str = "efficient",
 ) -> torch.Tensor:
     """One query a row, ``query`` [B, H, 1, D], over views ``key``/``value`` [B, Hkv, W, D]
     of consecutive slots of ``SlotCache`` buffers, each row reading its first ``lengths``
-    [B] columns of its slot; returns [B, 1, H, D]."""
+    [B] columns of its slot, through ``kernel`` ("efficient" or "flash", module docstring;
+    "flash" falls back to "efficient" where it cannot run); returns [B, 1, H, D]."""
     b, heads, _, d = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
@@ -160,6 +171,19 @@ def varlen_decode(
             query.reshape(b, kv_heads, group, d), keys, values, live[:, None, None], scale=scale
         )
         return out.reshape(b, 1, heads, d)
+    if kernel == "flash" and _flash_runs(query):
+        # One sequence a (row, KV head): one query of `group` heads over one KV head, the
+        # shape FlashAttention's decoding path takes (keys split over blocks).
+        seqlens, cu_one, cu_k = _varlen_index(lengths, kv_heads, cap, 1)
+        flat_k, flat_v = (
+            torch.as_strided(x, (n * cap, 1, d), (d, d, 1), x.storage_offset())
+            for x in (key, value)
+        )
+        out = torch.ops.aten._flash_attention_forward(
+            query.reshape(n, group, d), flat_k, flat_v, cu_one, cu_k, 1, cap, 0.0, False,
+            False, scale=scale, seqused_k=seqlens,
+        )[0]  # fmt: skip
+        return out.reshape(b, 1, heads, d)
     flat_k, flat_v = (
         torch.as_strided(x, (1, n * cap, 1, d), (n * cap * d, d, d, 1), x.storage_offset())
         for x in (key, value)
@@ -170,6 +194,17 @@ def varlen_decode(
         0.0, 0, False, scale=scale, seqlen_k=seqlens,
     )[0]  # fmt: skip
     return out.reshape(b, 1, heads, d)
+
+
+def _flash_runs(query: torch.Tensor) -> bool:
+    """FlashAttention's kernel: half precision, head sizes to 256 in steps of 8, Ampere on."""
+    d = query.shape[-1]
+    return (
+        query.dtype in (torch.float16, torch.bfloat16)
+        and d % 8 == 0
+        and d <= 256
+        and torch.cuda.get_device_capability(query.device)[0] >= 8
+    )
 
 
 _compiled_flex = None

@@ -39,7 +39,8 @@ static tensor updated before each replay): each row reads its own columns throug
 variable-length kernel, with no mask and no block table, and one graph per row count serves
 every width. While an image column is hidden anywhere in the cache (``SlotCache.hidden_any``)
 a row's visible columns are no longer its first ``length``, so those steps take the masked
-SDPA step instead (graphs of their own).
+SDPA step instead (graphs of their own). ``attention="flash"`` is the same step through
+FlashAttention's decoding path (``clew.inference.attention``).
 
 On a device without CUDA graphs (the CPU), ``capture=False`` runs the same bucketed,
 padded step eagerly: what the CPU tests check against the plain path.
@@ -63,6 +64,7 @@ from clew.inference.kv_cache import SlotCache
 WIDTH_STEP = 256
 # FlexAttention's key block: a row reads its length rounded up to this.
 FLEX_BLOCK = 128
+BY_LENGTH = ("varlen", "flash")  # the attentions that read each row's length, not a mask
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -88,7 +90,8 @@ class _Step:
     mask: torch.Tensor | BlockMask  # [R, 1, 1, W], or the flex path's block mask
     graph: torch.cuda.CUDAGraph | None = None
     blocks: torch.Tensor | None = None  # flex: [R, 1, 1] key blocks each row reads
-    lengths: torch.Tensor | None = None  # varlen: [R] columns each row reads
+    lengths: torch.Tensor | None = None  # varlen, flash: [R] columns each row reads
+    kernel: str = "efficient"  # varlen_decode's kernel: "flash" for attention="flash"
 
 
 class DecodeGraphs:
@@ -100,11 +103,11 @@ class DecodeGraphs:
         self.cache = cache
         self.pad_id = pad_id
         self.capture = capture
-        self.attention = attention  # "sdpa", "flex" or "varlen" (module docstring)
+        self.attention = attention  # "sdpa", "flex", "varlen" or "flash" (module docstring)
         self.captures = 0  # graphs captured so far, and the seconds they took (benchmarks)
         self.capture_s = 0.0
         self.last_shape: tuple[int, int] | None = None  # the last step's (rows, width)
-        self.last_mode = attention  # and its attention ("varlen" steps "sdpa" at times)
+        self.last_mode = attention  # and its attention (by lengths: "sdpa" at times)
         self._steps: dict[tuple[int, int, str], _Step] = {}  # (rows, width, attention)
         self._generation = cache.generation
         self._pool = None
@@ -128,7 +131,7 @@ class DecodeGraphs:
         b = ids.shape[0]
         cols = cache.advance(active, active_host)
         r = rows_bucket(b, cache.slots)
-        mode = "sdpa" if self.attention == "varlen" and cache.hidden_any else self.attention
+        mode = "sdpa" if self.attention in BY_LENGTH and cache.hidden_any else self.attention
         w = cache.capacity if mode != "sdpa" else width_bucket(cache.width, cache.capacity)
         self.last_shape, self.last_mode = (r, w), mode
         step = self._steps.get((r, w, mode))
@@ -147,7 +150,7 @@ class DecodeGraphs:
     def _run(step: _Step, forward: Forward) -> torch.Tensor:
         if step.lengths is None:
             return forward(step.ids, step.pos, step.mask)
-        with row_lengths(step.lengths):
+        with row_lengths(step.lengths, step.kernel):
             return forward(step.ids, step.pos, step.mask)
 
     def _inputs(self, r: int, w: int, mode: str) -> _Step:
@@ -156,11 +159,14 @@ class DecodeGraphs:
             ids=torch.full((r, 1), self.pad_id, dtype=torch.long, device=dev),
             pos=torch.zeros((3, r, 1), dtype=torch.long, device=dev),
             cols=torch.full((r, 1), self.cache.capacity - 1, dtype=torch.long, device=dev),
-            # varlen: transformers wants a mask; the attention reads the lengths instead.
-            mask=torch.zeros((r, 1, 1, 1 if mode == "varlen" else w), dtype=torch.bool, device=dev),
+            # By lengths: transformers wants a mask; the attention reads the lengths instead.
+            mask=torch.zeros(
+                (r, 1, 1, 1 if mode in BY_LENGTH else w), dtype=torch.bool, device=dev
+            ),
         )
-        if mode == "varlen":
+        if mode in BY_LENGTH:
             step.lengths = torch.ones(r, dtype=torch.long, device=dev)
+            step.kernel = "flash" if mode == "flash" else "efficient"
         if mode == "flex":
             step.blocks = torch.ones((r, 1, 1), dtype=torch.int32, device=dev)
             n = -(-w // FLEX_BLOCK)

@@ -55,7 +55,7 @@ from clew.models.fused_pointwise import fuse_pointwise
 from clew.models.logit_masks import AllowedIds, banned_token_ids
 
 KV_CACHES = ("static", "dynamic")
-DECODE_ATTENTION = ("sdpa", "flex", "varlen")
+DECODE_ATTENTION = ("sdpa", "flex", "varlen", "flash")
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
