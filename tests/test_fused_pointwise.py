@@ -8,8 +8,10 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from rollout_support import assert_same_samples
 from transformers.models.qwen3_vl import modeling_qwen3_vl
 
@@ -76,6 +78,34 @@ def test_a_fused_policy_takes_the_kernels_only_inside_pointwise_fused(tiny, on_c
     assert after["rotary"] - before.get("rotary", 0) == layers
     assert after["silu_mul"] - before.get("silu_mul", 0) == layers
     torch.testing.assert_close(inside, want, rtol=1e-4, atol=1e-5)
+
+
+def test_the_vision_tower_takes_the_fused_rotary_inside_pointwise_fused(tiny, on_cpu) -> None:
+    model, chat = tiny
+    fused = copy.deepcopy(model)
+    fuse_pointwise(fused)
+    rng = np.random.default_rng(0)
+    frames = [Image.fromarray(rng.integers(0, 256, (84, 84, 3), dtype=np.uint8)) for _ in "ab"]
+    vision = chat.processor.image_processor(images=frames, return_tensors="pt")
+    pixels, grid = vision["pixel_values"], vision["image_grid_thw"]
+    depth = fused.config.vision_config.depth
+    with torch.no_grad():
+        want = model.model.get_image_features(pixels, grid)
+        before = _counts()
+        with pointwise_fused():
+            got = fused.model.get_image_features(pixels, grid)
+    assert _counts()["rotary_vision"] - before.get("rotary_vision", 0) == depth
+    for a, b in zip(_tensors(got), _tensors(want), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors of an output (a tensor, a tuple or list of them, or a model output)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if hasattr(out, "to_tuple"):
+        out = out.to_tuple()
+    return [t for item in out for t in _tensors(item)]
 
 
 def test_the_engine_with_fused_pointwise_samples_what_the_plain_engine_samples(

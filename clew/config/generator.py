@@ -75,10 +75,10 @@ class InferenceEngineConfig(Section):
     )
     fused_pointwise: bool = Field(
         False,
-        description="The rotary embedding and the SwiGLU gate of the language model as one "
-        "torch.compile'd kernel each in the engine's forwards on a GPU (about ten "
-        "element-wise kernels a layer fewer in a decode step); compiled on first use, in a "
-        "CUDA-graph step's warm-up. No effect on a CPU or in the trainer's forwards.",
+        description="The rotary embeddings (language model and vision tower) and the SwiGLU "
+        "gate as one torch.compile'd kernel each in the engine's forwards on a GPU (about "
+        "ten element-wise kernels a layer fewer in a decode step); compiled on first use, in "
+        "a CUDA-graph step's warm-up. No effect on a CPU or in the trainer's forwards.",
     )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,

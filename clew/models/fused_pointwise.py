@@ -14,9 +14,14 @@ a pure function of tensors compiles in seconds and cannot break on them. Why not
 of fused kernels (Liger, vLLM's): neither is in the GPU image, and both duplicate what
 Inductor generates here.
 
+The vision tower's rotary embedding is the same computation in float32 with four casts
+around it (sixteen kernels a vision layer over every patch of the batch's frames); fused,
+it reads the bf16 queries and keys once and writes them once.
+
 ``fuse_pointwise(model)`` gives the text MLPs whose activation is SiLU a forward that calls
-the fused gate, and points the ``apply_rotary_pos_emb`` of transformers' Qwen2-VL,
-Qwen2.5-VL and Qwen3-VL modules at a function that calls the fused rotary. Both take the
+the fused gate, and points the ``apply_rotary_pos_emb`` and ``apply_rotary_pos_emb_vision``
+of transformers' Qwen2-VL, Qwen2.5-VL and Qwen3-VL modules at functions that call the fused
+rotaries. Both take the
 fused path only inside ``pointwise_fused()`` (the engine's forwards, with
 ``generator.inference_engine.fused_pointwise=true``) and on a device in ``COMPILE_DEVICES``
 (CUDA); everywhere else, the trainer's forwards included, transformers' own code runs as
@@ -39,7 +44,14 @@ import torch
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 
-__all__ = ["COMPILE_DEVICES", "fuse_pointwise", "pointwise_fused", "rotary", "silu_mul"]
+__all__ = [
+    "COMPILE_DEVICES",
+    "fuse_pointwise",
+    "pointwise_fused",
+    "rotary",
+    "rotary_vision",
+    "silu_mul",
+]
 
 COMPILE_DEVICES: set[str] = {"cuda"}  # device types whose tensors take the fused kernels
 ROTARY_MODULES = (
@@ -66,6 +78,18 @@ def rotary(
     """transformers' ``apply_rotary_pos_emb`` for Qwen-VL, the function compiled."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def rotary_vision(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' ``apply_rotary_pos_emb_vision`` (in float32, back to the inputs' dtype),
+    the function compiled."""
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    qf, kf = q.float(), k.float()
+    q_embed = qf * cos + _rotate_half(qf) * sin
+    k_embed = kf * cos + _rotate_half(kf) * sin
+    return q_embed.to(q.dtype), k_embed.to(k.dtype)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -133,6 +157,16 @@ def _rotary_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
     return apply_rotary_pos_emb
 
 
+def _vision_dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
+    def apply_rotary_pos_emb_vision(q, k, cos, sin):  # noqa: ANN001, ANN202
+        if _active(q):
+            return _fused("rotary_vision", rotary_vision, q, k, cos, sin)
+        return original(q, k, cos, sin)
+
+    apply_rotary_pos_emb_vision._clew_original = original  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb_vision
+
+
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     if _active(gate):
@@ -147,11 +181,15 @@ def _patch_rotary() -> int:
             module = importlib.import_module(name)
         except ImportError:  # pragma: no cover - a transformers without this family
             continue
-        fn = getattr(module, "apply_rotary_pos_emb", None)
-        if fn is None or hasattr(fn, "_clew_original"):
-            continue
-        module.apply_rotary_pos_emb = _rotary_dispatch(fn)
-        patched += 1
+        for name, dispatch in (
+            ("apply_rotary_pos_emb", _rotary_dispatch),
+            ("apply_rotary_pos_emb_vision", _vision_dispatch),
+        ):
+            fn = getattr(module, name, None)
+            if fn is None or hasattr(fn, "_clew_original"):
+                continue
+            setattr(module, name, dispatch(fn))
+            patched += 1
     return patched
 
 

@@ -28,11 +28,15 @@ __all__ = ["batch_vision_attention", "share_vision_positions"]
 
 
 def _rotary_for(module: torch.nn.Module) -> Callable | None:
+    """The vision rotary of ``module``'s transformers file, looked up at each call (so a
+    replacement such as ``clew.models.fused_pointwise``'s is the one that runs)."""
     try:
         lib = importlib.import_module(type(module).__module__)
     except ImportError:  # pragma: no cover - the module's own file always imports
         return None
-    return getattr(lib, "apply_rotary_pos_emb_vision", None)
+    if getattr(lib, "apply_rotary_pos_emb_vision", None) is None:
+        return None
+    return lambda *args: lib.apply_rotary_pos_emb_vision(*args)
 
 
 def _batched_forward(rotary: Callable) -> Callable:
