@@ -59,6 +59,26 @@ def test_the_compiled_kernels_compute_transformers_rotary_and_gate(on_cpu) -> No
     assert after.get("silu_mul", 0) == before.get("silu_mul", 0) + 1
 
 
+def test_another_row_count_does_not_compile_the_kernel_again(on_cpu) -> None:
+    from torch._dynamo.utils import counters
+
+    def probe(q, k, cos, sin):  # a code object of its own: its own compilations
+        return rotary(q, k, cos, sin, 1)
+
+    def call(rows: int, kv_heads: int, width: int) -> None:
+        q = torch.randn(rows, 4, width, 16)
+        k = torch.randn(rows, kv_heads, width, 16)
+        cos = sin = torch.randn(rows, width, 16)
+        with pointwise_fused():
+            fused_pointwise._fused("probe_rows", probe, q, k, cos, sin)
+
+    call(2, 2, 3)  # rows equal to KV heads: duck shapes would make them one size
+    graphs = counters["stats"]["unique_graphs"]
+    call(7, 2, 5)
+    call(8, 8, 9)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 def test_a_fused_policy_takes_the_kernels_only_inside_pointwise_fused(tiny, on_cpu) -> None:
     model, chat = tiny
     fused = copy.deepcopy(model)
