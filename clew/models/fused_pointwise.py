@@ -1,4 +1,4 @@
-"""The rotary embedding and the SwiGLU gate of the language model, each as one fused kernel.
+"""The rotary embeddings and the SwiGLU gate of a Qwen-VL policy, each as one fused kernel.
 
 With the RMSNorms fused (``clew.models.fused_norm``), a Qwen-VL text layer still computes its
 rotary embedding as ten element-wise kernels (for queries and for keys: a negation and a
@@ -21,16 +21,17 @@ it reads the bf16 queries and keys once and writes them once.
 ``fuse_pointwise(model)`` gives the text MLPs whose activation is SiLU a forward that calls
 the fused gate, and points the ``apply_rotary_pos_emb`` and ``apply_rotary_pos_emb_vision``
 of transformers' Qwen2-VL, Qwen2.5-VL and Qwen3-VL modules at functions that call the fused
-rotaries. Both take the
-fused path only inside ``pointwise_fused()`` (the engine's forwards, with
-``generator.inference_engine.fused_pointwise=true``) and on a device in ``COMPILE_DEVICES``
-(CUDA); everywhere else, the trainer's forwards included, transformers' own code runs as
-before. Compilation happens on a function's first fused call; a CUDA-graph decode step makes
-that call in its warm-up run, before the capture. A fused call costs some host time (the
+rotaries. All of them take the fused path only inside ``pointwise_fused()`` (the engine's
+forwards, with ``generator.inference_engine.fused_pointwise=true``) and on a device in
+``COMPILE_DEVICES`` (CUDA); everywhere else, the trainer's forwards included,
+transformers' own code runs as before.
+
+A function compiles on its first fused call; a CUDA-graph decode step makes that call in
+its warm-up run, before the capture. If that compilation fails (no Triton, no compiler), a
+warning says so and the function stays eager. Each fused call costs some host time (the
 compiled function's guards, about 20 us on a CPU core), which a replayed graph does not pay
 and a prefill's large kernels hide; a decode step run eagerly (``enforce_eager=true``) would
-pay it in every layer. If that first compilation fails (no
-Triton, no compiler), a warning says so and the function stays eager.
+pay it in every layer.
 """
 
 from __future__ import annotations
