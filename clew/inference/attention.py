@@ -34,11 +34,12 @@ flattening; inside a CUDA-graph step at Qwen3-VL-8B's shape on an H200 it was no
 (12.3 against 12.2 ms at batch 96, 19.2 against 17.3 ms at 192), and its bf16 rounding of
 the attention weights flipped greedy tokens of the tiny test policy, so ``varlen`` keeps
 the memory-efficient kernel (``benchmarks/decode_attention.py`` times both).
-``decode_attention=flash`` takes FlashAttention's decoding path instead: each (row, KV head)
-is one query of the group's heads over one KV head, which FlashAttention serves by
-splitting the keys over several blocks (flash-decoding) where the rows are few for the
-card; it falls back to the memory-efficient kernel where flash cannot run (float32, cards
-before Ampere). The buffers' ``[slots, kv_heads, capacity, head_dim]`` layout is
+``decode_attention=flash`` gives FlashAttention the shape of its decoding path instead: each
+(row, KV head) one query of the group's heads over one KV head, the shape for which
+FlashAttention may split the keys over several blocks (flash-decoding) when the rows are
+few for the card; whether torch's build does is what ``benchmarks/decode_attention.py``'s
+``flash_decode`` measures. It falls back to the memory-efficient kernel where flash cannot
+run (float32, cards before Ampere). The buffers' ``[slots, kv_heads, capacity, head_dim]`` layout is
 already that flat sequence of sequences, so nothing is copied. This holds while no image
 column is hidden (the rows' visible columns are then exactly their first ``length``);
 ``clew.inference.cuda_graphs`` steps with the mask otherwise. On a CPU the same lengths
