@@ -29,21 +29,23 @@ With ``decode_attention=varlen`` a decode step replayed from a CUDA graph gives 
 length instead (``row_lengths``): every (row, KV head) of the cache's buffers is then one
 sequence of the slot's capacity whose first ``length`` columns are read, through torch's
 variable-length memory-efficient kernel (``seqlen_k``), so each row reads its own keys and
-no more, with no mask. FlashAttention's variable-length form (``seqused_k``) reads the same
-flattening; inside a CUDA-graph step at Qwen3-VL-8B's shape on an H200 it was no faster
-(12.3 against 12.2 ms at batch 96, 19.2 against 17.3 ms at 192), and its bf16 rounding of
-the attention weights flipped greedy tokens of the tiny test policy, so ``varlen`` keeps
-the memory-efficient kernel (``benchmarks/decode_attention.py`` times both).
+no more, with no mask. The buffers' ``[slots, kv_heads, capacity, head_dim]`` layout is
+already that flat sequence of sequences, so nothing is copied. This holds while no image
+column is hidden (the rows' visible columns are then exactly their first ``length``);
+``clew.inference.cuda_graphs`` steps with the mask otherwise. On a CPU the same lengths
+build a mask over the capacity for SDPA (what the tests compare). FlashAttention's
+variable-length form (``seqused_k``) reads the same flattening; inside a CUDA-graph step at
+Qwen3-VL-8B's shape on an H200 it was no faster (12.3 against 12.2 ms at batch 96, 19.2
+against 17.3 ms at 192), and its bf16 rounding of the attention weights flipped greedy
+tokens of the tiny test policy, so ``varlen`` keeps the memory-efficient kernel
+(``benchmarks/decode_attention.py`` times both).
+
 ``decode_attention=flash`` gives FlashAttention the shape of its decoding path instead: each
 (row, KV head) one query of the group's heads over one KV head, the shape for which
 FlashAttention may split the keys over several blocks (flash-decoding) when the rows are
 few for the card; whether torch's build does is what ``benchmarks/decode_attention.py``'s
 ``flash_decode`` measures. It falls back to the memory-efficient kernel where flash cannot
-run (float32, cards before Ampere). The buffers' ``[slots, kv_heads, capacity, head_dim]`` layout is
-already that flat sequence of sequences, so nothing is copied. This holds while no image
-column is hidden (the rows' visible columns are then exactly their first ``length``);
-``clew.inference.cuda_graphs`` steps with the mask otherwise. On a CPU the same lengths
-build a mask over the capacity for SDPA (what the tests compare).
+run (float32, cards before Ampere).
 
 The function is registered in transformers' ``AttentionInterface`` under ``ATTENTION`` and
 selected only inside ``engine_attention``, on the text model's config alone: the vision
