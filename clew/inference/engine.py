@@ -102,7 +102,7 @@ class InferenceEngine:
                 f"decode attention; choose one of {', '.join(DECODE_ATTENTION)}"
             )
         # In graph-replayed decode steps: SDPA to the longest row, FlexAttention per row's
-        # blocks, or the variable-length kernel per row's columns.
+        # blocks, or a variable-length kernel (memory-efficient or flash) per row's columns.
         self.decode_attention = decode_attention
         # The rotary embedding and the SwiGLU gate as one compiled kernel each, in the
         # engine's forwards on CUDA (clew.models.fused_pointwise).

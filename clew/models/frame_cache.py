@@ -78,7 +78,7 @@ class FrameCache:
                 self.hits += 1
                 return found
             self.misses += 1
-        array = np.asarray(resize(), dtype=np.uint8).copy()
+        array = np.asarray(resize(), dtype=np.uint8)  # a new array over the image's bytes
         array.flags.writeable = False
         with self._lock:
             if key not in self._items:

@@ -133,17 +133,14 @@ def _fused(name: str, fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` through its compiled kernel; eager if its first compilation failed."""
     if name in _eager_only:
         return fn(*args)
-    compiled = _compiled.get(name)
-    if compiled is not None:
-        calls[name] = calls.get(name, 0) + 1
-        with _no_duck_shapes():
-            return compiled(*args)
-    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+    first = name not in _compiled
+    compiled = _compiled.get(name) or torch.compile(fn, dynamic=True, fullgraph=True)
     try:
         with _no_duck_shapes():
             out = compiled(*args)
     except Exception as error:  # noqa: BLE001 - any backend failure: keep the eager function
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not first or capturing:
             raise
         warnings.warn(
             f"compiling the fused {name} kernel failed ({type(error).__name__}: {error}); "
@@ -185,23 +182,19 @@ def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(self.act_fn(gate) * up)
 
 
-def _patch_rotary() -> int:
-    patched = 0
-    for name in ROTARY_MODULES:
+def _patch_rotary() -> None:
+    for module_name in ROTARY_MODULES:
         try:
-            module = importlib.import_module(name)
+            module = importlib.import_module(module_name)
         except ImportError:  # pragma: no cover - a transformers without this family
             continue
-        for name, dispatch in (
+        for attr, dispatch in (
             ("apply_rotary_pos_emb", _rotary_dispatch),
             ("apply_rotary_pos_emb_vision", _vision_dispatch),
         ):
-            fn = getattr(module, name, None)
-            if fn is None or hasattr(fn, "_clew_original"):
-                continue
-            setattr(module, name, dispatch(fn))
-            patched += 1
-    return patched
+            fn = getattr(module, attr, None)
+            if fn is not None and not hasattr(fn, "_clew_original"):
+                setattr(module, attr, dispatch(fn))
 
 
 def fuse_pointwise(model: torch.nn.Module) -> int:
@@ -212,9 +205,8 @@ def fuse_pointwise(model: torch.nn.Module) -> int:
     for module in model.modules():
         if type(module).__name__ not in MLP_CLASSES or hasattr(module, "_clew_pointwise"):
             continue
-        if not isinstance(getattr(module, "act_fn", None), torch.nn.SiLU) and (
-            type(getattr(module, "act_fn", None)).__name__ != "SiLUActivation"
-        ):
+        act = getattr(module, "act_fn", None)
+        if not isinstance(act, torch.nn.SiLU) and type(act).__name__ != "SiLUActivation":
             continue  # another activation: transformers' forward stays
         module.forward = types.MethodType(_mlp_forward, module)
         module._clew_pointwise = True
