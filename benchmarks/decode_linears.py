@@ -63,9 +63,12 @@ def variants(
         outs = [F.linear(x, w[n]) for n in ("q", "k", "v", "gate", "up")]
         return outs + [F.linear(attn, w["o"]), F.linear(act, w["down"])]
 
-    def merged() -> list[torch.Tensor]:
+    splits = [w[n].shape[0] for n in ("q", "k", "v")], [w[n].shape[0] for n in ("gate", "up")]
+
+    def merged() -> list[torch.Tensor]:  # split into views, in the separate order
         a, g = F.linear(x, qkv), F.linear(x, gate_up)
-        return [a, g, F.linear(attn, w["o"]), F.linear(act, w["down"])]
+        outs = [*a.split(splits[0], dim=-1), *g.split(splits[1], dim=-1)]
+        return outs + [F.linear(attn, w["o"]), F.linear(act, w["down"])]
 
     return {"separate": separate, "merged": merged}
 
@@ -111,20 +114,6 @@ def main() -> None:
         base = None
         for name, fn in fns.items():
             out = fn()
-            if name == "merged":  # back to the separate order: q, k, v, gate, up, o, down
-                inter = args.intermediate
-                q_out = args.heads * args.head_dim
-                kv_out = args.kv_heads * args.head_dim
-                a, g = out[0], out[1]
-                out = [
-                    a[:, :q_out],
-                    a[:, q_out : q_out + kv_out],
-                    a[:, q_out + kv_out :],
-                    g[:, :inter],
-                    g[:, inter:],
-                    out[2],
-                    out[3],
-                ]
             diff = (torch.cat([t.flatten() for t in out]).float() - reference).abs().max()
             sec = statistics.median(call_seconds(fn, dev, args.repeats, warmup=3))
             base = base or sec
