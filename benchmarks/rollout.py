@@ -253,20 +253,22 @@ def graphs_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -
         policy.engine.cuda_graphs = False
 
 
-def attention_side(attention: str, fused: bool = False):
-    """``graphs_side`` with ``decode_attention=attention`` (sdpa, flex, varlen) and, with
-    ``fused``, the engine's fused rotary and gate (``fused_pointwise``)."""
+def attention_side(attention: str, fused: bool = False, prefill: str = "sdpa"):
+    """``graphs_side`` with ``decode_attention=attention`` (sdpa, flex, varlen), with
+    ``fused`` the engine's fused rotary and gate (``fused_pointwise``), and
+    ``prefill_attention=prefill``."""
 
     def side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict:
         engine = policy.engine
-        before = engine.decode_attention, engine.fused_pointwise
+        before = engine.decode_attention, engine.fused_pointwise, engine.prefill_attention
         engine.decode_attention, engine.fused_pointwise = attention, fused
+        engine.prefill_attention = prefill
         if fused:
             fuse_pointwise(engine.model)
         try:
             return graphs_side(policy, rows, n_samples, max_turns, max_tokens)
         finally:
-            engine.decode_attention, engine.fused_pointwise = before
+            engine.decode_attention, engine.fused_pointwise, engine.prefill_attention = before
 
     return side
 
@@ -305,6 +307,12 @@ def main() -> None:
         action="store_true",
         help="add a graphs + varlen side with the rotary embedding and the SwiGLU gate "
         "compiled (fused_pointwise=true); --profile then profiles that side",
+    )
+    p.add_argument(
+        "--prefill-varlen",
+        action="store_true",
+        help="add a graphs + varlen side (with --fused, fused) whose prefill reads each row's "
+        "own columns (prefill_attention=varlen); --profile then profiles that side",
     )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument("--arch", default=None, help="qwen2_vl or qwen3_vl (default: the preset's)")
@@ -352,6 +360,8 @@ def main() -> None:
         sides += [("clew graphs + flex", attention_side("flex"))] if args.flex else []
         sides += [("clew graphs + varlen", attention_side("varlen"))] if args.varlen else []
         sides += [("clew varlen + fused", attention_side("varlen", True))] if args.fused else []
+        prefill_side = attention_side("varlen", args.fused, "varlen")
+        sides += [("clew varlen prefill", prefill_side)] if args.prefill_varlen else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
             f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
@@ -381,6 +391,7 @@ def main() -> None:
             "clew graphs + flex",
             "clew graphs + varlen",
             "clew varlen + fused",
+            "clew varlen prefill",
         ):
             if name in results:
                 print(f"speed-up of {name[5:]} (episodes/s): {results[name] / eager:.2f}x")
@@ -398,6 +409,7 @@ def main() -> None:
             side = attention_side("sdpa") if args.cuda_graphs else clew_side
             side = attention_side("varlen") if args.varlen else side
             side = attention_side("varlen", True) if args.fused else side
+            side = prefill_side if args.prefill_varlen else side
             with prof.installed():
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)

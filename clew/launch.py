@@ -21,13 +21,12 @@ from clew.cluster.group import LocalWorkerGroup, WorkerGroup
 from clew.cluster.placement import check_gpus, connect_ray, local_gpus, worker_placement_group
 from clew.cluster.ray_calls import WorkerLost
 from clew.config import ClewConfig, save_config
-from clew.config.settings import optimizer_steps, worker_settings
+from clew.config.settings import engine_options, optimizer_steps, worker_settings
 from clew.data.rows import read_rows
 from clew.envs.plugins import import_env_modules, modules_env
 from clew.errors import ClewError, ConfigError
 from clew.evaluation import eval_metrics
 from clew.grpo import GRPOTrainer, seed_everything
-from clew.inference.engine import InferenceEngine, cache_budget_bytes
 from clew.inference.runtime import limit_host_threads, pick_device
 from clew.inference.sampling import SamplingParams
 from clew.metrics import make_loggers, with_ray_metrics
@@ -149,7 +148,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
         max_tokens_per_microbatch=max(t.max_tokens_per_microbatch, 0) or None,  # -1: off
         logprobs_chunk_size=t.logprobs_chunk_size,
     )
-    ie = cfg.generator.inference_engine
+    options = engine_options(cfg)
     allowed = [
         tuple(sp.allowed_tokens)
         for sp in (cfg.generator.sampling_params, cfg.generator.eval_sampling_params)
@@ -163,27 +162,12 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
             dtype,
             device,
             on_gpus,
-            gpu_memory_utilization=ie.gpu_memory_utilization,
-            max_cache_mb=ie.max_cache_mb,
-            kv_cache=ie.kv_cache,
-            cuda_graphs=not ie.enforce_eager,  # the worker keeps it to a CUDA device
-            decode_attention=ie.decode_attention,
-            fused_pointwise=ie.fused_pointwise,
+            engine=options,
             allowed_tokens=allowed,
         )
     limit_host_threads(device)
     worker = PolicyWorker.from_pretrained(t.policy.model.path, settings, dtype=dtype, device=device)
-    budget = cache_budget_bytes(device, ie.gpu_memory_utilization, ie.max_cache_mb)
-    engine = InferenceEngine(
-        worker.model,
-        worker.chat,
-        max_cache_bytes=budget,
-        autocast=autocast,
-        kv_cache=ie.kv_cache,
-        cuda_graphs=not ie.enforce_eager and device.type == "cuda",
-        decode_attention=ie.decode_attention,
-        fused_pointwise=ie.fused_pointwise,
-    )
+    engine = options.build(worker.model, worker.chat, autocast=autocast)
     # A token text that is not one token fails here, before any rollout.
     for tokens in allowed:
         engine.allowed_ids(tokens)

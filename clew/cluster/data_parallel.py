@@ -40,7 +40,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from clew.cluster import fsdp
 from clew.data.rows import Row
 from clew.errors import ModelError
-from clew.inference.engine import InferenceEngine, cache_budget_bytes
+from clew.inference.engine import EngineOptions
 from clew.inference.runtime import limit_host_threads
 from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
@@ -151,17 +151,13 @@ class DataParallelWorker:
         num_threads: int | None = None,
         timeout_s: float = 300.0,
         seed: int = 0,
-        gpu_memory_utilization: float = 0.45,
-        max_cache_mb: int = 4096,
-        kv_cache: str = "static",
-        cuda_graphs: bool = False,
-        decode_attention: str = "varlen",
-        fused_pointwise: bool = False,
+        engine: EngineOptions | None = None,
         allowed_tokens: Sequence[Sequence[str]] = (),
         strategy: str = "fsdp",
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
+        engine = engine or EngineOptions()
         # Dropout and any other draw from torch's global generator differ by rank but not by run.
         torch.manual_seed(seed + rank)
         self.rank, self.world_size = rank, world_size
@@ -186,16 +182,12 @@ class DataParallelWorker:
         # The cache budget takes the device's free memory: measure it with the weights
         # whole, as they are while sampling.
         with fsdp.gathered(self.worker.model) if device.type == "cuda" else nullcontext():
-            budget = cache_budget_bytes(device, gpu_memory_utilization, max_cache_mb)
-        self.engine = InferenceEngine(
+            budget = engine.budget(device)
+        self.engine = engine.build(
             self.worker.model,
             self.worker.chat,
-            max_cache_bytes=budget,
             autocast=settings.autocast_bf16,
-            kv_cache=kv_cache,
-            cuda_graphs=cuda_graphs and device.type == "cuda",
-            decode_attention=decode_attention,
-            fused_pointwise=fused_pointwise,
+            max_cache_bytes=budget,
         )
         for tokens in allowed_tokens:  # a token text that is not one token fails here
             self.engine.allowed_ids(tuple(tokens))

@@ -68,7 +68,7 @@ class RayWorkerGroup:
         each when the bundles hold GPUs; without it, workers take
         ``num_cpus/gpus_per_worker`` anywhere. ``on_this_machine``: every worker runs here
         (an embedded Ray), so they meet on loopback. ``env_vars`` are set in the workers'
-        processes. ``worker_options`` go to ``DataParallelWorker`` (seed, cache budget, ...).
+        processes. ``worker_options`` go to ``DataParallelWorker`` (seed, engine options, ...).
         """
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

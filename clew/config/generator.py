@@ -73,6 +73,15 @@ class InferenceEngineConfig(Section):
         "through FlashAttention's decoding path, keys split over blocks (not yet measured "
         "in a step).",
     )
+    prefill_attention: Literal["sdpa", "varlen"] = Field(
+        "sdpa",
+        description="The attention of a turn's prefill with the static cache: 'sdpa' (the "
+        "default) is SDPA under a mask over every row's keys to the longest row's width; "
+        "'varlen' reads each row's own columns, causally, through FlashAttention's "
+        "variable-length kernel on a GPU that runs it (bf16 or fp16, Ampere on; masked SDPA "
+        "over the same layout elsewhere, and while images are hidden). Not yet measured on a "
+        "GPU: benchmarks/prefill_attention.py times one layer of each.",
+    )
     fused_pointwise: bool = Field(
         False,
         description="The rotary embeddings (language model and vision tower) and the SwiGLU "

@@ -2,7 +2,7 @@
 
 Not imported by ``clew.config`` itself (these import the components). The components
 never read the config: the rollout loop gets ``RolloutSettings``, the PPO
-update ``PPOSettings`` and a policy worker ``WorkerSettings``; these functions are the one
+update ``PPOSettings``, a policy worker ``WorkerSettings`` and its engine ``EngineOptions``; these functions are the one
 place where config keys become those fields.
 """
 
@@ -12,6 +12,7 @@ from typing import Any
 
 from clew.algorithms import get_estimator
 from clew.config.schema import ClewConfig, LoraConfig, OptimizerConfig
+from clew.inference.engine import EngineOptions
 from clew.inference.sampling import SamplingParams
 from clew.rollout.loop import RolloutSettings
 from clew.train.settings import PPOSettings, WorkerSettings
@@ -38,6 +39,19 @@ def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
             stop=tuple(sp.stop or ()),
             allowed_tokens=tuple(sp.allowed_tokens or ()),
         ),
+    )
+
+
+def engine_options(cfg: ClewConfig) -> EngineOptions:
+    ie = cfg.generator.inference_engine
+    return EngineOptions(
+        kv_cache=ie.kv_cache,
+        cuda_graphs=not ie.enforce_eager,
+        decode_attention=ie.decode_attention,
+        prefill_attention=ie.prefill_attention,
+        fused_pointwise=ie.fused_pointwise,
+        gpu_memory_utilization=ie.gpu_memory_utilization,
+        max_cache_mb=ie.max_cache_mb,
     )
 
 

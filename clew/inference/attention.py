@@ -47,6 +47,17 @@ few for the card; whether torch's build does is what ``benchmarks/decode_attenti
 ``flash_decode`` measures. It falls back to the memory-efficient kernel where flash cannot
 run (float32, cards before Ampere).
 
+A turn's prefill may read each row's own columns too (``prefill_attention=varlen``,
+``prefill_lengths``): every (row, KV head) is one sequence of the chunk's ``T`` queries of
+the group's heads over one KV head, read to the row's length, causal from the bottom right
+(the chunk is left-padded, so a row's real tokens are its last queries and its last
+columns). FlashAttention's variable-length kernel takes that shape with ``seqused_k``, so
+no row reads past its length and none is masked; the queries are regrouped once a layer
+(a copy of the chunk's queries, not of the keys). Elsewhere the same flat tensors go
+through masked SDPA (``_varlen_reference``, what the tests compare). As for decode steps,
+the rows' visible columns must be their first ``length``: the engine takes the masked
+prefill while an image is hidden.
+
 The function is registered in transformers' ``AttentionInterface`` under ``ATTENTION`` and
 selected only inside ``engine_attention``, on the text model's config alone: the vision
 tower and the trainer's forwards keep their own attention.
@@ -81,6 +92,9 @@ def gqa_sdpa_attention(
         out = _flex(query, key, value, attention_mask, scaling)
         return out.transpose(1, 2).contiguous(), None
     b, heads, t, d = query.shape
+    ends = getattr(_PREFILL, "lengths", None)
+    if ends is not None:
+        return varlen_prefill(query, key, value, ends, scaling), None
     lengths = getattr(_DECODE, "lengths", None)
     if lengths is not None and t == 1:
         kernel = getattr(_DECODE, "kernel", "efficient")
@@ -109,6 +123,7 @@ def gqa_sdpa_attention(
 
 
 _DECODE = threading.local()  # .lengths, .kernel: those of the decode step being run
+_PREFILL = threading.local()  # .lengths: the rows' lengths after the prefill being run
 KERNELS = ("efficient", "flash")  # varlen_decode's kernels (module docstring)
 
 
@@ -125,12 +140,28 @@ def row_lengths(lengths: torch.Tensor, kernel: str = "efficient") -> Iterator[No
         _DECODE.lengths, _DECODE.kernel, _DECODE.index = None, "efficient", {}
 
 
+@contextlib.contextmanager
+def prefill_lengths(lengths: torch.Tensor) -> Iterator[None]:
+    """Within the block, the forward's chunks (left-padded, each row's real tokens last)
+    attend causally to each row's first ``lengths[row]`` columns of the cache
+    (``varlen_prefill``) and the mask is ignored."""
+    _PREFILL.lengths, _PREFILL.index = lengths, {}
+    try:
+        yield
+    finally:
+        _PREFILL.lengths, _PREFILL.index = None, {}
+
+
 def _varlen_index(
     lengths: torch.Tensor, kv_heads: int, cap: int, group: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's per-sequence key lengths and query and key offsets; within
-    ``row_lengths`` built by the first layer and reused by the others (once per step)."""
-    memo = getattr(_DECODE, "index", None) if lengths is getattr(_DECODE, "lengths", None) else None
+    """The kernel's per-sequence key lengths and query and key offsets (``group`` queries a
+    sequence); within ``row_lengths`` or ``prefill_lengths`` built by the first layer and
+    reused by the others (once per forward)."""
+    memo = None
+    for context in (_DECODE, _PREFILL):
+        if lengths is getattr(context, "lengths", None):
+            memo = context.index
     if memo is not None and (kv_heads, cap, group) in memo:
         return memo[(kv_heads, cap, group)]
     n, dev = lengths.shape[0] * kv_heads, lengths.device
@@ -197,6 +228,68 @@ def varlen_decode(
         0.0, 0, False, scale=scale, seqlen_k=seqlens,
     )[0]  # fmt: skip
     return out.reshape(b, 1, heads, d)
+
+
+def varlen_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """A chunk of ``T`` queries a row, ``query`` [B, H, T, D] left-padded, over views
+    ``key``/``value`` [B, Hkv, W, D] of consecutive slots of ``SlotCache`` buffers: row ``r``
+    reads its first ``lengths[r]`` columns, the last of which are its chunk's real tokens,
+    causally (query ``j`` sees columns up to ``lengths[r] - T + j``). Returns [B, T, H, D];
+    a padding query's output is what the kernel makes of fewer columns (zero for none), and
+    nothing reads it. FlashAttention's variable-length kernel on a GPU that runs it
+    (``seqused_k``, causal from the bottom right), the same flattening through masked SDPA
+    elsewhere."""
+    b, heads, t, d = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    cap = key.stride(1) // d
+    for x in (key, value):
+        if x.stride() != (kv_heads * cap * d, cap * d, d, 1):
+            raise ValueError("varlen prefill reads the SlotCache's buffers, got another layout")
+    n = b * kv_heads  # sequences: every (row, KV head), T queries of `group` heads each
+    q = query.reshape(b, kv_heads, group, t, d).transpose(2, 3).reshape(n * t, group, d)
+    flat_k, flat_v = (
+        torch.as_strided(x, (n * cap, 1, d), (d, d, 1), x.storage_offset()) for x in (key, value)
+    )
+    seqlens, cu_q, cu_k = _varlen_index(lengths, kv_heads, cap, t)
+    if query.device.type == "cuda" and _flash_runs(query):
+        out = torch.ops.aten._flash_attention_forward(
+            q, flat_k, flat_v, cu_q, cu_k, t, cap, 0.0, True, False, scale=scale,
+            seqused_k=seqlens,
+        )[0]  # fmt: skip
+    else:
+        out = _varlen_reference(q, flat_k, flat_v, seqlens, t, scale)
+    return out.reshape(b, kv_heads, t, group, d).permute(0, 2, 1, 3, 4).reshape(b, t, heads, d)
+
+
+def _varlen_reference(
+    q: torch.Tensor,
+    flat_k: torch.Tensor,
+    flat_v: torch.Tensor,
+    seqlens: torch.Tensor,
+    t: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """What ``_flash_attention_forward`` computes from the same flat tensors: ``q``
+    [n * t, group, D], ``flat_k``/``flat_v`` [n * cap, 1, D], sequence ``i`` reading its
+    first ``seqlens[i]`` keys causally from the bottom right; a query with no key gets 0."""
+    group, d = q.shape[1], q.shape[2]
+    n = seqlens.shape[0]
+    cap = flat_k.shape[0] // n
+    keys, values = (x.reshape(n, 1, cap, d) for x in (flat_k, flat_v))
+    last = seqlens[:, None] - t + torch.arange(t, device=q.device)[None, :]  # [n, t]
+    allowed = torch.arange(cap, device=q.device)[None, None, :] <= last[:, :, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(n, t, group, d).transpose(1, 2), keys, values, allowed[:, None], scale=scale
+    )
+    out = torch.where(allowed.any(-1)[:, None, :, None], out, 0.0)
+    return out.transpose(1, 2).reshape(n * t, group, d)
 
 
 def _flash_runs(query: torch.Tensor) -> bool:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from clew.errors import ConfigError
-from clew.inference.attention import engine_attention
+from clew.inference.attention import engine_attention, prefill_lengths
 from clew.inference.cuda_graphs import DecodeGraphs
 from clew.inference.draws import RowDraws
 from clew.inference.dynamic_kv import DynamicKV
@@ -280,7 +280,17 @@ class CacheBatch:
         if rows is not None:
             extra["rows"] = rows
         ids, pos = torch.from_numpy(part.ids), torch.from_numpy(part.pos)
-        return self._forward(ids, pos, attention_mask, **extra)
+        by_length = (
+            self.engine.prefill_attention == "varlen"
+            and isinstance(self.kv, SlotCache)
+            and not self.kv.hidden_any  # a row's visible columns are then its first `fill`
+        )
+        with (
+            prefill_lengths(self.kv.fill_dev[part.lo : part.hi])
+            if by_length
+            else contextlib.nullcontext()
+        ):
+            return self._forward(ids, pos, attention_mask, **extra)
 
     def _decode(self, logits: torch.Tensor, params: SamplingParams) -> dict[int, Generation]:
         """Sample the replies, one token a row per step, from the chunk's last logits."""

@@ -41,6 +41,7 @@ continuous batching, for ``clew serve``.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 
@@ -56,6 +57,7 @@ from clew.models.logit_masks import AllowedIds, banned_token_ids
 
 KV_CACHES = ("static", "dynamic")
 DECODE_ATTENTION = ("sdpa", "flex", "varlen", "flash")
+PREFILL_ATTENTION = ("sdpa", "varlen")
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -84,6 +86,7 @@ class InferenceEngine:
         kv_cache: str = "static",
         cuda_graphs: bool = False,
         decode_attention: str = "varlen",
+        prefill_attention: str = "sdpa",
         fused_pointwise: bool = False,
     ) -> None:
         if kv_cache not in KV_CACHES:
@@ -104,6 +107,14 @@ class InferenceEngine:
         # In graph-replayed decode steps: SDPA to the longest row, FlexAttention per row's
         # blocks, or a variable-length kernel (memory-efficient or flash) per row's columns.
         self.decode_attention = decode_attention
+        if prefill_attention not in PREFILL_ATTENTION:
+            raise ConfigError(
+                f"generator.inference_engine.prefill_attention={prefill_attention!r} is not a "
+                f"prefill attention; choose one of {', '.join(PREFILL_ATTENTION)}"
+            )
+        # A turn's prefill with the static cache: SDPA under the mask to the longest row, or
+        # each row reading its own columns (clew.inference.attention.varlen_prefill).
+        self.prefill_attention = prefill_attention
         # The rotary embedding and the SwiGLU gate as one compiled kernel each, in the
         # engine's forwards on CUDA (clew.models.fused_pointwise).
         self.fused_pointwise = fused_pointwise
@@ -168,3 +179,43 @@ class InferenceEngine:
                 "generator.max_input_length"
             )
         return int(n)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a policy worker's engine runs (``generator.inference_engine``'s keys, documented
+    there): what a worker group hands each worker, which builds its engine on its device."""
+
+    kv_cache: str = "static"
+    cuda_graphs: bool = True  # on a CUDA device only
+    decode_attention: str = "varlen"
+    prefill_attention: str = "sdpa"
+    fused_pointwise: bool = False
+    gpu_memory_utilization: float = 0.45  # of a GPU, for the KV cache budget
+    max_cache_mb: int = 4096  # the budget on a CPU
+
+    def budget(self, device: torch.device) -> int:
+        """The KV cache budget in bytes, from the device's free memory now."""
+        return cache_budget_bytes(device, self.gpu_memory_utilization, self.max_cache_mb)
+
+    def build(
+        self,
+        model: torch.nn.Module,
+        chat: ChatFormat,
+        *,
+        autocast: bool = False,
+        max_cache_bytes: int | None = None,
+    ) -> InferenceEngine:
+        """The engine over ``model`` (its cache budget measured now unless given)."""
+        device = next(model.parameters()).device
+        return InferenceEngine(
+            model,
+            chat,
+            max_cache_bytes=self.budget(device) if max_cache_bytes is None else max_cache_bytes,
+            autocast=autocast,
+            kv_cache=self.kv_cache,
+            cuda_graphs=self.cuda_graphs and device.type == "cuda",
+            decode_attention=self.decode_attention,
+            prefill_attention=self.prefill_attention,
+            fused_pointwise=self.fused_pointwise,
+        )
