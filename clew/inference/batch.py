@@ -339,8 +339,8 @@ class CacheBatch:
 
     def _hide_old_images(self) -> None:
         """Mask the cache columns of images older than the last ``keep_last_k`` of each row."""
-        if not self.keep_last_k:
-            return
+        if not self.keep_last_k or max(self.images_seen, default=0) <= self.keep_last_k:
+            return  # nothing to hide yet: the cache keeps reading rows by their lengths
         seen = torch.tensor(self.images_seen, dtype=torch.long, device=self.engine.device)
         self.kv.hide_images(seen - self.keep_last_k)
 
