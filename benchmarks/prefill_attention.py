@@ -137,7 +137,8 @@ def main() -> None:
         shape = (b, args.kv_heads, cap, d)
         k = torch.randn(shape, device=dev, dtype=dtype)
         v = torch.randn(shape, device=dev, dtype=dtype)
-        q = torch.randn(b, args.heads, t, d, device=dev, dtype=dtype)
+        # [B, H, T, D] as the attention gets it: a transpose of the projection's output.
+        q = torch.randn(b, t, args.heads, d, device=dev, dtype=dtype).transpose(1, 2)
         # Query i of n new tokens over a row of L reads L - n + i + 1 keys.
         pairs = zip(lengths.tolist(), new.tolist(), strict=True)
         reads = sum(n * (length - n) + n * (n + 1) // 2 for length, n in pairs)

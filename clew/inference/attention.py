@@ -253,12 +253,14 @@ def varlen_prefill(
         if x.stride() != (kv_heads * cap * d, cap * d, d, 1):
             raise ValueError("varlen prefill reads the SlotCache's buffers, got another layout")
     n = b * kv_heads  # sequences: every (row, KV head), T queries of `group` heads each
-    q = query.reshape(b, kv_heads, group, t, d).transpose(2, 3).reshape(n * t, group, d)
+    # [B, H, T, D] is a transpose of the projection's [B, T, H, D]: one copy regroups it.
+    q = query.transpose(1, 2).reshape(b, t, kv_heads, group, d).transpose(1, 2)
+    q = q.reshape(n * t, group, d)
     flat_k, flat_v = (
         torch.as_strided(x, (n * cap, 1, d), (d, d, 1), x.storage_offset()) for x in (key, value)
     )
     seqlens, cu_q, cu_k = _varlen_index(lengths, kv_heads, cap, t)
-    if query.device.type == "cuda" and _flash_runs(query):
+    if query.device.type == "cuda" and query.dtype == key.dtype and _flash_runs(query):
         out = torch.ops.aten._flash_attention_forward(
             q, flat_k, flat_v, cu_q, cu_k, t, cap, 0.0, True, False, scale=scale,
             seqused_k=seqlens,
