@@ -4,6 +4,8 @@ every real token, the same samples from an engine, rows joining a running batch 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from rollout_support import assert_same_samples, ending_at_different_turns
@@ -86,6 +88,18 @@ def test_an_unknown_prefill_attention_is_refused_with_the_choices(policy):
     model, chat, _ = policy
     with pytest.raises(ConfigError, match="prefill_attention='flash'.*sdpa, varlen"):
         InferenceEngine(model, chat, prefill_attention="flash")
+
+
+def test_the_config_key_reaches_the_engine_options_and_a_typo_lists_the_choices():
+    from clew.config import load_config
+    from clew.config.settings import engine_options
+
+    cfg = load_config(None, ["generator.inference_engine.prefill_attention=varlen"])
+    assert engine_options(cfg).prefill_attention == "varlen"
+    assert engine_options(load_config(None, [])).prefill_attention == "sdpa"
+    expected = re.escape("prefill_attention: expected 'sdpa' | 'varlen', got 'flash'")
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, ["generator.inference_engine.prefill_attention=flash"])
 
 
 @pytest.fixture(scope="module")

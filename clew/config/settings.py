@@ -1,9 +1,9 @@
 """From the configuration to the typed settings each component takes.
 
 Not imported by ``clew.config`` itself (these import the components). The components
-never read the config: the rollout loop gets ``RolloutSettings``, the PPO
-update ``PPOSettings``, a policy worker ``WorkerSettings`` and its engine ``EngineOptions``; these functions are the one
-place where config keys become those fields.
+never read the config: the rollout loop gets ``RolloutSettings``, the PPO update
+``PPOSettings``, a policy worker ``WorkerSettings`` and its engine ``EngineOptions``; these
+functions are the one place where config keys become those fields.
 """
 
 from __future__ import annotations
