@@ -18,6 +18,7 @@ from clew.inference.attention import (
     _varlen_reference,
     gqa_sdpa_attention,
     prefill_lengths,
+    text_config,
     varlen_prefill,
 )
 from clew.inference.engine import InferenceEngine
@@ -102,14 +103,16 @@ def test_the_config_key_reaches_the_engine_options_and_a_typo_lists_the_choices(
         load_config(None, ["generator.inference_engine.prefill_attention=flash"])
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen3_vl")
-    build_model("tiny", path, arch="qwen3_vl", image_size=224, overwrite=True)
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])
+def policy(request, tmp_path_factory):
+    arch = request.param
+    path = tmp_path_factory.mktemp(arch)
+    size, cell = {"qwen2_vl": (196, 28), "qwen3_vl": (224, 32)}[arch]  # 7 x 7 cells
+    build_model("tiny", path, arch=arch, image_size=size, overwrite=True)
     model, processor = load_policy(path)
     model.eval()
     rows = generate_rows(
-        "maze_2d/small", 3, env_options={"cell_px": 32, "action_format": "keyword"}
+        "maze_2d/small", 3, env_options={"cell_px": cell, "action_format": "keyword"}
     )
     return model, ChatFormat(processor), rows
 
@@ -141,7 +144,7 @@ def test_a_varlen_prefill_samples_what_the_masked_prefill_samples(policy, keep_l
     masked_calls = len(calls)
     plain = _play(model, chat, rows, "sdpa", keep_last)
     assert len(calls) == masked_calls  # the masked prefill never takes the path
-    layers = model.config.text_config.num_hidden_layers
+    layers = text_config(model).num_hidden_layers
     assert masked_calls >= layers and masked_calls % layers == 0  # whole forwards
     if keep_last is None:  # every prefill forward, from the first turn's 9 prompts on
         assert len(calls[0][0]) == 9
