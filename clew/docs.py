@@ -40,7 +40,9 @@ def config_page() -> str:
         + "\n## Command-line flags\n\nShort flags that stand for one key each; a `key=value` "
         "override given too wins.\n\n| flag | key |\n|---|---|\n"
         + "\n".join(flags)
-        + "\n"
+        + "\n\n`clew train`, `clew sft` and `clew pipeline` take `--print-config`: the resolved "
+        "configuration (the YAML a run saves as `config.yaml`) is printed once it passes the "
+        "configuration's own checks (keys, types, ranges), and nothing runs.\n"
         + "\n## Departures from SkyRL\n\nWhere clew and SkyRL share a key or a loss, the "
         "maths is SkyRL's, except:\n\n" + "\n".join(departures) + "\n"
     )

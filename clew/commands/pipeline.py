@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from clew.commands.registry import Handler, command
-from clew.commands.stages import flag_overrides
+from clew.commands.stages import add_print_config, flag_overrides, printed
 
 
 @command(
@@ -19,14 +19,18 @@ def _pipeline(p: argparse.ArgumentParser) -> Handler:
         "--output-dir",
         help="where every stage writes: an alias of trainer.log_path (a key=value wins)",
     )
+    add_print_config(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. trainer.max_steps=10")
 
     def run(args: argparse.Namespace) -> int:
         from clew.config import load_config
-        from clew.pipeline import run_pipeline
+        from clew.pipeline import check_stages, run_pipeline
 
         aliases = flag_overrides("pipeline", args)
-        run_pipeline(load_config(args.config, [*aliases, *args.overrides]))
+        cfg = load_config(args.config, [*aliases, *args.overrides])
+        check_stages(cfg)  # the chain's problems, printed or run
+        if not printed(cfg, args):
+            run_pipeline(cfg)
         return 0
 
     return run

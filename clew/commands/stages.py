@@ -23,9 +23,29 @@ FLAG_ALIASES: dict[str, dict[str, str]] = {
 }
 
 
+def add_print_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved configuration (the YAML the run saves as config.yaml) and "
+        "exit without running",
+    )
+
+
+def printed(cfg: object, args: argparse.Namespace) -> bool:
+    """With ``--print-config``: print ``cfg`` as the run would save it; True if printed."""
+    if not args.print_config:
+        return False
+    from clew.config import config_yaml
+
+    print(config_yaml(cfg), end="")
+    return True
+
+
 @command("train", "GRPO training; takes SkyRL-style dotted overrides (key=value)")
 def _train(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--config", help="YAML config file (overrides apply on top)")
+    add_print_config(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. trainer.epochs=2")
 
     def run(args: argparse.Namespace) -> int:
@@ -33,6 +53,8 @@ def _train(p: argparse.ArgumentParser) -> Handler:
         from clew.launch import run_grpo
 
         cfg = load_config(args.config, args.overrides)
+        if printed(cfg, args):
+            return 0
         metrics = run_grpo(cfg)
         for k, v in sorted(metrics.items()):
             print(f"{k}: {v:.4f}")
@@ -60,6 +82,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--batch-size", type=positive_int, help="sft.batch_size")
     p.add_argument("--lr", type=float, help="sft.optimizer_config.lr")
     p.add_argument("--seed", type=int, help="sft.seed")
+    add_print_config(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. sft.dagger.interval=20")
 
     def run(args: argparse.Namespace) -> int:
@@ -67,6 +90,8 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
         from clew.launch import run_sft_stage
 
         cfg = load_config(args.config, [*flag_overrides("sft", args), *args.overrides])
+        if printed(cfg, args):
+            return 0
         result = run_sft_stage(cfg)
         for k, v in sorted(result.last_eval.items()):
             print(f"{k}: {v:.4f}")

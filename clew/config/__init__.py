@@ -32,6 +32,7 @@ __all__ = [
     "IgnoredKeyWarning",
     "all_keys",
     "apply_overrides",
+    "config_yaml",
     "load_config",
     "parse_value",
     "save_config",
@@ -96,15 +97,20 @@ def load_config(
     return validate(build_config(apply_overrides(data, list(overrides))))
 
 
+def config_yaml(cfg: ClewConfig) -> str:
+    """The resolved ``cfg`` as the YAML a run saves (``load_config`` reads it back)."""
+    text = yaml.dump(
+        cfg.model_dump(mode="python"), Dumper=_Dumper, sort_keys=False, allow_unicode=True
+    )
+    return "# clew resolved configuration\n" + text
+
+
 def save_config(cfg: ClewConfig, run_dir: str | Path) -> Path:
     """Write the resolved ``cfg`` to ``run_dir/config.yaml``; ``load_config`` reads it back."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CONFIG_FILE
-    text = yaml.dump(
-        cfg.model_dump(mode="python"), Dumper=_Dumper, sort_keys=False, allow_unicode=True
-    )
-    path.write_text("# clew resolved configuration\n" + text)
+    path.write_text(config_yaml(cfg))
     return path
 
 
