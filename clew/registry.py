@@ -1,7 +1,8 @@
 """Name -> function registries: advantage estimators, losses, KL estimators, loggers.
 
-Advantage estimators, policy losses and KL estimators are chosen by a name in the config
-(SkyRL-style ``trainer.algorithm.*`` values). A plain dict plus a decorator keeps adding one a
+Advantage estimators, policy losses, KL estimators and loggers are chosen by a name in the
+config (SkyRL-style ``trainer.algorithm.*`` values, ``trainer.logger``), a plugin's names
+included (``environment.modules``, ``clew.envs.plugins``). A plain dict plus a decorator keeps adding one a
 two-line change, and one lookup helper makes every typo fail the same way: a ``ValueError``
 that lists the accepted names.
 """
@@ -29,7 +30,16 @@ def register(registry: dict[str, F], name: str, kind: str) -> Callable[[F], F]:
 
 
 def lookup(registry: dict[str, F], name: str, kind: str) -> F:
-    """Return ``registry[name]``, or raise ``ValueError`` naming the accepted names."""
+    """Return ``registry[name]``, or raise ``ValueError`` naming the accepted names.
+
+    A name not registered yet may be a plugin's: the modules of ``clew.envs.plugins``
+    (entry points, ``CLEW_ENV_MODULES``) are imported once before the name is refused, so a
+    Ray worker finds what the driver's config named.
+    """
+    if name not in registry:
+        from clew.envs.plugins import load_plugins
+
+        load_plugins()
     try:
         return registry[name]
     except KeyError:

@@ -92,6 +92,15 @@ def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
     return register(POLICY_LOSSES, name, "policy loss")
 
 
+# SkyRL's names for losses registered here under another (``trainer.algorithm.policy_loss_type``).
+LOSS_ALIASES = {"regular": "ppo_clip"}
+
+
+def policy_loss_name(policy_loss_type: str) -> str:
+    """The registered loss a ``trainer.algorithm.policy_loss_type`` value names."""
+    return LOSS_ALIASES.get(policy_loss_type, policy_loss_type)
+
+
 def get_policy_loss(name: str) -> PolicyLoss:
     """The policy loss registered as ``name``; ``ValueError`` listing accepted names if none."""
     return lookup(POLICY_LOSSES, name, "policy loss")

@@ -78,11 +78,17 @@ class AlgorithmConfig(Section):
         False, description="Add a KL penalty to the reference (initial) policy to the loss."
     )
     kl_loss_coef: float = Field(0.001, description="Weight of the KL penalty.")
-    kl_estimator_type: Literal["k1", "k3"] = Field(
-        "k3", description="KL estimator: 'k1' (log-ratio) or 'k3' (low-variance, non-negative)."
+    kl_estimator_type: str = Field(
+        "k3",
+        description="KL estimator: 'k1' (log-ratio), 'k2' (half its square), 'k3' "
+        "(low-variance, non-negative), 'abs', or a name registered with "
+        "clew.algorithms.register_kl_estimator (in a module of environment.modules).",
     )
-    policy_loss_type: Literal["regular"] = Field(
-        "regular", description="Policy loss; 'regular' is the PPO clipped objective."
+    policy_loss_type: str = Field(
+        "regular",
+        description="Policy loss: 'regular' is the PPO clipped objective (registered as "
+        "'ppo_clip'), or a name registered with clew.algorithms.register_policy_loss (in a "
+        "module of environment.modules; it takes ppo_clip_loss's arguments).",
     )
     eps_clip_low: float = Field(0.2, description="PPO ratio clip below 1, in (0, 1).")
     eps_clip_high: float = Field(0.2, description="PPO ratio clip above 1, in (0, 1).")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from clew.algorithms import get_estimator
+from clew.algorithms import get_estimator, policy_loss_name
 from clew.config.schema import ClewConfig, LoraConfig, OptimizerConfig
 from clew.inference.engine import EngineOptions
 from clew.inference.sampling import SamplingParams
@@ -60,6 +60,7 @@ def ppo_settings(cfg: ClewConfig) -> PPOSettings:
     a, t, g = cfg.trainer.algorithm, cfg.trainer, cfg.generator
     temperature = g.sampling_params.temperature
     return PPOSettings(
+        policy_loss=policy_loss_name(a.policy_loss_type),
         eps_clip_low=a.eps_clip_low,
         eps_clip_high=a.eps_clip_high,
         clip_ratio_c=a.clip_ratio_c,

@@ -99,24 +99,66 @@ def get_key(cfg: Any, key: str) -> Any:
     return cfg
 
 
+def _registered(
+    registry: dict[str, Any],
+    key: str,
+    name: str,
+    kind: str,
+    how: str,
+    fail: Callable[[str, str], None],
+    aliases: tuple[str, ...] = (),
+) -> bool:
+    """Whether ``name`` (the value of ``key``) is in ``registry`` or ``aliases``; if not, a
+    failure naming the registered ones, the nearest and how to register another."""
+    if name in registry or name in aliases:
+        return True
+    from clew.envs.plugins import load_plugins
+
+    load_plugins()  # installed plugins' entry points may register it
+    if name in registry:
+        return True
+    names = sorted([*registry, *aliases])
+    near = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else "."
+    fail(
+        kind.replace(" ", "-"),
+        f"{key} {name!r} is not a registered {kind} (registered: "
+        f"{', '.join(repr(k) for k in names)}){hint} Register another with {how} in a module "
+        "named in environment.modules.",
+    )
+    return False
+
+
 def _estimator(name: str, fail: Callable[[str, str], None]) -> Any:
     """The registered estimator ``name`` (an ``EstimatorSpec``), or None after a failure
     naming the registered ones and the nearest."""
     # Imported here: the registry pulls in torch, which reading a config does not need.
     from clew.algorithms.estimators import ADVANTAGE_ESTIMATORS
 
-    if name in ADVANTAGE_ESTIMATORS:
+    key, how = "trainer.algorithm.advantage_estimator", "clew.algorithms.register_estimator"
+    if _registered(ADVANTAGE_ESTIMATORS, key, name, "advantage estimator", how, fail):
         return ADVANTAGE_ESTIMATORS[name]
-    names = sorted(ADVANTAGE_ESTIMATORS)
-    near = difflib.get_close_matches(name, names, n=1)
-    hint = f"; did you mean {near[0]!r}?" if near else "."
-    fail(
-        "advantage-estimator",
-        f"trainer.algorithm.advantage_estimator {name!r} is not a registered estimator "
-        f"(registered: {', '.join(repr(k) for k in names)}){hint} Register another with "
-        "clew.algorithms.register_estimator before loading the config.",
-    )
     return None
+
+
+def _named_functions(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
+    """The policy loss, KL estimator and loggers the config names are registered."""
+    from clew.algorithms import KL_ESTIMATORS, POLICY_LOSSES
+    from clew.algorithms.losses import LOSS_ALIASES
+    from clew.metrics.loggers import LOGGERS
+
+    alg, tr = cfg.trainer.algorithm, cfg.trainer
+    key = "trainer.algorithm.policy_loss_type"
+    how = "clew.algorithms.register_policy_loss"
+    _registered(
+        POLICY_LOSSES, key, alg.policy_loss_type, "policy loss", how, fail, (*LOSS_ALIASES,)
+    )
+    key, how = "trainer.algorithm.kl_estimator_type", "clew.algorithms.register_kl_estimator"
+    _registered(KL_ESTIMATORS, key, alg.kl_estimator_type, "KL estimator", how, fail)
+    if not tr.logger_names:
+        fail("logger", f"trainer.logger names no logger; accepted: {', '.join(KNOWN_LOGGERS)}")
+    for name in tr.logger_names:
+        _registered(LOGGERS, "trainer.logger", name, "logger", "clew.metrics.register_logger", fail)
 
 
 def _rules(cfg: ClewConfig) -> list[str]:
@@ -126,6 +168,11 @@ def _rules(cfg: ClewConfig) -> list[str]:
     def fail(rule: str, message: str) -> None:
         bad.append(f"[{rule}] {message}")
 
+    # The config's own modules first: they may register the estimators, losses and loggers
+    # it names (clew.envs.plugins; a module that fails to import is an EnvError naming it).
+    from clew.envs.plugins import import_env_modules
+
+    import_env_modules(cfg.environment.modules)
     gen, tr = cfg.generator, cfg.trainer
     alg, opt, lora = tr.algorithm, tr.policy.optimizer_config, tr.policy.model.lora
 
@@ -291,13 +338,7 @@ def _rules(cfg: ClewConfig) -> list[str]:
     # Run management.
     if tr.resume_mode == "from_path" and not tr.resume_path:
         fail("resume-path", "trainer.resume_mode is 'from_path' but trainer.resume_path is unset")
-    unknown = [name for name in tr.logger_names if name not in KNOWN_LOGGERS]
-    if unknown or not tr.logger_names:
-        fail(
-            "logger",
-            f"trainer.logger names unknown logger(s) {unknown}; "
-            f"accepted: {', '.join(KNOWN_LOGGERS)}",
-        )
+    _named_functions(cfg, fail)
     return bad
 
 
