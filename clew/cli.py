@@ -15,8 +15,40 @@ from clew.commands import COMMANDS
 from clew.errors import ClewError
 
 
+def versions() -> str:
+    """clew's version and those of what a bug report needs: Python, torch (and its CUDA),
+    transformers, peft and Ray where installed."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from clew import __version__
+
+    parts = [f"python {platform.python_version()}"]
+    for package in ("torch", "transformers", "peft", "ray"):
+        try:
+            parts.append(f"{package} {version(package)}")
+        except PackageNotFoundError:
+            parts.append(f"{package} not installed")
+    import torch
+
+    parts.append(f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA build")
+    return f"clew {__version__} ({', '.join(parts)})"
+
+
+class _Versions(argparse.Action):
+    """``--version``: computed when asked for, since it imports torch."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print the versions and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(versions())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="clew", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action=_Versions)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (add, _, help_text) in COMMANDS.items():
         add(sub.add_parser(name, help=help_text, description=help_text))

@@ -1,5 +1,6 @@
-"""``--print-config`` on the commands that run: the resolved configuration a run would save,
-printed without running; bad input fails as the run would."""
+"""The ``clew`` command's own flags: ``--print-config`` on the commands that run (the
+resolved configuration a run would save, printed without running; bad input fails as the
+run would) and ``--version``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import clew
 from clew.cli import main
 from clew.config import load_config
 
@@ -56,3 +58,13 @@ def test_a_bad_config_fails_as_the_run_would_instead_of_printing(capsys, argv, s
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert says in captured.err and captured.out == ""
+
+
+def test_version_names_clew_and_what_a_bug_report_needs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"clew {clew.__version__} (python ")
+    for package in ("torch", "transformers", "peft", "ray"):
+        assert f"{package} " in out
