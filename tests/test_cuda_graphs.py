@@ -3,12 +3,15 @@ rounded-up widths sample what the plain static cache samples; on CUDA, from capt
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from rollout_support import assert_same_samples, ending_at_different_turns
 
 from clew.data.rows import generate_rows
 from clew.errors import ConfigError
+from clew.inference import batch as batch_module
 from clew.inference import cuda_graphs
 from clew.inference.cuda_graphs import DecodeGraphs, rows_bucket, width_bucket
 from clew.inference.engine import InferenceEngine
@@ -153,6 +156,49 @@ def test_an_unknown_decode_attention_is_refused_with_the_choices(policy):
     model, chat, _ = policy
     with pytest.raises(ConfigError, match="decode_attention='paged'.*sdpa, flex, varlen, flash"):
         InferenceEngine(model, chat, decode_attention="paged")
+
+
+@pytest.mark.parametrize("stop", [(), ("zz",)], ids=["stop-tokens", "stop-strings"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graph-steps", "eager-steps"])
+def test_the_next_step_is_launched_before_the_host_records_the_replies(
+    policy, graphs, stop, monkeypatch
+):
+    model, chat, _ = policy
+    # Half the vocabulary stops a reply: rows stop at different steps, some at the first.
+    stops = tuple(range(0, len(chat.tokenizer), 2))
+    events: list[str] = []
+    launch, record = batch_module.CacheBatch._step, batch_module.CacheBatch._record
+
+    def launching(batch, *args):
+        events.append("launch")
+        return launch(batch, *args)
+
+    def recording(batch, *args):
+        events.append("record")
+        return record(batch, *args)
+
+    prompts = [chat.user_turn(w, [], first=True) for w in ("left up", "down", "right stop")]
+    params = SamplingParams(temperature=1.0, max_tokens=8, stop=stop)
+    out = []
+    for patched in (True, False):
+        if patched:
+            monkeypatch.setattr(batch_module.CacheBatch, "_step", launching)
+            monkeypatch.setattr(batch_module.CacheBatch, "_record", recording)
+        else:
+            monkeypatch.undo()
+        engine = InferenceEngine(model, chat, cuda_graphs=graphs, stop_token_ids=stops)
+        batch = engine.open_batch(6, seed=4)
+        gens = batch.extend_and_generate({i: prompts[i % 3] for i in range(6)}, params)
+        later = batch.extend_and_generate({i: prompts[(i + 1) % 3] for i in range(6)}, params)
+        assert batch.kv.fill == batch.kv.fill_dev.tolist()
+        out.append([(g.token_ids, g.finish_reason) for g in (*gens.values(), *later.values())])
+    assert out[0] == out[1]
+    assert len({len(tokens) for tokens, _ in out[0]}) > 1  # rows stopped at different steps
+    # Each turn's steps: without stop strings a step is launched, then the previous step's
+    # replies are recorded; with them, recorded first; the last step launches nothing.
+    order = "".join("L" if e == "launch" else "R" for e in events)
+    assert re.fullmatch(r"((RL)*R)+" if stop else r"((LR)*R)+", order), order
+    assert "L" in order
 
 
 def test_a_batch_with_adapters_or_the_dynamic_cache_takes_the_eager_steps(policy):

@@ -29,11 +29,11 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from clew.errors import ConfigError
 from clew.inference.attention import engine_attention, prefill_lengths
+from clew.inference.chunks import Prefill, pack
 from clew.inference.cuda_graphs import DecodeGraphs
 from clew.inference.draws import RowDraws
 from clew.inference.dynamic_kv import DynamicKV
@@ -60,21 +60,6 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"
-
-
-@dataclass
-class _Prefill:
-    """One forward's worth of a turn's chunks: rows ``[lo, hi)``, left-padded."""
-
-    lo: int
-    hi: int
-    ids: np.ndarray  # [rows, T]
-    pos: np.ndarray  # [3, rows, T]
-    mask: np.ndarray  # [rows, T], 1 on real tokens
-    image: np.ndarray  # [rows, T], the image (per sequence) a column holds, -1 for text
-    counts: list[int]
-    pixels: list[torch.Tensor]
-    grids: list[torch.Tensor]
 
 
 class CacheBatch:
@@ -217,7 +202,14 @@ class CacheBatch:
             self.pending[r] = None
         split = 0 < new < b and isinstance(self.kv, SlotCache) and any(token_lists[:new])
         spans = [(0, new), (new, b)] if split else [(0, b)]
-        parts = [self._pack(lo, hi, token_lists, pos_lists, chunks) for lo, hi in spans]
+        parts = []
+        for lo, hi in spans:
+            row_chunks = [chunks[seq] for seq in self.rows[lo:hi]]
+            part, self.images_seen[lo:hi] = pack(
+                self.engine.chat, token_lists[lo:hi], pos_lists[lo:hi], row_chunks,
+                self.images_seen[lo:hi], lo,
+            )  # fmt: skip
+            parts.append(part)
         self._hide_old_images()
         self._compact()
         # Room for the chunk (its padding included) and every decode step of the reply.
@@ -227,44 +219,7 @@ class CacheBatch:
         logits = torch.cat([self._prefill(p) for p in parts])
         return self._decode(logits, params)
 
-    def _pack(
-        self,
-        lo: int,
-        hi: int,
-        token_lists: list[list[int]],
-        pos_lists: list[torch.Tensor | int],
-        chunks: dict[int, Chunk],
-    ) -> _Prefill:
-        """Rows ``[lo, hi)``'s new tokens left-padded to one width, so every row's last real
-        token is the last column. Built in numpy and handed over once: per-row tensor ops
-        were a visible share of a GPU turn."""
-        chat = self.engine.chat
-        b = hi - lo
-        width = max(len(t) for t in token_lists[lo:hi])
-        ids_np = np.full((b, width), chat.pad_id, dtype=np.int64)
-        pos_np = np.zeros((3, b, width), dtype=np.int64)
-        mask_np = np.zeros((b, width), dtype=np.int64)
-        for i, r in enumerate(range(lo, hi)):
-            ids, n = token_lists[r], len(token_lists[r])
-            ids_np[i, width - n :] = ids
-            pos = pos_lists[r]
-            pos_np[:, i, width - n :] = pos if isinstance(pos, int) else pos.numpy()
-            mask_np[i, width - n :] = 1
-        # Which image (counted per sequence) each new column holds: runs of image tokens.
-        is_image = (ids_np == chat.image_token_id) & (mask_np == 1)
-        starts = is_image & ~np.concatenate([np.zeros((b, 1), dtype=bool), is_image[:, :-1]], 1)
-        seen = np.asarray(self.images_seen[lo:hi], dtype=np.int64)[:, None]
-        image_np = np.where(is_image, seen + np.cumsum(starts, 1) - 1, -1)
-        self.images_seen[lo:hi] = (seen[:, 0] + starts.sum(1)).tolist()
-        pixels, grids = [], []
-        for seq in self.rows[lo:hi]:
-            if chunks[seq].pixel_values is not None:
-                pixels.append(chunks[seq].pixel_values)
-                grids.append(chunks[seq].image_grid_thw)
-        counts = [len(t) for t in token_lists[lo:hi]]
-        return _Prefill(lo, hi, ids_np, pos_np, mask_np, image_np, counts, pixels, grids)
-
-    def _prefill(self, part: _Prefill) -> torch.Tensor:
+    def _prefill(self, part: Prefill) -> torch.Tensor:
         """One forward of ``part``'s rows; their last logits ``[rows, vocab]``."""
         dev = self.engine.device
         mask, image = torch.from_numpy(part.mask).to(dev), torch.from_numpy(part.image).to(dev)
@@ -293,49 +248,87 @@ class CacheBatch:
             return self._forward(ids, pos, attention_mask, **extra)
 
     def _decode(self, logits: torch.Tensor, params: SamplingParams) -> dict[int, Generation]:
-        """Sample the replies, one token a row per step, from the chunk's last logits."""
+        """Sample the replies, one token a row per step, from the chunk's last logits.
+
+        Each step's tokens come to the host in one copy; which rows go on is read from them
+        and the next step is launched before the host records the replies (its Python work
+        per row then runs while the device computes). Stop strings need each reply's text
+        first: with ``params.stop`` the host records, then launches."""
         eng, dev = self.engine, self.engine.device
         b = len(self.rows)
         gens = {seq: Generation() for seq in sorted(self.rows)}
         active = [True] * b
         active_dev = torch.ones(b, dtype=torch.bool, device=dev)
         next_pos: torch.Tensor | None = None
+        stops = eng.stop_token_ids
         for step in range(params.max_tokens):
-            tokens_dev, tokens, logprobs = self._sample(logits, params)
-            by_string = False
-            for r, seq in enumerate(self.rows):
-                if not active[r]:
-                    continue
-                g = gens[seq]
-                g.token_ids.append(tokens[r])
-                g.logprobs.append(logprobs[r])
-                self.lengths[r] += 1
-                self.pending[r] = tokens[r]
-                if tokens[r] in eng.stop_token_ids:
-                    g.finish_reason, active[r] = "stop", False
-                elif self._hit_stop_string(g, params):
-                    g.finish_reason, active[r], by_string = "stop", False, True
-            if not any(active) or step == params.max_tokens - 1:
-                break
-            # The step's inputs on the device: each active row feeds its sampled token at its
-            # next position; finished rows feed padding their cache never shows.
-            active_dev = active_dev & ~torch.isin(tokens_dev, eng._stop_ids)
-            if by_string:  # only the host saw those stops
+            last = step == params.max_tokens - 1
+            tokens_dev, sampled = self._sample(logits, params)
+            tokens, logprobs = [int(t) for t in sampled[0].tolist()], sampled[1].tolist()
+            before = active
+            if params.stop:
+                active = self._record(gens, before, tokens, logprobs, params)
                 active_dev = torch.tensor(active, dtype=torch.bool, device=dev)
-            if next_pos is None:
-                next_pos = torch.tensor(self.next_pos, dtype=torch.long, device=dev)
-            step_ids = torch.where(active_dev, tokens_dev, eng.chat.pad_id).view(b, 1)
-            step_pos = torch.where(active_dev, next_pos, 0).view(1, b, 1).repeat(3, 1, 1)
-            next_pos = next_pos + active_dev
-            for r in range(b):
-                if active[r]:
+            else:
+                active = [a and t not in stops for a, t in zip(before, tokens, strict=True)]
+                active_dev = active_dev & ~torch.isin(tokens_dev, eng._stop_ids)
+            if any(active) and not last:
+                # Each active row feeds its sampled token at its next position; finished rows
+                # feed padding their cache never shows.
+                step_ids, step_pos, next_pos = self._step_inputs(tokens_dev, active_dev, next_pos)
+                logits = self._step(step_ids, step_pos, active_dev, active)
+            if not params.stop:
+                self._record(gens, before, tokens, logprobs, params)
+            if not any(active) or last:
+                break
+            for r, on in enumerate(active):  # the host side of the step: the row fed its token
+                if on:
                     self.next_pos[r] += 1
                     self.pending[r] = None
-            if self.graphs is not None and not any(self.adapters):
-                logits = self.graphs.step(step_ids, step_pos, active_dev, active, self._forward)
-            else:
-                logits = self._forward(step_ids, step_pos, self.kv.decode(active_dev, active))
         return gens
+
+    def _step(
+        self, ids: torch.Tensor, pos: torch.Tensor, active: torch.Tensor, active_host: list[bool]
+    ) -> torch.Tensor:
+        """Launch one decode step of every row; its logits (computed on the device)."""
+        if self.graphs is not None and not any(self.adapters):
+            return self.graphs.step(ids, pos, active, active_host, self._forward)
+        return self._forward(ids, pos, self.kv.decode(active, active_host))
+
+    def _record(
+        self,
+        gens: dict[int, Generation],
+        before: list[bool],
+        tokens: list[int],
+        logprobs: list[float],
+        params: SamplingParams,
+    ) -> list[bool]:
+        """Append the token and logprob of each row active ``before`` the step; returns the
+        rows still active (no stop token, no stop string)."""
+        active = list(before)
+        for r, seq in enumerate(self.rows):
+            if not before[r]:
+                continue
+            g = gens[seq]
+            g.token_ids.append(tokens[r])
+            g.logprobs.append(logprobs[r])
+            self.lengths[r] += 1
+            self.pending[r] = tokens[r]
+            if tokens[r] in self.engine.stop_token_ids or self._hit_stop_string(g, params):
+                g.finish_reason, active[r] = "stop", False
+        return active
+
+    def _step_inputs(
+        self, tokens: torch.Tensor, active: torch.Tensor, next_pos: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step's ids [rows, 1] and positions [3, rows, 1], and the positions after
+        it: active rows feed their token at their next position, the others padding."""
+        if next_pos is None:
+            next_pos = torch.tensor(self.next_pos, dtype=torch.long, device=self.engine.device)
+        b = tokens.shape[0]
+        step_ids = torch.where(active, tokens, self.engine.chat.pad_id).view(b, 1)
+        step_pos = torch.where(active, next_pos, 0).view(1, b, 1).repeat(3, 1, 1)
+        return step_ids, step_pos, next_pos + active
 
     def _hide_old_images(self) -> None:
         """Mask the cache columns of images older than the last ``keep_last_k`` of each row."""
@@ -392,9 +385,9 @@ class CacheBatch:
 
     def _sample(
         self, logits: torch.Tensor, params: SamplingParams
-    ) -> tuple[torch.Tensor, list[int], list[float]]:
-        """One token per row (on the device) and, as Python lists, the tokens and their
-        logprobs (one device-to-host copy).
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row (on the device) and, on the host, the tokens and their logprobs
+        ``[2, rows]`` float64 (one device-to-host copy).
 
         Which generator each row draws from, and in which order, is ``self.draws``'s.
         """
@@ -404,5 +397,4 @@ class CacheBatch:
         logp = torch.log_softmax(logits / temperature, dim=-1)
         tokens = logits.argmax(-1) if params.greedy else self.draws.draw(logits, params)
         picked = logp.gather(-1, tokens.view(-1, 1)).squeeze(-1)
-        both = torch.stack([tokens.double(), picked.double()]).cpu()
-        return tokens, [int(t) for t in both[0].tolist()], both[1].tolist()
+        return tokens, torch.stack([tokens.double(), picked.double()]).cpu()
