@@ -47,7 +47,8 @@ class AlgorithmConfig(Section):
         "(reward minus group mean), 'rloo' (reward minus the mean of the others), 'gigpo' "
         "(GRPO per episode plus a per-turn advantage among the group's turns taken from the "
         "same state; clew.algorithms.step_advantages), or one registered with "
-        "clew.algorithms.register_estimator before the config is loaded.",
+        "clew.algorithms.register_estimator (in a module of environment.modules, or before "
+        "the config is loaded).",
     )
     gigpo: GigpoConfig = Field(
         default_factory=GigpoConfig,

@@ -39,8 +39,9 @@ class EnvironmentConfig(Section):
     )
     modules: list[str] = Field(
         default_factory=list,
-        description="Python modules that register environments (clew.envs.register), imported "
-        "before any env is made, in the driver and in every Ray worker: a module of the "
+        description="Python modules that register environments (clew.envs.register), "
+        "advantage estimators, policy losses, KL estimators or loggers, imported before the "
+        "config's names are checked, in the driver and in every Ray worker: a module of the "
         "current directory or of an installed package. Installed packages can declare a "
         "'clew.envs' entry point instead.",
     )

@@ -214,9 +214,10 @@ class TrainerConfig(Section):
         "console",
         description="Metric sink(s): one or a list of "
         + ", ".join(KNOWN_LOGGERS)
-        + ". jsonl (RUN_DIR/metrics.jsonl) is always on, and ray (Ray's metrics API, scraped "
-        "by Prometheus) whenever the run uses Ray: more than one policy worker, or RAY_ADDRESS "
-        "set.",
+        + ", or a logger registered with clew.metrics.register_logger (in a module of "
+        "environment.modules). jsonl (RUN_DIR/metrics.jsonl) is always on, and ray (Ray's "
+        "metrics API, scraped by Prometheus) whenever the run uses Ray: more than one policy "
+        "worker, or RAY_ADDRESS set.",
     )
     project_name: str = Field("clew", description="Project name for loggers.")
     run_name: str = Field("clew_run", description="Run name for loggers and output folders.")
