@@ -8,8 +8,12 @@ line, exit 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TextIO
 
 from clew.commands import COMMANDS
 from clew.errors import ClewError
@@ -55,6 +59,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def plain_warnings(command: str) -> Iterator[None]:
+    """Within the block, a warning clew raises prints as one line, ``clew COMMAND: warning:
+    ...``, rather than Python's file, line and source line; others print as Python prints
+    them."""
+    shown = warnings.showwarning
+    package = str(Path(__file__).parent)
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if str(filename).startswith(package):
+            print(f"clew {command}: warning: {message}", file=file or sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -62,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args._handler(args)
+        with plain_warnings(args.command):
+            return args._handler(args)
     except ClewError as exc:
         print(f"clew {args.command}: error: {exc}", file=sys.stderr)
         return 2

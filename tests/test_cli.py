@@ -4,6 +4,7 @@ run would) and ``--version``."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,18 @@ def test_version_names_clew_and_what_a_bug_report_needs(capsys):
     assert out.startswith(f"clew {clew.__version__} (python ")
     for package in ("torch", "transformers", "peft", "ray"):
         assert f"{package} " in out
+
+
+def test_a_warning_of_clew_prints_as_one_line_naming_the_command(capsys):
+    from clew.config.validate import reset_ignored_warnings
+
+    reset_ignored_warnings()  # warned once a process: forget it here
+    argv = ["train", "--print-config", "generator.inference_engine.num_engines=6"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "clew train: warning: config key generator.inference_engine.num_engines=6"
+    )
+    assert "return validate(" not in err and ".py:" not in err
