@@ -10,6 +10,7 @@ import pytest
 import torch
 from rollout_support import assert_same_samples, ending_at_different_turns
 
+from clew.config import load_config
 from clew.data.rows import generate_rows
 from clew.errors import ConfigError
 from clew.inference import attention as attention_module
@@ -92,7 +93,6 @@ def test_an_unknown_prefill_attention_is_refused_with_the_choices(policy):
 
 
 def test_the_config_key_reaches_the_engine_options_and_a_typo_lists_the_choices():
-    from clew.config import load_config
     from clew.config.settings import engine_options
 
     cfg = load_config(None, ["generator.inference_engine.prefill_attention=varlen"])
@@ -101,6 +101,22 @@ def test_the_config_key_reaches_the_engine_options_and_a_typo_lists_the_choices(
     expected = re.escape("prefill_attention: expected 'sdpa' | 'varlen', got 'flash'")
     with pytest.raises(ConfigError, match=expected):
         load_config(None, ["generator.inference_engine.prefill_attention=flash"])
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["prefill_attention=varlen", "kv_cache=dynamic"], "set kv_cache=static or prefill"),
+        (["decode_attention=flash", "enforce_eager=true"], "enforce_eager=true takes none"),
+        (["decode_attention=flex", "kv_cache=dynamic"], "kv_cache=dynamic takes none"),
+    ],
+)
+def test_a_switch_another_key_turns_off_is_refused(overrides, says):
+    keys = [f"generator.inference_engine.{o}" for o in overrides]
+    with pytest.raises(ConfigError, match=r"\[engine-switch\].*" + re.escape(says)):
+        load_config(None, keys)
+    # The defaults with either key are fine: varlen decode steps, masked prefill.
+    load_config(None, keys[1:])
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen3_vl"])

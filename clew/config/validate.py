@@ -334,12 +334,32 @@ def _rules(cfg: ClewConfig) -> list[str]:
         )
 
     _sft_rules(cfg, fail)
+    _engine_rules(cfg, fail)
 
     # Run management.
     if tr.resume_mode == "from_path" and not tr.resume_path:
         fail("resume-path", "trainer.resume_mode is 'from_path' but trainer.resume_path is unset")
     _named_functions(cfg, fail)
     return bad
+
+
+def _engine_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
+    """Engine switches that another key turns into a no-op are refused, not ignored."""
+    ie = cfg.generator.inference_engine
+    key = "generator.inference_engine"
+    if ie.prefill_attention == "varlen" and ie.kv_cache == "dynamic":
+        fail(
+            "engine-switch",
+            f"{key}.prefill_attention=varlen reads the static cache's slots, and "
+            f"{key}.kv_cache=dynamic has none: set kv_cache=static or prefill_attention=sdpa",
+        )
+    off = "enforce_eager=true" if ie.enforce_eager else "kv_cache=dynamic"
+    if ie.decode_attention in ("flex", "flash") and (ie.enforce_eager or ie.kv_cache == "dynamic"):
+        fail(
+            "engine-switch",
+            f"{key}.decode_attention={ie.decode_attention} is the attention of CUDA-graph "
+            f"steps over the static cache, and {key}.{off} takes none: drop one of the two",
+        )
 
 
 def _sft_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
