@@ -72,7 +72,7 @@ def test_version_names_clew_and_what_a_bug_report_needs(capsys):
 
 
 def test_a_warning_of_clew_prints_as_one_line_naming_the_command(capsys):
-    from clew.config.validate import reset_ignored_warnings
+    from clew.config.ignored import reset_ignored_warnings
 
     reset_ignored_warnings()  # warned once a process: forget it here
     argv = ["train", "--print-config", "generator.inference_engine.num_engines=6"]

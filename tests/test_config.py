@@ -20,8 +20,8 @@ from clew.config import (
     schema_markdown,
     validate,
 )
+from clew.config.ignored import reset_ignored_warnings
 from clew.config.keys import KEY_ALIASES, key_table
-from clew.config.validate import reset_ignored_warnings
 from clew.errors import ConfigError
 
 # The seed's SkyRL train_job.sh arguments, as the shell hands them over (outer quotes removed,

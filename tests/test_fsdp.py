@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from clew.cluster.data_parallel import DataParallelWorker, free_loopback_address
 from clew.cluster.fsdp import gathered, shards_policy
 from clew.config import load_config
-from clew.config.validate import IgnoredKeyWarning, reset_ignored_warnings
+from clew.config.ignored import IgnoredKeyWarning, reset_ignored_warnings
 from clew.data.rows import generate_rows
 from clew.errors import ClewError
 from clew.inference.engine import InferenceEngine

@@ -19,11 +19,12 @@ from typing import Any
 
 import yaml
 
+from clew.config.ignored import IGNORED_KEYS, IgnoredKeyWarning
 from clew.config.keys import all_keys
 from clew.config.keys import schema_markdown as _schema_markdown
 from clew.config.overrides import apply_overrides, build_config, parse_value
 from clew.config.schema import ClewConfig
-from clew.config.validate import IGNORED_KEYS, IgnoredKeyWarning, validate
+from clew.config.validate import validate
 from clew.errors import ConfigError
 
 __all__ = [

@@ -145,7 +145,8 @@ def accepts_only_strings(annotation: Any) -> bool:
     return False
 
 
-def _get(obj: Any, key: str) -> Any:
+def get_key(obj: Any, key: str) -> Any:
+    """The value at dotted ``key`` of a config object."""
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj
@@ -176,7 +177,7 @@ def schema_markdown(ignored: dict[str, str] | None = None) -> str:
         out += [f"## `{section}`", "", " ".join(about.split()), ""]
         out += ["| key | type | default | description |", "|---|---|---|---|"]
         for info in rows:
-            default = json.dumps(_get(defaults, info.key), default=str)
+            default = json.dumps(get_key(defaults, info.key), default=str)
             desc = info.field.description or ""
             if info.key in ignored:
                 desc += f" *Accepted but ignored by clew: {ignored[info.key]}*"
