@@ -22,6 +22,7 @@ from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, play
+from clew.rollout.metrics import rollout_metrics
 from clew.train.lora import apply_lora, merged_for_rollouts
 
 IMAGE_SIZE = {"qwen2_vl": 196, "qwen3_vl": 224}  # 7 x 7 cells, one token each
@@ -153,6 +154,10 @@ def test_the_budget_admits_more_rows_when_they_are_short(policy, monkeypatch):
     static, dynamic = _both(model, chat, rows, settings, max_cache_bytes=budget)
     assert waves["dynamic"] == [2, 2, 2]
     assert waves["static"] == [6]  # every episode is a few hundred tokens long
+    # Each episode knows its wave, and the step's metrics count them.
+    assert sorted(t.wave for t in dynamic) == [0, 0, 1, 1, 2, 2]
+    assert rollout_metrics(dynamic, "train")["train/waves"] == 3
+    assert rollout_metrics(static, "train")["train/waves"] == 1
     assert all(t.end_reason != "cache_budget" for t in static + dynamic)
     with pytest.raises(ConfigError, match="cannot hold one sequence"):
         play(InferenceEngine(model, chat, max_cache_bytes=budget // 4), rows, settings, seed=0)

@@ -103,6 +103,12 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("train/env_errors", "Episodes that ended because the environment raised."),
     MetricSpec(
+        "train/waves",
+        "Engine batches (waves) the step's episodes ran in, on the worker that needed the "
+        "most: 1 when the KV cache budget held them all at once. Above 1, a larger "
+        "generator.inference_engine.gpu_memory_utilization lets more of them share a wave.",
+    ),
+    MetricSpec(
         "train/restarts",
         "Worker-group restarts so far after a Ray worker died (trainer.max_restarts), with "
         "every training step.",

@@ -196,6 +196,7 @@ def play(
                 key = state_key(obs.images, obs.text) if settings.state_keys else None
                 ep.traj.add_observation(chunk, obs.images, key)
                 ep.traj.image_window = settings.keep_last_k_images
+                ep.traj.wave = wave
                 episodes[len(episodes)] = ep
                 chunks[len(chunks)] = chunk
             if not episodes:

@@ -19,6 +19,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], prefix: str) -> dict[str, float
         f"{prefix}/parse_error_rate": sum(t.parse_errors for t in trajs)
         / max(sum(t.turns for t in trajs), 1),
         f"{prefix}/env_errors": float(sum(t.end_reason == "env_error" for t in trajs)),
+        f"{prefix}/waves": float(max((t.wave for t in trajs), default=-1) + 1),
     }
     for reason in sorted({t.end_reason for t in trajs}):
         out[f"{prefix}/end_reason/{reason}"] = sum(t.end_reason == reason for t in trajs) / n

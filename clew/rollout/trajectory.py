@@ -34,6 +34,7 @@ class Trajectory:
     images: list[Image.Image] = field(default_factory=list)
     chunk_starts: list[int] = field(default_factory=list)  # where each observation begins
     image_window: int | None = None  # generator.keep_last_k_images the episode ran with
+    wave: int = 0  # which engine batch of its rollout it ran in, from 0 (the KV cache budget)
     actions: list[str] = field(default_factory=list)
     # Per turn: the reward env.step returned, and the state the reply acted from
     # (state_key of the observation before it), for estimators that credit turns (gigpo).
