@@ -175,6 +175,26 @@ def _varlen_index(
     return index
 
 
+def _slot_layout(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, what: str
+) -> tuple[int, int, int]:
+    """KV heads, query heads a KV head and slot capacity of views ``key``/``value``
+    [B, Hkv, W, D] of ``SlotCache`` buffers; another layout is refused."""
+    d, kv_heads = query.shape[-1], key.shape[1]
+    cap = key.stride(1) // d
+    for x in (key, value):
+        if x.stride() != (kv_heads * cap * d, cap * d, d, 1):
+            raise ValueError(f"varlen {what} reads the SlotCache's buffers, got another layout")
+    return kv_heads, query.shape[1] // kv_heads, cap
+
+
+def _flat(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``rows`` consecutive key (or value) vectors of the slot buffer ``x`` views from its
+    first one, as ``[rows, 1, D]``: every (slot, KV head) a run of ``capacity`` rows."""
+    d = x.shape[-1]
+    return torch.as_strided(x, (rows, 1, d), (d, d, 1), x.storage_offset())
+
+
 def varlen_decode(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -188,12 +208,7 @@ def varlen_decode(
     [B] columns of its slot, through ``kernel`` ("efficient" or "flash", module docstring;
     "flash" falls back to "efficient" where it cannot run); returns [B, 1, H, D]."""
     b, heads, _, d = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    cap = key.stride(1) // d
-    for t in (key, value):
-        if t.stride() != (kv_heads * cap * d, cap * d, d, 1):
-            raise ValueError("varlen decode reads the SlotCache's buffers, got another layout")
+    kv_heads, group, cap = _slot_layout(query, key, value, "decode")
     n = b * kv_heads  # sequences: every (row, KV head), `group` queries and `cap` columns each
     if query.device.type != "cuda":  # the reference: a mask over each slot's capacity
         keys, values = (
@@ -209,23 +224,16 @@ def varlen_decode(
         # One sequence a (row, KV head): one query of `group` heads over one KV head, the
         # shape FlashAttention's decoding path takes (keys split over blocks).
         seqlens, cu_one, cu_k = _varlen_index(lengths, kv_heads, cap, 1)
-        flat_k, flat_v = (
-            torch.as_strided(x, (n * cap, 1, d), (d, d, 1), x.storage_offset())
-            for x in (key, value)
-        )
         out = torch.ops.aten._flash_attention_forward(
-            query.reshape(n, group, d), flat_k, flat_v, cu_one, cu_k, 1, cap, 0.0, False,
+            query.reshape(n, group, d), _flat(key, n * cap), _flat(value, n * cap), cu_one, cu_k, 1, cap, 0.0, False,
             False, scale=scale, seqused_k=seqlens,
         )[0]  # fmt: skip
         return out.reshape(b, 1, heads, d)
-    flat_k, flat_v = (
-        torch.as_strided(x, (1, n * cap, 1, d), (n * cap * d, d, d, 1), x.storage_offset())
-        for x in (key, value)
-    )
     seqlens, cu_q, cu_k = _varlen_index(lengths, kv_heads, cap, group)
     out = torch.ops.aten._efficient_attention_forward(
-        query.reshape(1, n * group, 1, d), flat_k, flat_v, None, cu_q, cu_k, group, cap,
-        0.0, 0, False, scale=scale, seqlen_k=seqlens,
+        query.reshape(1, n * group, 1, d), _flat(key, n * cap)[None],
+        _flat(value, n * cap)[None], None, cu_q, cu_k, group, cap, 0.0, 0, False, scale=scale,
+        seqlen_k=seqlens,
     )[0]  # fmt: skip
     return out.reshape(b, 1, heads, d)
 
@@ -246,19 +254,12 @@ def varlen_prefill(
     (``seqused_k``, causal from the bottom right), the same flattening through masked SDPA
     elsewhere."""
     b, heads, t, d = query.shape
-    kv_heads = key.shape[1]
-    group = heads // kv_heads
-    cap = key.stride(1) // d
-    for x in (key, value):
-        if x.stride() != (kv_heads * cap * d, cap * d, d, 1):
-            raise ValueError("varlen prefill reads the SlotCache's buffers, got another layout")
+    kv_heads, group, cap = _slot_layout(query, key, value, "prefill")
     n = b * kv_heads  # sequences: every (row, KV head), T queries of `group` heads each
     # [B, H, T, D] is a transpose of the projection's [B, T, H, D]: one copy regroups it.
     q = query.transpose(1, 2).reshape(b, t, kv_heads, group, d).transpose(1, 2)
     q = q.reshape(n * t, group, d)
-    flat_k, flat_v = (
-        torch.as_strided(x, (n * cap, 1, d), (d, d, 1), x.storage_offset()) for x in (key, value)
-    )
+    flat_k, flat_v = _flat(key, n * cap), _flat(value, n * cap)
     seqlens, cu_q, cu_k = _varlen_index(lengths, kv_heads, cap, t)
     if query.device.type == "cuda" and query.dtype == key.dtype and _flash_runs(query):
         out = torch.ops.aten._flash_attention_forward(
