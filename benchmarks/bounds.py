@@ -20,7 +20,9 @@ The arithmetic, for a model of ``N`` parameters (``model_sizes``):
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +109,48 @@ def call_seconds(fn, device: torch.device, repeats: int, warmup: int = 1) -> lis
             fn()
             times.append(time.perf_counter() - t)
     return times
+
+
+def candidates_header(width: int) -> None:
+    """The header of ``compare_candidates``'s lines."""
+    print(
+        f"{'candidate':<{width}} {'batch':>5} {'us':>9} {'bound us':>9} {'of bound':>8} "
+        f"{'x layers ms':>11} {'vs base':>8} {'max diff':>9}"
+    )
+
+
+def compare_candidates(
+    runs: dict[str, Callable[[], torch.Tensor]],
+    names: list[str],
+    baseline: str,
+    *,
+    batch: int,
+    bound_s: float,
+    layers: int,
+    device: torch.device,
+    repeats: int,
+    width: int,
+    pick: Callable[[torch.Tensor], torch.Tensor] = lambda out: out,
+) -> None:
+    """Time ``runs[name]`` for each of ``names`` (median of ``repeats`` calls) and print it
+    beside ``bound_s``, times ``layers``, its speed-up over ``baseline`` (when that ran
+    first) and its largest difference from the baseline's output (``pick`` of each); a
+    candidate the device or torch build cannot run says why."""
+    ref = pick(runs[baseline]()).float()
+    base = None
+    for name in names:
+        try:
+            diff = (pick(runs[name]()).float() - ref).abs().max().item()
+            s = statistics.median(call_seconds(runs[name], device, repeats, warmup=3))
+        except (RuntimeError, NotImplementedError) as error:
+            print(f"{name:<{width}} {batch:>5}  unavailable: {str(error).splitlines()[0][:90]}")
+            continue
+        base = s if name == baseline else base
+        speed = f"{base / s:.2f}x" if base else ""
+        print(
+            f"{name:<{width}} {batch:>5} {s * 1e6:>9.1f} {bound_s * 1e6:>9.1f} "
+            f"{100 * bound_s / s:>7.1f}% {s * layers * 1e3:>11.2f} {speed:>8} {diff:>9.2e}"
+        )
 
 
 def measure_hardware(device: torch.device, n: int = 8192, copy_bytes: int = 2**30) -> Hardware:

@@ -37,7 +37,6 @@ candidate the device or torch build cannot run says why and is skipped (on a CPU
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +47,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from clew.inference.attention import varlen_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bounds import add_hardware_flags, call_seconds, hardware  # noqa: E402
+from bounds import add_hardware_flags, candidates_header, compare_candidates, hardware  # noqa: E402
 
 FLEX_BLOCK = 128
 WIDTH_STEP = 256  # the engine's width bucket (clew.inference.cuda_graphs)
@@ -162,10 +161,7 @@ def main() -> None:
         f"{args.head_dim}, {args.dtype} on {dev}; rows {args.min_width}-{args.max_width} "
         f"tokens; bound: live KV bytes at {args.bandwidth_tbs} TB/s"
     )
-    print(
-        f"{'candidate':<18} {'batch':>5} {'us':>9} {'bound us':>9} {'of bound':>8} "
-        f"{'x layers ms':>11} {'vs sdpa':>8} {'max diff':>9}"
-    )
+    candidates_header(18)
     for b in (int(x) for x in args.batch.split(",")):
         lo, hi = args.min_width, args.max_width
         lengths = torch.tensor([lo + (hi - lo) * r // max(1, b - 1) for r in range(b)], device=dev)
@@ -178,21 +174,10 @@ def main() -> None:
         bound = live / (args.bandwidth_tbs * 1e12)
         runs = candidates(q, k, v, lengths, args.head_dim**-0.5)
         chosen = args.only.split(",") if args.only else list(runs)
-        ref = runs["sdpa_mask"]()
-        base = None
-        for name in chosen:
-            try:
-                diff = (runs[name]().float() - ref.float()).abs().max().item()
-                s = statistics.median(call_seconds(runs[name], dev, args.repeats, warmup=3))
-            except (RuntimeError, NotImplementedError) as error:
-                print(f"{name:<18} {b:>5}  unavailable: {str(error).splitlines()[0][:90]}")
-                continue
-            base = s if name == "sdpa_mask" else base
-            speed = f"{base / s:.2f}x" if base else ""
-            print(
-                f"{name:<18} {b:>5} {s * 1e6:>9.1f} {bound * 1e6:>9.1f} {100 * bound / s:>7.1f}% "
-                f"{s * args.layers * 1e3:>11.2f} {speed:>8} {diff:>9.2e}"
-            )
+        compare_candidates(
+            runs, chosen, "sdpa_mask", batch=b, bound_s=bound, layers=args.layers, device=dev,
+            repeats=args.repeats, width=18,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

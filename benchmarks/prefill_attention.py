@@ -31,7 +31,6 @@ engine's reference path run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -41,7 +40,7 @@ import torch
 from clew.inference.attention import _varlen_index, gqa_sdpa_attention, varlen_prefill
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bounds import add_hardware_flags, call_seconds, hardware  # noqa: E402
+from bounds import add_hardware_flags, candidates_header, compare_candidates, hardware  # noqa: E402
 
 WIDTH_STEP = 256  # capacity rounding, as the engine's growth leaves it
 
@@ -126,10 +125,7 @@ def main() -> None:
         f"tokens after a chunk of up to {args.chunk}; bound: real attention FLOPs at "
         f"{hw.tflops:g} TFLOP/s or live KV bytes at {hw.tbs:g} TB/s"
     )
-    print(
-        f"{'candidate':<14} {'batch':>5} {'us':>9} {'bound us':>9} {'of bound':>8} "
-        f"{'x layers ms':>11} {'vs sdpa':>8} {'max diff':>9}"
-    )
+    candidates_header(14)
     for b in (int(x) for x in args.batch.split(",")):
         lengths, new, mask = chunk_batch(b, args.min_width, args.max_width, args.chunk)
         t, d = args.chunk, args.head_dim
@@ -147,21 +143,11 @@ def main() -> None:
         bound = max(hw.compute_s(flops), hw.memory_s(live))
         real = torch.arange(t)[None, :] >= (t - new)[:, None]
         runs = candidates(q, k, v, lengths.to(dev), mask.to(dev), d**-0.5)
-        ref = runs["sdpa_mask"]()[real.to(dev)].float()
-        base = None
-        for name, fn in runs.items():
-            try:
-                diff = (fn()[real.to(dev)].float() - ref).abs().max().item()
-                s = statistics.median(call_seconds(fn, dev, args.repeats, warmup=3))
-            except (RuntimeError, NotImplementedError) as error:
-                print(f"{name:<14} {b:>5}  unavailable: {str(error).splitlines()[0][:90]}")
-                continue
-            base = s if name == "sdpa_mask" else base
-            speed = f"{base / s:.2f}x" if base else ""
-            print(
-                f"{name:<14} {b:>5} {s * 1e6:>9.1f} {bound * 1e6:>9.1f} {100 * bound / s:>7.1f}% "
-                f"{s * args.layers * 1e3:>11.2f} {speed:>8} {diff:>9.2e}"
-            )
+        real = real.to(dev)
+        compare_candidates(
+            runs, list(runs), "sdpa_mask", batch=b, bound_s=bound, layers=args.layers,
+            device=dev, repeats=args.repeats, width=14, pick=lambda out, real=real: out[real],
+        )  # fmt: skip
 
 
 if __name__ == "__main__":
