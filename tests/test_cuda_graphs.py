@@ -209,15 +209,19 @@ def test_a_batch_with_adapters_or_the_dynamic_cache_takes_the_eager_steps(policy
     assert InferenceEngine(model, chat).open_batch(2).graphs is None
 
 
-@pytest.mark.gpu
-def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
-    build_model("tiny", tmp_path, arch="qwen3_vl", image_size=224, overwrite=True)
-    model, processor = load_policy(tmp_path, dtype="bfloat16", device=torch.device("cuda"))
-    model.eval()
-    chat = ChatFormat(processor)
+def cuda_policy(path):
+    """The tiny Qwen3-VL policy in bfloat16 on the GPU, its chat format and 3 maze rows."""
+    build_model("tiny", path, arch="qwen3_vl", image_size=224, overwrite=True)
+    model, processor = load_policy(path, dtype="bfloat16", device=torch.device("cuda"))
     rows = generate_rows(
         "maze_2d/small", 3, env_options={"cell_px": 32, "action_format": "keyword"}
     )
+    return model.eval(), ChatFormat(processor), rows
+
+
+@pytest.mark.gpu
+def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
+    model, chat, rows = cuda_policy(tmp_path)
     captured: list[int] = []
     step = DecodeGraphs.step
 

@@ -213,15 +213,9 @@ def test_flash_prefill_computes_what_the_reference_computes_on_the_gpu():
 
 @pytest.mark.gpu
 def test_flash_prefill_samples_what_the_masked_prefill_samples_on_the_gpu(tmp_path):
-    from test_cuda_graphs import _assert_same_until_they_part
+    from test_cuda_graphs import _assert_same_until_they_part, cuda_policy
 
-    build_model("tiny", tmp_path, arch="qwen3_vl", image_size=224, overwrite=True)
-    model, processor = load_policy(tmp_path, dtype="bfloat16", device=torch.device("cuda"))
-    model.eval()
-    chat = ChatFormat(processor)
-    rows = generate_rows(
-        "maze_2d/small", 3, env_options={"cell_px": 32, "action_format": "keyword"}
-    )
+    model, chat, rows = cuda_policy(tmp_path)
     flash = _play(model, chat, rows, "varlen", temperature=0.0)
     masked = _play(model, chat, rows, "sdpa", temperature=0.0)
     _assert_same_until_they_part(flash, masked, tol=5e-2)
