@@ -22,6 +22,9 @@ of rows whose lengths spread evenly over ``--min-width``..``--max-width``:
   KV head rather than ``H/Hkv`` queries: FlashAttention then takes its decoding path (the
   query heads swapped onto the query axis, keys split over several blocks by its own
   heuristic), and ``flash_decode_s4`` forces 4 splits;
+- ``flash_rows``: FlashAttention with one sequence a row and grouped-query attention done by
+  the kernel: the query ``[B, H, D]`` as it is, the keys a strided view of the slots (row
+  stride ``D``, head stride ``capacity x D``); nothing is regrouped;
 - ``flex``: compiled FlexAttention with a block mask of each row's 128-column blocks.
 
 Each result is checked against ``sdpa_mask`` (largest absolute difference printed); time is
@@ -127,6 +130,21 @@ def candidates(
 
         return call
 
+    per_row = kv_heads * cap
+    total = (b - 1) * per_row + cap  # the view's last row's last head ends at the storage's end
+    rows_k, rows_v = (
+        torch.as_strided(x, (total, kv_heads, d), (d, cap * d, 1), x.storage_offset())
+        for x in (k, v)
+    )
+    cu_rows_k = torch.arange(0, (b + 1) * per_row, per_row, device=dev, dtype=torch.int32)
+    row_lengths = lengths.to(torch.int32)
+
+    def flash_rows() -> torch.Tensor:
+        return torch.ops.aten._flash_attention_forward(
+            q, rows_k, rows_v, cu_one[: b + 1], cu_rows_k, 1, cap, 0.0, False, False,
+            scale=scale, seqused_k=row_lengths,
+        )[0]  # fmt: skip
+
     return {
         "sdpa_mask": sdpa_mask,
         "efficient_seqlen": efficient_seqlen,
@@ -134,6 +152,7 @@ def candidates(
         "flash_seqused": flash_seqused,
         "flash_decode": flash_decode(),
         "flash_decode_s4": flash_decode(4),
+        "flash_rows": flash_rows,
         "flex": flex,
     }
 
