@@ -13,14 +13,13 @@ tokens (left-padded to ``--chunk``):
 
 - ``sdpa_mask``: the engine's masked prefill (``gqa_sdpa_attention`` with the mask
   ``SlotCache.prefill`` builds), over the cache's ``[B, Hkv, capacity, D]`` buffers;
-- ``engine_varlen``: the engine's ``varlen_prefill``, its index of lengths and offsets and
-  the regrouping of the queries included (as each layer of a forward pays the regrouping);
-- ``flash_varlen``: FlashAttention's kernel alone on the regrouped queries;
-- ``flash_rows``: FlashAttention with one sequence a row and grouped-query attention done by
-  the kernel, copying nothing: the queries ``[B * T, H, D]`` as the projection leaves them,
-  the keys a strided view of the slots (row stride ``D``, head stride ``capacity x D``), so
-  the output is already ``[B, T, H, D]``. Whether torch's kernel takes that stride pattern is
-  what this candidate checks (its difference from ``sdpa_mask``).
+- ``engine_varlen``: the engine's ``varlen_prefill``, its index of lengths and offsets
+  included: one sequence a row, grouped-query heads done by the kernel, nothing copied (the
+  queries ``[B * T, H, D]`` as the projection leaves them, the keys a strided view of the
+  slots);
+- ``flash_varlen``: FlashAttention's kernel alone on the other flattening, one sequence a
+  (row, KV head) of ``T`` queries x the group's heads, which costs a copy of the queries to
+  regroup them and one of the output back (the kernel call alone is timed here).
 
 Each result is checked against ``sdpa_mask`` on the chunks' real tokens (largest absolute
 difference printed); time is the median of ``--repeats`` calls between CUDA events. The
@@ -100,29 +99,9 @@ def candidates(
         out = out.reshape(b, kv_heads, t, group, d)
         return out.permute(0, 2, 1, 3, 4).reshape(b, t, heads, d)
 
-    # One sequence a row: row r's keys start at r * Hkv * cap rows of D; a head is cap rows on.
-    rows_q = q.transpose(1, 2).reshape(b * t, heads, d)  # the projection's layout, no copy
-    per_row = kv_heads * cap
-    total = (b - 1) * per_row + cap  # the view's last row's last head ends at the storage's end
-    rows_k, rows_v = (
-        torch.as_strided(x, (total, kv_heads, d), (d, cap * d, 1), x.storage_offset())
-        for x in (k, v)
-    )
-    cu_rows_q = torch.arange(0, (b + 1) * t, t, device=q.device, dtype=torch.int32)
-    cu_rows_k = torch.arange(0, (b + 1) * per_row, per_row, device=q.device, dtype=torch.int32)
-    row_lengths = lengths.to(torch.int32)
-
-    def flash_rows() -> torch.Tensor:
-        out = torch.ops.aten._flash_attention_forward(
-            rows_q, rows_k, rows_v, cu_rows_q, cu_rows_k, t, cap, 0.0, True, False,
-            scale=scale, seqused_k=row_lengths,
-        )[0]  # fmt: skip
-        return out.reshape(b, t, heads, d)
-
     runs = {"sdpa_mask": sdpa_mask, "engine_varlen": engine_varlen}
     if q.device.type == "cuda":
         runs["flash_varlen"] = flash_varlen
-        runs["flash_rows"] = flash_rows
     return runs
 
 

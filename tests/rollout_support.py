@@ -11,7 +11,10 @@ from clew.envs import make
 
 
 def ending_at_different_turns():
-    """An env factory whose n-th episode ends after 1 + n % 4 turns, whatever the replies."""
+    """An env factory whose n-th episode ends after 1 + n % 4 turns, whatever the replies.
+
+    Episodes are counted in the order the factory is called, which env threads make racy:
+    plays that compare tokens use it with ``env_workers=1``."""
     count = itertools.count()
 
     def factory(env_id, **options):

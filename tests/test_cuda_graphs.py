@@ -54,6 +54,7 @@ def _play(model, chat, rows, temperature, graphs: bool, device_kw=None, keep_las
         max_input_length=4096,
         sampling=SamplingParams(temperature=temperature, max_tokens=6),
         keep_last_k_images=keep_last_k_images,
+        env_workers=1,  # ending_at_different_turns counts episodes in the order they start
     )
     # Under a budget the slots are sized for the whole episode at once and never shrink,
     # so rows that leave leave free slots for padding.

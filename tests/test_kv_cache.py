@@ -47,7 +47,13 @@ def _settings(temperature: float = 1.0, **kw) -> RolloutSettings:
         temperature=temperature, max_tokens=kw.pop("max_tokens", 6), top_p=kw.pop("top_p", 1.0)
     )
     return RolloutSettings(
-        **{"n_samples_per_prompt": 2, "max_turns": 4, "max_input_length": 4096, **kw},
+        **{
+            "n_samples_per_prompt": 2,
+            "max_turns": 4,
+            "max_input_length": 4096,
+            "env_workers": 1,
+            **kw,
+        },
         sampling=sampling,
     )
 

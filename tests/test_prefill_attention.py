@@ -69,9 +69,9 @@ def test_each_row_attends_to_its_own_columns_as_under_the_prefill_mask():
 
 
 def test_a_query_with_no_column_gets_zero():
-    q = torch.randn(1 * 4, 2, D)  # one sequence of 4 queries, 2 heads
+    q = torch.randn(1 * 4, 2, D)  # one row of 4 queries, 2 heads over 1 KV head
     k, v = torch.randn(CAP, 1, D), torch.randn(CAP, 1, D)
-    out = _varlen_reference(q, k, v, torch.tensor([2]), 4, None)
+    out = _varlen_reference(q, k, v, torch.tensor([2]), torch.tensor([0, CAP]), 4, CAP, None)
     # Bottom-right causal: query j sees columns up to 2 - 4 + j, so the first two see none.
     assert out[:2].abs().max() == 0 and out[2:].abs().min() > 0
 
@@ -140,6 +140,7 @@ def _play(model, chat, rows, prefill: str, keep_last_k_images=None, temperature=
         max_input_length=4096,
         sampling=SamplingParams(temperature=temperature, max_tokens=6),
         keep_last_k_images=keep_last_k_images,
+        env_workers=1,  # ending_at_different_turns counts episodes in the order they start
     )
     engine = InferenceEngine(model, chat, prefill_attention=prefill)
     return play(engine, rows, settings, seed=3, env_factory=ending_at_different_turns())

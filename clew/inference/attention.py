@@ -48,15 +48,16 @@ few for the card; whether torch's build does is what ``benchmarks/decode_attenti
 run (float32, cards before Ampere).
 
 A turn's prefill may read each row's own columns too (``prefill_attention=varlen``,
-``prefill_lengths``): every (row, KV head) is one sequence of the chunk's ``T`` queries of
-the group's heads over one KV head, read to the row's length, causal from the bottom right
-(the chunk is left-padded, so a row's real tokens are its last queries and its last
-columns). FlashAttention's variable-length kernel takes that shape with ``seqused_k``, so
-no row reads past its length and none is masked; the queries are regrouped once a layer
-(a copy of the chunk's queries, not of the keys). Elsewhere the same flat tensors go
-through masked SDPA (``_varlen_reference``, what the tests compare). As for decode steps,
-the rows' visible columns must be their first ``length``: the engine takes the masked
-prefill while an image is hidden.
+``prefill_lengths``): every row is one sequence of the chunk's ``T`` queries over the row's
+slot, read to the row's length, causal from the bottom right (the chunk is left-padded, so a
+row's real tokens are its last queries and its last columns). FlashAttention's
+variable-length kernel takes that shape with ``seqused_k`` and does the grouped-query heads
+itself, so no row reads past its length, none is masked and nothing is copied: the queries
+``[B * T, H, D]`` are the projection's output as it is, the keys a strided view of the
+slots (``_rows``), and the output is already ``[B, T, H, D]``. Elsewhere the same flat
+tensors go through masked SDPA (``_varlen_reference``, what the tests compare). As for
+decode steps, the rows' visible columns must be their first ``length``: the engine takes
+the masked prefill while an image is hidden.
 
 The function is registered in transformers' ``AttentionInterface`` under ``ATTENTION`` and
 selected only inside ``engine_attention``, on the text model's config alone: the vision
@@ -251,48 +252,61 @@ def varlen_prefill(
     causally (query ``j`` sees columns up to ``lengths[r] - T + j``). Returns [B, T, H, D];
     a padding query's output is what the kernel makes of fewer columns (zero for none), and
     nothing reads it. FlashAttention's variable-length kernel on a GPU that runs it
-    (``seqused_k``, causal from the bottom right), the same flattening through masked SDPA
-    elsewhere."""
+    (``seqused_k``, causal from the bottom right, grouped-query heads in the kernel), the
+    same flat tensors through masked SDPA elsewhere."""
     b, heads, t, d = query.shape
-    kv_heads, group, cap = _slot_layout(query, key, value, "prefill")
-    n = b * kv_heads  # sequences: every (row, KV head), T queries of `group` heads each
-    # [B, H, T, D] is a transpose of the projection's [B, T, H, D]: one copy regroups it.
-    q = query.transpose(1, 2).reshape(b, t, kv_heads, group, d).transpose(1, 2)
-    q = q.reshape(n * t, group, d)
-    flat_k, flat_v = _flat(key, n * cap), _flat(value, n * cap)
-    seqlens, cu_q, cu_k = _varlen_index(lengths, kv_heads, cap, t)
+    kv_heads, _, cap = _slot_layout(query, key, value, "prefill")
+    # One sequence a row. [B, H, T, D] is a transpose of the projection's [B, T, H, D], so
+    # the queries' flat form is a view, and so is the output's [B, T, H, D].
+    q = query.transpose(1, 2).reshape(b * t, heads, d)
+    rows_k, rows_v = _rows(key, b), _rows(value, b)
+    seqlens, cu_q, cu_k = _varlen_index(lengths, 1, kv_heads * cap, t)
     if query.device.type == "cuda" and query.dtype == key.dtype and _flash_runs(query):
         out = torch.ops.aten._flash_attention_forward(
-            q, flat_k, flat_v, cu_q, cu_k, t, cap, 0.0, True, False, scale=scale,
+            q, rows_k, rows_v, cu_q, cu_k, t, cap, 0.0, True, False, scale=scale,
             seqused_k=seqlens,
         )[0]  # fmt: skip
     else:
-        out = _varlen_reference(q, flat_k, flat_v, seqlens, t, scale)
-    return out.reshape(b, kv_heads, t, group, d).permute(0, 2, 1, 3, 4).reshape(b, t, heads, d)
+        out = _varlen_reference(q, rows_k, rows_v, seqlens, cu_k, t, cap, scale)
+    return out.reshape(b, t, heads, d)
+
+
+def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Slot buffer view ``x`` [B, Hkv, W, D] as FlashAttention's flat keys
+    ``[total, Hkv, D]`` of one sequence a row: row ``r``'s column ``j`` of head ``h`` is at
+    ``r * Hkv * capacity + j`` (row stride ``D``, head stride ``capacity x D``), nothing
+    copied. ``total`` stops where the last row's last head ends."""
+    kv_heads, d = x.shape[1], x.shape[-1]
+    cap = x.stride(1) // d
+    total = (rows - 1) * kv_heads * cap + cap
+    return torch.as_strided(x, (total, kv_heads, d), (d, cap * d, 1), x.storage_offset())
 
 
 def _varlen_reference(
     q: torch.Tensor,
-    flat_k: torch.Tensor,
-    flat_v: torch.Tensor,
+    rows_k: torch.Tensor,
+    rows_v: torch.Tensor,
     seqlens: torch.Tensor,
+    cu_k: torch.Tensor,
     t: int,
+    cap: int,
     scale: float | None,
 ) -> torch.Tensor:
     """What ``_flash_attention_forward`` computes from the same flat tensors: ``q``
-    [n * t, group, D], ``flat_k``/``flat_v`` [n * cap, 1, D], sequence ``i`` reading its
-    first ``seqlens[i]`` keys causally from the bottom right; a query with no key gets 0."""
-    group, d = q.shape[1], q.shape[2]
-    n = seqlens.shape[0]
-    cap = flat_k.shape[0] // n
-    keys, values = (x.reshape(n, 1, cap, d) for x in (flat_k, flat_v))
-    last = seqlens[:, None] - t + torch.arange(t, device=q.device)[None, :]  # [n, t]
+    [B * t, H, D], ``rows_k``/``rows_v`` [total, Hkv, D] with row ``r``'s keys from
+    ``cu_k[r]`` on, row ``r`` reading its first ``seqlens[r]`` keys causally from the bottom
+    right; a query with no key gets 0."""
+    b, heads, d = seqlens.shape[0], q.shape[1], q.shape[2]
+    cols = cu_k[:-1, None].long() + torch.arange(cap, device=q.device)[None, :]  # [B, cap]
+    keys, values = (x[cols].transpose(1, 2) for x in (rows_k, rows_v))  # [B, Hkv, cap, D]
+    last = seqlens[:, None] - t + torch.arange(t, device=q.device)[None, :]  # [B, t]
     allowed = torch.arange(cap, device=q.device)[None, None, :] <= last[:, :, None]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.reshape(n, t, group, d).transpose(1, 2), keys, values, allowed[:, None], scale=scale
-    )
+        q.reshape(b, t, heads, d).transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+        allowed[:, None], scale=scale, enable_gqa=True,
+    )  # fmt: skip
     out = torch.where(allowed.any(-1)[:, None, :, None], out, 0.0)
-    return out.transpose(1, 2).reshape(n * t, group, d)
+    return out.transpose(1, 2).reshape(b * t, heads, d)
 
 
 def _flash_runs(query: torch.Tensor) -> bool:
