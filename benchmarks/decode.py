@@ -17,15 +17,21 @@ read once plus every row's live KV cache, at ``--bandwidth-tbs``) and the share 
 reached, and the static cache's speed-up over the dynamic one. ``--generate`` adds the
 re-encoding baseline on the same rows: ``model.generate`` from the whole context (its
 prefill included, as a turn of ``benchmarks/rollout.py``'s ``baseline`` pays it).
+``--kernels`` then plays ``--steps`` more steps of each cache under ``torch.profiler`` and
+prints where the device's time goes in a step: kernel time by kind (matrix products,
+attention, norms, element-wise, copies, sampling), and the longest kernels by name.
 
     python benchmarks/decode.py --preset tiny --batch 8,16 --min-width 40 --max-width 120 --steps 8
     python benchmarks/decode.py --preset qwen3vl-8b --device cuda --batch 96,192 --generate
+    python benchmarks/decode.py --preset qwen3vl-8b --device cuda --batch 192 --caches varlen \
+        --kernels
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import re
 import sys
 import tempfile
 import time
@@ -43,6 +49,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, hardware  # noqa: E402
 
 PREFILL_CHUNK = 256  # tokens a row per prefill forward, to bound the attention's memory
+# Kernel kinds by name (cuBLAS, CUTLASS, FlashAttention, torch's and Inductor's kernels);
+# the first that matches wins.
+KERNEL_KINDS = (
+    ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|splitk|gemv|aten::(add|b)?mm\b"),
+    ("attention", r"fmha|flash|attention|efficient"),
+    ("norm", r"rms|norm"),
+    ("sampling", r"softmax|multinomial|sort|topk|argmax|exponential|distribution|cumsum"),
+    ("copy", r"copy|cat|index|scatter|gather|fill"),
+    ("element-wise", r"elementwise|vectorized|unrolled|triton|reduce"),
+)
 
 
 def _sync(device: torch.device) -> None:
@@ -66,8 +82,11 @@ def _rows(chat: ChatFormat, batch: int, lo: int, hi: int) -> list[list[int]]:
     return [words[:n] for n in lengths]
 
 
-def _decode(engine: InferenceEngine, rows: list[list[int]], steps: int, warmup: int) -> dict:
-    """Prefill ``rows`` in chunks, then time ``steps`` decode forwards."""
+def _decode(
+    engine: InferenceEngine, rows: list[list[int]], steps: int, warmup: int, kernels: bool = False
+) -> dict:
+    """Prefill ``rows`` in chunks, then time ``steps`` decode forwards (and, with ``kernels``,
+    profile as many more)."""
     batch = engine.open_batch(len(rows), seed=0)
     one = SamplingParams(temperature=1.0, max_tokens=1)
     for start in range(0, max(map(len, rows)), PREFILL_CHUNK):
@@ -77,7 +96,7 @@ def _decode(engine: InferenceEngine, rows: list[list[int]], steps: int, warmup: 
     empty = {i: Chunk([]) for i in range(len(rows))}
     batch.extend_and_generate(empty, SamplingParams(temperature=1.0, max_tokens=warmup))
     # Room for the timed steps now: a growth of the static cache is a copy, not a step.
-    batch.kv.reserve(batch.cache_tokens + 1 + steps)
+    batch.kv.reserve(batch.cache_tokens + 1 + steps * (2 if kernels else 1))
     before = sum(batch.lengths)
     warm_capture_s = 0.0 if batch.graphs is None else batch.graphs.capture_s
     _sync(engine.device)
@@ -92,12 +111,48 @@ def _decode(engine: InferenceEngine, rows: list[list[int]], steps: int, warmup: 
     if graphs is not None:  # a capture inside the timed steps is not a step
         seconds -= graphs.capture_s - warm_capture_s
     return {
+        "kernels": _kernel_profile(batch, empty, steps) if kernels else [],
         "captures": 0 if graphs is None else graphs.captures,
         "step_s": seconds / steps,
         "tokens_s": len(rows) * steps / seconds,
         "mean_cache": (before + after) / 2 / len(rows),
         "widths": (min(batch.lengths), max(batch.lengths)),
     }
+
+
+def _kernel_profile(batch, empty: dict, steps: int) -> list[str]:
+    """``steps`` more decode steps under torch.profiler: device time a step by kernel kind
+    and the longest kernels (replays of CUDA graphs included); on a CPU, operators' own
+    time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = batch.engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        batch.extend_and_generate(empty, SamplingParams(temperature=1.0, max_tokens=steps))
+        _sync(batch.engine.device)
+    events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if cuda else "CPU")]
+
+    def own_us(e) -> float:
+        return e.self_device_time_total if cuda else e.self_cpu_time_total
+
+    total = sum(map(own_us, events)) or 1.0
+    kinds: dict[str, list[float]] = {}
+    for e in events:
+        kind = next((k for k, rx in KERNEL_KINDS if re.search(rx, e.key, re.I)), "other")
+        acc = kinds.setdefault(kind, [0.0, 0])
+        acc[0] += own_us(e)
+        acc[1] += e.count
+    lines = [f"    device time a step: {total / steps / 1e3:.2f} ms"]
+    for kind, (us, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+        lines.append(
+            f"    {kind:<13} {us / steps / 1e3:>7.3f} ms {us / total:>6.1%} "
+            f"{count / steps:>6.0f} kernels a step"
+        )
+    for e in sorted(events, key=lambda e: -own_us(e))[:12]:
+        lines.append(
+            f"      {own_us(e) / steps / 1e3:>7.3f} ms {e.count / steps:>5.0f}x {e.key[:90]}"
+        )
+    return lines
 
 
 def _generate(model, chat: ChatFormat, rows: list[list[int]], steps: int) -> dict:
@@ -139,6 +194,9 @@ def main() -> None:
         "--caches", default="dynamic,static,graphs", help="or flex, varlen, flash, fused"
     )
     p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
+    p.add_argument(
+        "--kernels", action="store_true", help="profile each cache's steps: device time by kernel"
+    )
     p.add_argument("--device", default="cpu")
     add_hardware_flags(p)
     args = p.parse_args()
@@ -185,7 +243,7 @@ def main() -> None:
                 else "sdpa",
                 fused_pointwise=cache == "fused",
             )
-            r = results[cache] = _decode(engine, rows, args.steps, args.warmup)
+            r = results[cache] = _decode(engine, rows, args.steps, args.warmup, args.kernels)
             bound_s = (weights + size * r["mean_cache"] * kv_token) / (args.bandwidth_tbs * 1e12)
             ratio = (
                 f"{results['dynamic']['step_s'] / r['step_s']:.2f}x" if "dynamic" in results else ""
@@ -196,6 +254,7 @@ def main() -> None:
                 f"{bound_s / r['step_s']:>8.1%} {ratio:>10}"
                 + (f"  ({r['captures']} graphs captured)" if graphs else "")
             )
+            print("\n".join(r["kernels"]), end="\n" if r["kernels"] else "")
             del engine
             gc.collect()
             if device.type == "cuda":
