@@ -13,8 +13,9 @@ one product each. This benchmark times, for one layer and each batch size:
   bytes).
 
 Time is the median of ``--repeats`` calls of the layer's products between CUDA events;
-the bound is the layer's weight bytes at ``--bandwidth-tbs`` (measured on the card unless
-given). ``x layers`` extrapolates to a whole step's 36 layers.
+the bound is the larger of the layer's weight bytes at ``--bandwidth-tbs`` and its
+``2 x batch x weights`` FLOPs at ``--peak-tflops`` (both measured on the card unless given;
+at batch 192 the two are close). ``x layers`` extrapolates to a whole step's 36 layers.
 
     python benchmarks/decode_linears.py --device cuda --batch 96,192
 """
@@ -94,18 +95,19 @@ def main() -> None:
         args.hidden, args.heads, args.kv_heads, args.head_dim, args.intermediate, dev, dtype
     )
     nbytes = sum(t.numel() * t.element_size() for t in w.values())
-    bound = hw.memory_s(nbytes)
+    params = sum(t.numel() for t in w.values())
     print(
         f"one decoder layer's linears: hidden {args.hidden}, {args.heads} query / "
         f"{args.kv_heads} KV heads of {args.head_dim}, MLP {args.intermediate}, {args.dtype} "
-        f"on {dev}; {nbytes / 1e6:.1f} MB of weights, bound {bound * 1e6:.1f} us at "
-        f"{hw.tbs:g} TB/s"
+        f"on {dev}; {nbytes / 1e6:.1f} MB of weights, {hw.memory_s(nbytes) * 1e6:.1f} us at "
+        f"{hw.tbs:g} TB/s; bound: that or the FLOPs at {hw.tflops:g} TFLOP/s"
     )
     print(
         f"{'variant':<10} {'batch':>5} {'us':>9} {'of bound':>8} {'x layers ms':>11} "
         f"{'vs separate':>11} {'max diff':>9}"
     )
     for m in (int(b) for b in args.batch.split(",")):
+        bound = max(hw.memory_s(nbytes), hw.compute_s(2 * m * params))
         x = torch.randn(m, args.hidden, device=dev, dtype=dtype)
         attn = torch.randn(m, args.heads * args.head_dim, device=dev, dtype=dtype)
         act = torch.randn(m, args.intermediate, device=dev, dtype=dtype)
