@@ -1,0 +1,69 @@
+"""The engine's GPU benchmarks run to the end on a CPU at tiny shapes.
+
+They are written for a GPU, where time is scarce: a script that breaks after a change
+should fail here, not on the device. Each runs as a user runs it (its own process, its
+command line) and must print its table; the figures themselves mean nothing on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+ATTENTION = ["--device", "cpu", "--batch", "2", "--min-width", "20", "--max-width", "60"]
+SMALL_HEADS = ["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--repeats", "2"]
+
+RUNS = {
+    "decode_attention": (
+        ["decode_attention.py", *ATTENTION, *SMALL_HEADS],
+        ["sdpa_mask", "engine_varlen"],
+    ),
+    "prefill_attention": (
+        ["prefill_attention.py", *ATTENTION, "--chunk", "8", *SMALL_HEADS],
+        ["sdpa_mask", "engine_varlen"],
+    ),
+    "decode_linears": (
+        ["decode_linears.py", "--device", "cpu", "--batch", "2", "--hidden", "64"]
+        + ["--intermediate", "128", *SMALL_HEADS],
+        ["separate", "merged"],
+    ),
+    "decode": (
+        ["decode.py", "--preset", "tiny", "--batch", "2", "--min-width", "20"]
+        + ["--max-width", "40", "--steps", "2", "--warmup", "1", "--caches", "static,varlen"]
+        + ["--kernels"],
+        ["static", "varlen", "device time a step", "matmul"],
+    ),
+    "rollout": (
+        ["rollout.py", "--preset", "tiny", "--env-id", "maze_2d/easy", "--prompts", "2"]
+        + ["--samples", "2", "--max-turns", "2", "--skip-baseline", "--cuda-graphs"]
+        + ["--varlen", "--fused", "--prefill-varlen", "--profile", "--device", "cpu"],
+        ["clew varlen prefill", "prefill forwards", "whole rollout"],
+    ),
+    "grpo_step": (
+        ["grpo_step.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]
+        + ["--max-turns", "2", "--steps", "1", "--micro-batch", "2", "--device", "cpu"]
+        + ["--skip-baseline"],
+        ["generate", "update", "floor of the last step"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_an_engine_benchmark_runs_to_its_table_on_a_cpu(name):
+    argv, expected = RUNS[name]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / argv[0]), *argv[1:]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    missing = [text for text in expected if text not in done.stdout]
+    assert not missing, f"{missing} not in:\n{done.stdout[-3000:]}"
