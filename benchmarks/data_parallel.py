@@ -36,6 +36,8 @@ PHASES = ("generate", "update", "step")
 
 def run(args: argparse.Namespace, model: Path, data: Path, out: Path, workers: int) -> dict:
     prompts = args.prompts * (workers if args.scaling == "weak" else 1)
+    # A worker's micro-batch cannot exceed its share of the mini batch (the config refuses it).
+    micro = max(1, min(args.micro_batch, prompts * args.samples // workers))
     if args.device == "cpu":
         placement = [f"trainer.placement.num_cpu_workers={workers}"]
     else:
@@ -54,8 +56,8 @@ def run(args: argparse.Namespace, model: Path, data: Path, out: Path, workers: i
             f"trainer.strategy={args.strategy}",
             f"trainer.train_batch_size={prompts}",
             f"trainer.policy_mini_batch_size={prompts}",
-            f"trainer.micro_train_batch_size_per_gpu={args.micro_batch}",
-            f"trainer.micro_forward_batch_size_per_gpu={args.micro_batch}",
+            f"trainer.micro_train_batch_size_per_gpu={micro}",
+            f"trainer.micro_forward_batch_size_per_gpu={micro}",
             f"trainer.max_steps={args.steps}",
             "trainer.eval_before_train=false",
             "trainer.eval_interval=-1",
@@ -108,7 +110,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="steps per run, the first a warm-up")
     p.add_argument("--lora-rank", type=int, default=32)
     p.add_argument("--strategy", default="fsdp", help="trainer.strategy")
-    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument(
+        "--micro-batch", type=int, default=16, help="at most; a worker's share of the batch caps it"
+    )
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--vocab-size", type=int, default=None, help="pad the tokenizer to this")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides")
