@@ -78,6 +78,8 @@ def main() -> None:
             )
             model = str(built.path)
             del built
+        # The micro-batch cannot exceed the mini batch (the config refuses it).
+        micro = max(1, min(args.micro_batch, args.prompts * args.samples))
         cfg = load_config(
             None,
             [
@@ -88,8 +90,8 @@ def main() -> None:
                 f"trainer.device={args.device}",
                 f"trainer.train_batch_size={args.prompts}",
                 f"trainer.policy_mini_batch_size={args.prompts}",
-                f"trainer.micro_train_batch_size_per_gpu={args.micro_batch}",
-                f"trainer.micro_forward_batch_size_per_gpu={args.micro_batch}",
+                f"trainer.micro_train_batch_size_per_gpu={micro}",
+                f"trainer.micro_forward_batch_size_per_gpu={micro}",
                 f"generator.n_samples_per_prompt={args.samples}",
                 f"generator.max_turns={args.max_turns}",
                 f"generator.sampling_params.max_generate_length={args.max_tokens}",

@@ -1,4 +1,4 @@
-"""The engine's GPU benchmarks run to the end on a CPU at tiny shapes.
+"""The engine's and the update's GPU benchmarks run to the end on a CPU at tiny shapes.
 
 They are written for a GPU, where time is scarce: a script that breaks after a change
 should fail here, not on the device. Each runs as a user runs it (its own process, its
@@ -49,6 +49,16 @@ RUNS = {
         + ["--max-turns", "2", "--steps", "1", "--micro-batch", "2", "--device", "cpu"]
         + ["--skip-baseline"],
         ["generate", "update", "floor of the last step"],
+    ),
+    "update": (
+        ["update.py", "--preset", "tiny", "--env", "maze_2d/tiny", "--prompts", "2"]
+        + ["--samples", "2", "--steps", "1"],
+        ["MFU"],
+    ),
+    "logprob_guard": (
+        ["logprob_guard.py", "--preset", "tiny", "--device", "cpu", "--prompts", "2"]
+        + ["--samples", "2", "--max-turns", "2"],
+        ["engine old logprobs (baseline)", "use_tis"],
     ),
 }
 
