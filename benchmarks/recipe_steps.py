@@ -20,7 +20,8 @@ over ``before``.
     python benchmarks/recipe_steps.py --recipe recipes/easy-1gpu.yaml --steps 4
     python benchmarks/recipe_steps.py --recipe recipes/cpu-demo.yaml --steps 2 --device cpu \\
         --set trainer.train_batch_size=2 trainer.policy_mini_batch_size=2 \\
-        generator.n_samples_per_prompt=2 generator.max_turns=3
+        generator.n_samples_per_prompt=2 generator.max_turns=3 \\
+        trainer.micro_train_batch_size_per_gpu=4 trainer.micro_forward_batch_size_per_gpu=4
 """
 
 from __future__ import annotations

@@ -60,6 +60,16 @@ RUNS = {
         + ["--samples", "2", "--max-turns", "2"],
         ["engine old logprobs (baseline)", "use_tis"],
     ),
+    "recipe_steps": (
+        ["recipe_steps.py", "--recipe", "recipes/cpu-demo.yaml", "--steps", "2", "--device"]
+        + ["cpu", "--set", "trainer.train_batch_size=2", "trainer.policy_mini_batch_size=2"]
+        + ["generator.n_samples_per_prompt=2", "generator.max_turns=3"]
+        + [
+            "trainer.micro_train_batch_size_per_gpu=4",
+            "trainer.micro_forward_batch_size_per_gpu=4",
+        ],
+        ["before", "graphs", "speed-up"],
+    ),
 }
 
 
@@ -69,6 +79,7 @@ def test_an_engine_benchmark_runs_to_its_table_on_a_cpu(name):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / argv[0]), *argv[1:]],
+        cwd=BENCHMARKS.parent,
         capture_output=True,
         text=True,
         env=env,
