@@ -51,9 +51,9 @@ from bounds import add_hardware_flags, hardware  # noqa: E402
 PREFILL_CHUNK = 256  # tokens a row per prefill forward, to bound the attention's memory
 # Kernel kinds by name (cuBLAS, CUTLASS, FlashAttention, torch's and Inductor's kernels);
 # the first that matches wins.
-KERNEL_KINDS = (
+KERNEL_KINDS = (  # attention first: its CUTLASS kernels (fmha_cutlassF) are not products
+    ("attention", r"fmha|flash|attention|efficient|sdpa"),
     ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|splitk|gemv|aten::(add|b)?mm\b"),
-    ("attention", r"fmha|flash|attention|efficient"),
     ("norm", r"rms|norm"),
     ("sampling", r"softmax|multinomial|sort|topk|argmax|exponential|distribution|cumsum"),
     ("copy", r"copy|cat|index|scatter|gather|fill"),

@@ -124,7 +124,7 @@ def candidates(
             out = torch.ops.aten._flash_attention_forward(
                 folded.reshape(n, group, d), k.reshape(n * cap, 1, d), v.reshape(n * cap, 1, d),
                 cu_one, cu_k, 1, cap, 0.0, False, False, scale=scale, seqused_k=seqlens,
-                num_splits=splits,
+                **({} if splits is None else {"num_splits": splits}),  # not in every torch
             )[0]  # fmt: skip
             return out.reshape(b, heads, d)
 
