@@ -122,8 +122,9 @@ def _decode(
 
 def _kernel_profile(batch, empty: dict, steps: int) -> list[str]:
     """``steps`` more decode steps under torch.profiler: device time a step by kernel kind
-    and the longest kernels (replays of CUDA graphs included); on a CPU, operators' own
-    time."""
+    and the longest kernels (replays of CUDA graphs included; on a CPU, operators' own
+    time), averaged over the call's forwards, the first of which is the pending token's
+    one-token chunk through the prefill path."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = batch.engine.device.type == "cuda"
@@ -142,7 +143,10 @@ def _kernel_profile(batch, empty: dict, steps: int) -> list[str]:
         acc = kinds.setdefault(kind, [0.0, 0])
         acc[0] += own_us(e)
         acc[1] += e.count
-    lines = [f"    device time a step: {total / steps / 1e3:.2f} ms"]
+    lines = [
+        f"    device time a step: {total / steps / 1e3:.2f} ms (averaged over {steps} forwards, "
+        "the first the pending token's chunk through the prefill path)"
+    ]
     for kind, (us, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
         lines.append(
             f"    {kind:<13} {us / steps / 1e3:>7.3f} ms {us / total:>6.1%} "
