@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from clew.inference.attention import varlen_decode
+from clew.inference.attention import _rows, varlen_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, candidates_header, compare_candidates, hardware  # noqa: E402
@@ -131,11 +131,7 @@ def candidates(
         return call
 
     per_row = kv_heads * cap
-    total = (b - 1) * per_row + cap  # the view's last row's last head ends at the storage's end
-    rows_k, rows_v = (
-        torch.as_strided(x, (total, kv_heads, d), (d, cap * d, 1), x.storage_offset())
-        for x in (k, v)
-    )
+    rows_k, rows_v = _rows(k, b, cap), _rows(v, b, cap)  # the engine's prefill view
     cu_rows_k = torch.arange(0, (b + 1) * per_row, per_row, device=dev, dtype=torch.int32)
     row_lengths = lengths.to(torch.int32)
 

@@ -259,7 +259,7 @@ def varlen_prefill(
     # One sequence a row. [B, H, T, D] is a transpose of the projection's [B, T, H, D], so
     # the queries' flat form is a view, and so is the output's [B, T, H, D].
     q = query.transpose(1, 2).reshape(b * t, heads, d)
-    rows_k, rows_v = _rows(key, b), _rows(value, b)
+    rows_k, rows_v = _rows(key, b, cap), _rows(value, b, cap)
     seqlens, cu_q, cu_k = _varlen_index(lengths, 1, kv_heads * cap, t)
     if query.device.type == "cuda" and query.dtype == key.dtype and _flash_runs(query):
         out = torch.ops.aten._flash_attention_forward(
@@ -271,13 +271,12 @@ def varlen_prefill(
     return out.reshape(b, t, heads, d)
 
 
-def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """Slot buffer view ``x`` [B, Hkv, W, D] as FlashAttention's flat keys
-    ``[total, Hkv, D]`` of one sequence a row: row ``r``'s column ``j`` of head ``h`` is at
-    ``r * Hkv * capacity + j`` (row stride ``D``, head stride ``capacity x D``), nothing
-    copied. ``total`` stops where the last row's last head ends."""
+def _rows(x: torch.Tensor, rows: int, cap: int) -> torch.Tensor:
+    """Slot buffer view ``x`` [B, Hkv, W, D] (slots of ``cap`` columns, ``_slot_layout``) as
+    FlashAttention's flat keys ``[total, Hkv, D]`` of one sequence a row: row ``r``'s column
+    ``j`` of head ``h`` is at ``r * Hkv * cap + j`` (row stride ``D``, head stride
+    ``cap x D``), nothing copied. ``total`` stops where the last row's last head ends."""
     kv_heads, d = x.shape[1], x.shape[-1]
-    cap = x.stride(1) // d
     total = (rows - 1) * kv_heads * cap + cap
     return torch.as_strided(x, (total, kv_heads, d), (d, cap * d, 1), x.storage_offset())
 
