@@ -2,24 +2,26 @@
 
 Each batch size gets a batch of text rows whose lengths spread evenly over
 ``--min-width``..``--max-width`` tokens (the shape of a 5-turn maze rollout's cache), one
-engine batch per KV cache (``generator.inference_engine.kv_cache``), and ``--steps`` decode
-steps timed after a warm-up; no row stops early (no stop token). ``graphs`` is the static
-cache with decode steps replayed from CUDA graphs (``generator.inference_engine.enforce_eager
-=false``), ``flex`` the same with FlexAttention reading each row's own blocks
-(``decode_attention=flex``) and ``varlen`` with the variable-length kernel reading each
-row's own columns (``decode_attention=varlen``; ``flash`` through FlashAttention's decoding
-path), and ``fused`` is ``varlen`` with the rotary
+engine batch per KV cache (``generator.inference_engine.kv_cache``), and ``--steps`` decode steps
+timed after a warm-up (from the first decode step: the pending token's chunk before it is a
+prefill forward, as a turn's is in a rollout); no row stops early (no stop token).
+``graphs`` is the static cache with decode steps replayed from CUDA graphs
+(``generator.inference_engine.enforce_eager=false``), ``flex`` the same with FlexAttention
+reading each row's own blocks (``decode_attention=flex``) and ``varlen`` with the
+variable-length kernel reading each row's own columns (``decode_attention=varlen``; ``flash``
+through FlashAttention's decoding path), and ``fused`` is ``varlen`` with the rotary
 embedding and the SwiGLU gate compiled into one kernel each
 (``generator.inference_engine.fused_pointwise=true``); their captures (and compilations)
-are counted and their time left out of the step. Printed per cache and batch:
-the decode step time, generated tokens/s, the bandwidth bound of a step (the text weights
-read once plus every row's live KV cache, at ``--bandwidth-tbs``) and the share of it
-reached, and the static cache's speed-up over the dynamic one. ``--generate`` adds the
-re-encoding baseline on the same rows: ``model.generate`` from the whole context (its
-prefill included, as a turn of ``benchmarks/rollout.py``'s ``baseline`` pays it).
-``--kernels`` then plays ``--steps`` more steps of each cache under ``torch.profiler`` and
-prints where the device's time goes in a step: kernel time by kind (matrix products,
-attention, norms, element-wise, copies, sampling), and the longest kernels by name.
+are counted and their time left out of the step. Printed per cache and batch: the decode
+step time, generated tokens/s, the bandwidth bound of a step (the text weights read once
+plus every row's live KV cache, at ``--bandwidth-tbs``) and the share of it reached, and
+the static cache's speed-up over the dynamic one. ``--generate`` adds the re-encoding
+baseline on the same rows: ``model.generate`` from the whole context (its prefill included,
+as a turn of ``benchmarks/rollout.py``'s ``baseline`` pays it). ``--kernels`` then plays
+``--steps`` more steps of each cache under ``torch.profiler`` (and the chunk before them
+apart, to take it out) and prints where the device's time goes in a decode step: kernel
+time by kind (matrix products, attention, norms, element-wise, copies, sampling), and the
+longest kernels by name.
 
     python benchmarks/decode.py --preset tiny --batch 8,16 --min-width 40 --max-width 120 --steps 8
     python benchmarks/decode.py --preset qwen3vl-8b --device cuda --batch 96,192 --generate
@@ -95,17 +97,30 @@ def _decode(
         )
     empty = {i: Chunk([]) for i in range(len(rows))}
     batch.extend_and_generate(empty, SamplingParams(temperature=1.0, max_tokens=warmup))
-    # Room for the timed steps now: a growth of the static cache is a copy, not a step.
-    batch.kv.reserve(batch.cache_tokens + 1 + steps * (2 if kernels else 1))
+    # Room for the timed (and profiled) steps now: a growth of the static cache is a copy,
+    # not a step.
+    batch.kv.reserve(batch.cache_tokens + (steps + 4) * (3 if kernels else 1))
     before = sum(batch.lengths)
     warm_capture_s = 0.0 if batch.graphs is None else batch.graphs.capture_s
-    _sync(engine.device)
-    t0 = time.perf_counter()
-    # A one-token chunk (the pending token) and steps - 1 decode steps: every forward is one
-    # token a row.
-    batch.extend_and_generate(empty, SamplingParams(temperature=1.0, max_tokens=steps))
-    _sync(engine.device)
-    seconds = time.perf_counter() - t0
+    # The call's first forward is the pending token's one-token chunk, through the prefill
+    # path (in a rollout, a turn's prefill); the clock starts at the first decode step. The
+    # host has just read the chunk's sampled tokens then, so the sync waits for nothing.
+    started: list[float] = []
+    step = batch._step
+
+    def first_step_starts_the_clock(*args, **kwargs):
+        if not started:
+            _sync(engine.device)
+            started.append(time.perf_counter())
+        return step(*args, **kwargs)
+
+    batch._step = first_step_starts_the_clock
+    try:
+        batch.extend_and_generate(empty, SamplingParams(temperature=1.0, max_tokens=steps + 1))
+        _sync(engine.device)
+    finally:
+        del batch._step
+    seconds = time.perf_counter() - started[0]
     after = sum(batch.lengths)
     graphs = batch.graphs
     if graphs is not None:  # a capture inside the timed steps is not a step
@@ -121,41 +136,49 @@ def _decode(
 
 
 def _kernel_profile(batch, empty: dict, steps: int) -> list[str]:
-    """``steps`` more decode steps under torch.profiler: device time a step by kernel kind
-    and the longest kernels (replays of CUDA graphs included; on a CPU, operators' own
-    time), averaged over the call's forwards, the first of which is the pending token's
-    one-token chunk through the prefill path."""
+    """Where the device's time goes in a decode step: kernel time by kind and the longest
+    kernels (replays of CUDA graphs included; on a CPU, operators' own time).
+
+    Two calls are profiled, one that only prefills the pending token's chunk and one that
+    also takes ``steps`` decode steps; the step is their difference, kernel by kernel."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = batch.engine.device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        batch.extend_and_generate(empty, SamplingParams(temperature=1.0, max_tokens=steps))
-        _sync(batch.engine.device)
-    events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if cuda else "CPU")]
 
     def own_us(e) -> float:
         return e.self_device_time_total if cuda else e.self_cpu_time_total
 
-    total = sum(map(own_us, events)) or 1.0
+    def profiled(max_tokens: int) -> dict[str, list[float]]:
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
+            batch.extend_and_generate(empty, SamplingParams(temperature=1.0, max_tokens=max_tokens))
+            _sync(batch.engine.device)
+        kind = "CUDA" if cuda else "CPU"
+        return {e.key: [own_us(e), e.count] for e in p.key_averages() if e.device_type.name == kind}
+
+    chunk, whole = profiled(1), profiled(steps + 1)
+    for key, (us, count) in chunk.items():
+        if key in whole:
+            whole[key][0] -= us
+            whole[key][1] -= count
+    events = {k: v for k, v in whole.items() if v[1] > 0 and v[0] > 0}
+    total = sum(us for us, _ in events.values()) or 1.0
     kinds: dict[str, list[float]] = {}
-    for e in events:
-        kind = next((k for k, rx in KERNEL_KINDS if re.search(rx, e.key, re.I)), "other")
+    for key, (us, count) in events.items():
+        kind = next((k for k, rx in KERNEL_KINDS if re.search(rx, key, re.I)), "other")
         acc = kinds.setdefault(kind, [0.0, 0])
-        acc[0] += own_us(e)
-        acc[1] += e.count
+        acc[0] += us
+        acc[1] += count
     lines = [
-        f"    device time a step: {total / steps / 1e3:.2f} ms (averaged over {steps} forwards, "
-        "the first the pending token's chunk through the prefill path)"
+        f"    device time a decode step: {total / steps / 1e3:.2f} ms (the chunk's forward "
+        "profiled apart and taken out)"
     ]
     for kind, (us, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
         lines.append(
             f"    {kind:<13} {us / steps / 1e3:>7.3f} ms {us / total:>6.1%} "
             f"{count / steps:>6.0f} kernels a step"
         )
-    for e in sorted(events, key=lambda e: -own_us(e))[:12]:
-        lines.append(
-            f"      {own_us(e) / steps / 1e3:>7.3f} ms {e.count / steps:>5.0f}x {e.key[:90]}"
-        )
+    for key, (us, count) in sorted(events.items(), key=lambda kv: -kv[1][0])[:12]:
+        lines.append(f"      {us / steps / 1e3:>7.3f} ms {count / steps:>5.0f}x {key[:90]}")
     return lines
 
 

@@ -36,7 +36,7 @@ RUNS = {
         ["decode.py", "--preset", "tiny", "--batch", "2", "--min-width", "20"]
         + ["--max-width", "40", "--steps", "2", "--warmup", "1", "--caches", "static,varlen"]
         + ["--kernels"],
-        ["static", "varlen", "device time a step", "matmul"],
+        ["static", "varlen", "device time a decode step", "matmul"],
     ),
     "rollout": (
         ["rollout.py", "--preset", "tiny", "--env-id", "maze_2d/easy", "--prompts", "2"]
