@@ -11,7 +11,9 @@ reading each row's own blocks (``decode_attention=flex``) and ``varlen`` with th
 variable-length kernel reading each row's own columns (``decode_attention=varlen``; ``flash``
 through FlashAttention's decoding path), and ``fused`` is ``varlen`` with the rotary
 embedding and the SwiGLU gate compiled into one kernel each
-(``generator.inference_engine.fused_pointwise=true``); their captures (and compilations)
+(``generator.inference_engine.fused_pointwise=true``) and ``merged`` is ``varlen`` with each
+layer's q/k/v and gate/up products merged (``merged_projections=true``; the weights stay
+merged for the caches after it, which compute them apart); their captures (and compilations)
 are counted and their time left out of the step. Printed per cache and batch: the decode
 step time, generated tokens/s, the bandwidth bound of a step (the text weights read once
 plus every row's live KV cache, at ``--bandwidth-tbs``) and the share of it reached, and
@@ -218,7 +220,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument(
-        "--caches", default="dynamic,static,graphs", help="or flex, varlen, flash, fused"
+        "--caches", default="dynamic,static,graphs", help="or flex, varlen, flash, fused, merged"
     )
     p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
     p.add_argument(
@@ -258,17 +260,18 @@ def main() -> None:
         results = {}
         for cache in args.caches.split(","):
             # No stop token, so every row decodes every step.
-            graphs = cache in ("graphs", "flex", "varlen", "flash", "fused")
+            graphs = cache in ("graphs", "flex", "varlen", "flash", "fused", "merged")
             engine = InferenceEngine(
                 model,
                 chat,
                 kv_cache="static" if graphs else cache,
                 stop_token_ids=(-1,),
                 cuda_graphs=graphs,
-                decode_attention={"fused": "varlen"}.get(cache, cache)
+                decode_attention={"fused": "varlen", "merged": "varlen"}.get(cache, cache)
                 if graphs and cache != "graphs"
                 else "sdpa",
                 fused_pointwise=cache == "fused",
+                merged_projections=cache == "merged",
             )
             r = results[cache] = _decode(engine, rows, args.steps, args.warmup, args.kernels)
             bound_s = (weights + size * r["mean_cache"] * kv_token) / (args.bandwidth_tbs * 1e12)

@@ -46,6 +46,7 @@ from clew.inference.sampling import SamplingParams
 from clew.models import build_model
 from clew.models.frame_cache import frame_cache
 from clew.models.fused_pointwise import fuse_pointwise
+from clew.models.merged_projections import merge_projections
 from clew.rollout.loop import RolloutSettings, env_threads, play
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -253,22 +254,29 @@ def graphs_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -
         policy.engine.cuda_graphs = False
 
 
-def attention_side(attention: str, fused: bool = False, prefill: str = "sdpa"):
+def attention_side(
+    attention: str, fused: bool = False, prefill: str = "sdpa", merged: bool = False
+):
     """``graphs_side`` with ``decode_attention=attention`` (sdpa, flex, varlen), with
-    ``fused`` the engine's fused rotary and gate (``fused_pointwise``), and
-    ``prefill_attention=prefill``."""
+    ``fused`` the engine's fused rotary and gate (``fused_pointwise``),
+    ``prefill_attention=prefill`` and, with ``merged``, the q/k/v and gate/up products
+    merged (``merged_projections``: the weights stay views of one buffer after the side)."""
 
     def side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict:
         engine = policy.engine
-        before = engine.decode_attention, engine.fused_pointwise, engine.prefill_attention
-        engine.decode_attention, engine.fused_pointwise = attention, fused
-        engine.prefill_attention = prefill
+        keys = ("decode_attention", "fused_pointwise", "prefill_attention", "merged_projections")
+        before = [getattr(engine, k) for k in keys]
+        for k, v in zip(keys, (attention, fused, prefill, merged), strict=True):
+            setattr(engine, k, v)
         if fused:
             fuse_pointwise(engine.model)
+        if merged:
+            merge_projections(engine.model)
         try:
             return graphs_side(policy, rows, n_samples, max_turns, max_tokens)
         finally:
-            engine.decode_attention, engine.fused_pointwise, engine.prefill_attention = before
+            for k, v in zip(keys, before, strict=True):
+                setattr(engine, k, v)
 
     return side
 
@@ -284,6 +292,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--device", default="auto")
     p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument(
+        "--skip-eager",
+        action="store_true",
+        help="leave out the eager engine's side; speed-ups are then over the first side",
+    )
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
@@ -313,6 +326,13 @@ def main() -> None:
         action="store_true",
         help="add a graphs + varlen side (with --fused, fused) whose prefill reads each row's "
         "own columns (prefill_attention=varlen); --profile then profiles that side",
+    )
+    p.add_argument(
+        "--merged",
+        action="store_true",
+        help="add a graphs + varlen side (with --fused, fused; with --prefill-varlen, its "
+        "prefill) with each layer's q/k/v and gate/up products merged (merged_projections="
+        "true); --profile then profiles that side",
     )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument("--arch", default=None, help="qwen2_vl or qwen3_vl (default: the preset's)")
@@ -355,13 +375,16 @@ def main() -> None:
         )
         sizes = model_sizes(path)
         policy = open_policy(path, device=args.device)
-        sides = [("clew engine", clew_side)]
+        sides = [] if args.skip_eager else [("clew engine", clew_side)]
         sides += [("clew cuda graphs", attention_side("sdpa"))] if args.cuda_graphs else []
         sides += [("clew graphs + flex", attention_side("flex"))] if args.flex else []
         sides += [("clew graphs + varlen", attention_side("varlen"))] if args.varlen else []
         sides += [("clew varlen + fused", attention_side("varlen", True))] if args.fused else []
         prefill_side = attention_side("varlen", args.fused, "varlen")
         sides += [("clew varlen prefill", prefill_side)] if args.prefill_varlen else []
+        prefill = "varlen" if args.prefill_varlen else "sdpa"
+        merged_side = attention_side("varlen", args.fused, prefill, merged=True)
+        sides += [("clew merged", merged_side)] if args.merged else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
             f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
@@ -385,13 +408,14 @@ def main() -> None:
                 f"{name:<18} {r['episodes'] / dt:>10.2f} {r['steps'] / dt:>11.1f} "
                 f"{r['gen'] / dt:>10.0f} {r['prefill'] / dt:>13.0f} {dt:>8.1f}"
             )
-        eager = results["clew engine"]
+        eager = results.get("clew engine", next(iter(results.values())))
         for name in (
             "clew cuda graphs",
             "clew graphs + flex",
             "clew graphs + varlen",
             "clew varlen + fused",
             "clew varlen prefill",
+            "clew merged",
         ):
             if name in results:
                 print(f"speed-up of {name[5:]} (episodes/s): {results[name] / eager:.2f}x")
@@ -410,6 +434,7 @@ def main() -> None:
             side = attention_side("varlen") if args.varlen else side
             side = attention_side("varlen", True) if args.fused else side
             side = prefill_side if args.prefill_varlen else side
+            side = merged_side if args.merged else side
             with prof.installed():
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)

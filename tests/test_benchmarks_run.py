@@ -34,15 +34,16 @@ RUNS = {
     ),
     "decode": (
         ["decode.py", "--preset", "tiny", "--batch", "2", "--min-width", "20"]
-        + ["--max-width", "40", "--steps", "2", "--warmup", "1", "--caches", "static,varlen"]
-        + ["--kernels"],
-        ["static", "varlen", "device time a decode step", "matmul"],
+        + ["--max-width", "40", "--steps", "2", "--warmup", "1", "--caches"]
+        + ["static,varlen,merged", "--kernels"],
+        ["static", "varlen", "merged", "device time a decode step", "matmul"],
     ),
     "rollout": (
         ["rollout.py", "--preset", "tiny", "--env-id", "maze_2d/easy", "--prompts", "2"]
         + ["--samples", "2", "--max-turns", "2", "--skip-baseline", "--cuda-graphs"]
-        + ["--varlen", "--fused", "--prefill-varlen", "--profile", "--device", "cpu"],
-        ["clew varlen prefill", "prefill forwards", "whole rollout"],
+        + ["--varlen", "--fused", "--prefill-varlen", "--merged", "--profile"]
+        + ["--device", "cpu"],
+        ["clew varlen prefill", "clew merged", "prefill forwards", "whole rollout"],
     ),
     "grpo_step": (
         ["grpo_step.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]

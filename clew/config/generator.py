@@ -89,6 +89,15 @@ class InferenceEngineConfig(Section):
         "ten element-wise kernels a layer fewer in a decode step); compiled on first use, in "
         "a CUDA-graph step's warm-up. No effect on a CPU or in the trainer's forwards.",
     )
+    merged_projections: bool = Field(
+        False,
+        description="Each text layer's query, key and value products (and its MLP's gate and "
+        "up) as one product each in the engine's forwards, the separate weights becoming "
+        "views of one buffer (no memory added; the trainer's forwards unchanged). On an H100 "
+        "one layer of Qwen3-VL-8B's products took 1.16-1.24x less time in a decode step "
+        "(benchmarks/decode_linears.py). Needs whole weights: refused where trainer.strategy="
+        "fsdp shards a fully fine-tuned policy over several workers.",
+    )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="SkyRL engine options; clew reads `max_model_len` (the engine's context "

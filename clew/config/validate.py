@@ -344,6 +344,21 @@ def _engine_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
             f"{key}.prefill_attention=varlen reads the static cache's slots, and "
             f"{key}.kv_cache=dynamic has none: set kv_cache=static or prefill_attention=sdpa",
         )
+    t = cfg.trainer
+    workers = t.placement.num_workers
+    if (
+        ie.merged_projections
+        and t.strategy in ("fsdp", "fsdp2")
+        and workers > 1
+        and t.policy.model.lora.rank == 0
+    ):
+        fail(
+            "engine-switch",
+            f"{key}.merged_projections=true makes each layer's projection weights views of "
+            f"one buffer, and trainer.strategy={t.strategy} shards a fully fine-tuned policy "
+            f"over its {workers} workers: set merged_projections=false, trainer.strategy=ddp, "
+            "or train a LoRA adapter (trainer.policy.model.lora.rank > 0)",
+        )
     off = "enforce_eager=true" if ie.enforce_eager else "kv_cache=dynamic"
     if ie.decode_attention in ("flex", "flash") and (ie.enforce_eager or ie.kv_cache == "dynamic"):
         fail(

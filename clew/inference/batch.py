@@ -42,6 +42,7 @@ from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
 from clew.models.fused_pointwise import pointwise_fused
 from clew.models.logit_masks import keep_allowed, mask_banned
+from clew.models.merged_projections import projections_merged
 from clew.models.pixels import as_patches, cat_pixels
 from clew.models.positions import mrope_positions
 from clew.models.precision import bf16_autocast
@@ -370,6 +371,7 @@ class CacheBatch:
             bf16_autocast(dev, eng.autocast),
             engine_attention(eng.model) if static else contextlib.nullcontext(),
             pointwise_fused(eng.fused_pointwise),
+            projections_merged(eng.merged_projections),
             eng.lora.rows(adapters),
         ):
             out = eng.model(

@@ -54,6 +54,7 @@ from clew.inference.multi_lora import AdapterSource, MultiLoRA
 from clew.models.chat import ChatFormat
 from clew.models.fused_pointwise import fuse_pointwise
 from clew.models.logit_masks import AllowedIds, banned_token_ids
+from clew.models.merged_projections import merge_projections
 
 KV_CACHES = ("static", "dynamic")
 DECODE_ATTENTION = ("sdpa", "flex", "varlen", "flash")
@@ -88,6 +89,7 @@ class InferenceEngine:
         decode_attention: str = "varlen",
         prefill_attention: str = "sdpa",
         fused_pointwise: bool = False,
+        merged_projections: bool = False,
     ) -> None:
         if kv_cache not in KV_CACHES:
             raise ConfigError(
@@ -120,6 +122,11 @@ class InferenceEngine:
         self.fused_pointwise = fused_pointwise
         if fused_pointwise:
             fuse_pointwise(model)
+        # Each layer's q/k/v and gate/up products as one each, the weights views of one
+        # buffer (clew.models.merged_projections).
+        self.merged_projections = merged_projections
+        if merged_projections:
+            merge_projections(model)
         # bfloat16 compute over float32 weights (clew.models.precision), as the trainer scores.
         self.autocast = autocast
         self.chat = chat
@@ -191,6 +198,7 @@ class EngineOptions:
     decode_attention: str = "varlen"
     prefill_attention: str = "sdpa"
     fused_pointwise: bool = False
+    merged_projections: bool = False
     gpu_memory_utilization: float = 0.45  # of a GPU, for the KV cache budget
     max_cache_mb: int = 4096  # the budget on a CPU
 
@@ -218,4 +226,5 @@ class EngineOptions:
             decode_attention=self.decode_attention,
             prefill_attention=self.prefill_attention,
             fused_pointwise=self.fused_pointwise,
+            merged_projections=self.merged_projections,
         )

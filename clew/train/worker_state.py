@@ -18,6 +18,7 @@ import torch
 
 from clew.cluster import fsdp
 from clew.errors import ClewError
+from clew.models.merged_projections import saveable_state_dict
 from clew.train.optim import to_cpu
 
 if TYPE_CHECKING:
@@ -82,7 +83,8 @@ def save_policy(worker: PolicyWorker, directory: str | Path, merged: bool = Fals
     """Save the adapter (LoRA) or the full model; ``merged`` writes LoRA merged into full weights.
 
     Merging works on a copy (the worker keeps training its adapter), so it briefly needs
-    a second model's memory. A sharded policy's workers must all call this; worker 0
+    a second model's memory (the copy's merged projections, if any, are apart:
+    ``clew.models.merged_projections``). A sharded policy's workers must all call this; worker 0
     writes the whole weights.
     """
     directory = Path(directory)
@@ -97,8 +99,11 @@ def save_policy(worker: PolicyWorker, directory: str | Path, merged: bool = Fals
         full = copy.deepcopy(worker.model).merge_and_unload()
         full.save_pretrained(directory)
         del full
+    elif worker.lora:
+        worker.model.save_pretrained(directory)  # the adapter's own tensors
     else:
-        worker.model.save_pretrained(directory)
+        # An engine's merged projections share one buffer, which safetensors refuses.
+        worker.model.save_pretrained(directory, state_dict=saveable_state_dict(worker.model))
     return directory
 
 
