@@ -113,7 +113,9 @@ def _alone(engine, arch, arrival: Arrival, params) -> tuple[list[int], list[floa
     return _serve(engine, arch, [row], params, seed=seed)[0][arrival.name]
 
 
-def _assert_same(a, b, tol: float = 1e-5) -> None:
+def _assert_same(a, b, tol: float = 1e-4) -> None:
+    # float32 rounding: a row's products are summed in another order in a batch of another
+    # width (1.3e-5 seen with transformers 5.25)
     assert a[0] == b[0]
     assert max(abs(x - y) for x, y in zip(a[1], b[1], strict=True)) < tol
 
