@@ -138,8 +138,9 @@ def one_worker_rollouts(worker: PolicyWorker, rows, settings: RolloutSettings, s
 
 # AdamW's first steps move every weight by about lr whatever its gradient's size, so a weight
 # whose gradient is near 0 turns the float rounding of a different summation order into
-# steps of up to a few percent of lr; everything else agrees to about 1e-6.
-ATOL = 0.05 * FULL.lr
+# steps of up to a few percent of lr (5.5% seen with transformers 5.25); everything else
+# agrees to about 1e-6, and a wrong step moves weights by about lr.
+ATOL = 0.1 * FULL.lr
 
 
 def assert_same_weights(a: dict, b: dict, atol: float = ATOL) -> None:
