@@ -95,9 +95,12 @@ def test_an_unknown_prefill_attention_is_refused_with_the_choices(policy):
 def test_the_config_key_reaches_the_engine_options_and_a_typo_lists_the_choices():
     from clew.config.settings import engine_options
 
-    cfg = load_config(None, ["generator.inference_engine.prefill_attention=varlen"])
-    assert engine_options(cfg).prefill_attention == "varlen"
-    assert engine_options(load_config(None, [])).prefill_attention == "sdpa"
+    cfg = load_config(None, ["generator.inference_engine.prefill_attention=sdpa"])
+    assert engine_options(cfg).prefill_attention == "sdpa"
+    assert engine_options(load_config(None, [])).prefill_attention == "varlen"
+    # The dynamic cache has no slots to read by lengths: its default is masked SDPA.
+    dynamic = load_config(None, ["generator.inference_engine.kv_cache=dynamic"])
+    assert engine_options(dynamic).prefill_attention == "sdpa"
     expected = re.escape("prefill_attention: expected 'sdpa' | 'varlen', got 'flash'")
     with pytest.raises(ConfigError, match=expected):
         load_config(None, ["generator.inference_engine.prefill_attention=flash"])
@@ -115,7 +118,7 @@ def test_a_switch_another_key_turns_off_is_refused(overrides, says):
     keys = [f"generator.inference_engine.{o}" for o in overrides]
     with pytest.raises(ConfigError, match=r"\[engine-switch\].*" + re.escape(says)):
         load_config(None, keys)
-    # The defaults with either key are fine: varlen decode steps, masked prefill.
+    # The defaults with either key are fine (with the dynamic cache, a masked prefill).
     load_config(None, keys[1:])
 
 

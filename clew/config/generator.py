@@ -74,13 +74,15 @@ class InferenceEngineConfig(Section):
         "in a step).",
     )
     prefill_attention: Literal["sdpa", "varlen"] = Field(
-        "sdpa",
-        description="The attention of a turn's prefill with the static cache: 'sdpa' (the "
-        "default) is SDPA under a mask over every row's keys to the longest row's width; "
-        "'varlen' reads each row's own columns, causally, through FlashAttention's "
+        "varlen",
+        description="The attention of a turn's prefill with the static cache: 'varlen' (the "
+        "default) reads each row's own columns, causally, through FlashAttention's "
         "variable-length kernel on a GPU that runs it (bf16 or fp16, Ampere on; masked SDPA "
-        "over the same layout elsewhere, and while images are hidden). Not yet measured on a "
-        "GPU: benchmarks/prefill_attention.py times one layer of each.",
+        "over the same layout elsewhere, and while images are hidden); 'sdpa' is SDPA under "
+        "a mask over every row's keys to the longest row's width. On an H100 one layer's "
+        "attention took 1.8-2.0x less time with 'varlen', a 15-turn rollout of Qwen3-VL-8B "
+        "1.12x less (BENCHMARKS.md). With kv_cache=dynamic, which has no slots, the default "
+        "is 'sdpa'.",
     )
     fused_pointwise: bool = Field(
         False,
@@ -103,6 +105,14 @@ class InferenceEngineConfig(Section):
         description="SkyRL engine options; clew reads `max_model_len` (the engine's context "
         "limit in tokens) when present.",
     )
+
+    @model_validator(mode="after")
+    def _prefill_follows_the_cache(self) -> InferenceEngineConfig:
+        # An explicit prefill_attention=varlen with the dynamic cache is refused instead
+        # (clew.config.validate).
+        if self.kv_cache == "dynamic" and "prefill_attention" not in self.model_fields_set:
+            self.prefill_attention = "sdpa"
+        return self
 
     @property
     def max_model_len(self) -> int | None:

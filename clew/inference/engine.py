@@ -87,7 +87,7 @@ class InferenceEngine:
         kv_cache: str = "static",
         cuda_graphs: bool = False,
         decode_attention: str = "varlen",
-        prefill_attention: str = "sdpa",
+        prefill_attention: str = "varlen",
         fused_pointwise: bool = False,
         merged_projections: bool = False,
     ) -> None:
@@ -196,7 +196,7 @@ class EngineOptions:
     kv_cache: str = "static"
     cuda_graphs: bool = True  # on a CUDA device only
     decode_attention: str = "varlen"
-    prefill_attention: str = "sdpa"
+    prefill_attention: str = "varlen"
     fused_pointwise: bool = False
     merged_projections: bool = False
     gpu_memory_utilization: float = 0.45  # of a GPU, for the KV cache budget
