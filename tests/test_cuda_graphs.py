@@ -57,10 +57,10 @@ def _play(model, chat, rows, temperature, graphs: bool, device_kw=None, keep_las
         env_workers=1,  # ending_at_different_turns counts episodes in the order they start
     )
     # Under a budget the slots are sized for the whole episode at once and never shrink,
-    # so rows that leave leave free slots for padding.
-    engine = InferenceEngine(
-        model, chat, cuda_graphs=graphs, max_cache_bytes=2**30, **(device_kw or {})
-    )
+    # so rows that leave leave free slots for padding. The decode paths are compared over
+    # one prefill, the masked one (tests/test_prefill_attention.py compares the two).
+    kw = {"prefill_attention": "sdpa", **(device_kw or {})}
+    engine = InferenceEngine(model, chat, cuda_graphs=graphs, max_cache_bytes=2**30, **kw)
     return play(engine, rows, settings, seed=3, env_factory=ending_at_different_turns())
 
 
