@@ -95,9 +95,10 @@ class InferenceEngineConfig(Section):
         False,
         description="Each text layer's query, key and value products (and its MLP's gate and "
         "up) as one product each in the engine's forwards, the separate weights becoming "
-        "views of one buffer (no memory added; the trainer's forwards unchanged). On an H100 "
-        "one layer of Qwen3-VL-8B's products took 1.16-1.24x less time in a decode step "
-        "(benchmarks/decode_linears.py). Needs whole weights: refused where trainer.strategy="
+        "views of one buffer (no memory added; the trainer's forwards unchanged). On an H100 a "
+        "Qwen3-VL-8B decode step's products took 0.7 ms less at batch 192, but the strided "
+        "slices cost about 0.4 ms of copies: a step 17.6 -> 17.3 ms at 192, 13.0 -> 13.4 ms "
+        "at 96 (BENCHMARKS.md), hence off. Needs whole weights: refused where trainer.strategy="
         "fsdp shards a fully fine-tuned policy over several workers.",
     )
     engine_init_kwargs: dict[str, Any] = Field(
