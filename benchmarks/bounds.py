@@ -15,6 +15,13 @@ The arithmetic, for a model of ``N`` parameters (``model_sizes``):
   the language model (the usual MFU convention, LoRA or not);
 - a decode step of ``B`` rows: the text weights read once plus each row's KV cache, so
   ``bytes(text weights) + B * cache_len * kv_bytes_per_token``.
+
+``2 N`` a token is the targets' convention for a prefill, and it leaves work out: the vision
+tower runs once per patch (four a merged image token for Qwen-VL), not once per token, and
+attention over the context adds ``4 L H D`` FLOPs per query-key pair (``L`` layers, ``H``
+query heads of ``D``). ``ModelSizes.prefill_work`` counts those (and leaves out the
+embedding lookups and the output layer, which a prefill runs for one token a row), for the
+figure beside the convention's.
 """
 
 from __future__ import annotations
@@ -41,6 +48,17 @@ class ModelSizes:
     text_params: int  # the language model with its embeddings and head
     vision_params: int
     kv_bytes_per_token: int  # every layer's keys and values of one token, in bfloat16
+    text_body_params: int = 0  # the language model's layers: no embeddings, no output layer
+    attention_flops_per_pair: int = 0  # 4 L H D: one query against one key, every layer
+
+    def prefill_work(self, tokens: float, patches: float, pairs: float) -> float:
+        """FLOPs of a prefill of ``tokens`` text-model tokens, ``patches`` vision patches and
+        ``pairs`` query-key pairs of the language model's attention (module docstring)."""
+        return (
+            2 * self.text_body_params * tokens
+            + 2 * self.vision_params * patches
+            + self.attention_flops_per_pair * pairs
+        )
 
     @property
     def text_weight_bytes(self) -> int:
@@ -53,7 +71,7 @@ def model_sizes(model_dir: str | Path) -> ModelSizes:
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)
     seen: set[int] = set()
-    total = vision = 0
+    total = vision = ends = 0
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
@@ -61,11 +79,14 @@ def model_sizes(model_dir: str | Path) -> ModelSizes:
         total += p.numel()
         if ".visual." in f".{name}":
             vision += p.numel()
+        elif "embed_tokens" in name or "lm_head" in name:
+            ends += p.numel()
     text = getattr(config, "text_config", config)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv = 2 * text.num_hidden_layers * heads * head_dim * 2
-    return ModelSizes(total, total - vision, vision, kv)
+    pair = 4 * text.num_hidden_layers * text.num_attention_heads * head_dim
+    return ModelSizes(total, total - vision, vision, kv, total - vision - ends, pair)
 
 
 @dataclass(frozen=True)

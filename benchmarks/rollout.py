@@ -11,12 +11,16 @@ model's replies rarely end an episode early, so both do the same number of turns
     python benchmarks/rollout.py --preset qwen3vl-8b --env-id maze_2d/easy --prompts 24 \
         --samples 8 --max-turns 5 --device cuda --profile
 
+Each side plays a small warm-up first (one prompt, two samples, two turns), so compilations
+that happen once a process are not counted; the graph captures of its batches are.
 ``--profile`` splits the engine's rollout into its prefill forwards, decode forwards, the
 engine's own work around them (masks, positions, patch upload, sampling, compaction) and
 what runs outside the engine (env steps, frame encoding, trajectories), each forward timed
 between device synchronizations (which the plain run does not pay), and prints each beside
 its bound (``benchmarks/bounds.py``): prefill at ``2 N`` FLOPs a token at the matrix rate,
-a decode step reading the text weights and every live row's KV cache at the bandwidth.
+a decode step reading the text weights and every live row's KV cache at the bandwidth. A
+second prefill figure counts the work as it is: the vision tower per patch, attention per
+query-key pair, no output layer.
 ``--env-workers 1,0`` profiles once per ``generator.env_workers`` value: the env steps and
 the encoding of the next observations in the loop's own thread, then on one thread per core.
 ``--frame-cache-mb 0,64`` profiles each of those with every frame resized, then with resized
@@ -108,6 +112,8 @@ class EngineProfile:
         self.engine_s = self.prefill_s = self.decode_s = 0.0
         self.prefill_tokens = self.decode_steps = 0
         self.prefill_columns = 0  # rows x width of the prefill forwards, padding included
+        self.prefill_patches = 0  # vision patches of the prefill forwards
+        self.prefill_pairs = 0  # query-key pairs of their attention (each row's, causal)
         self.kv_tokens_read = 0  # live cache tokens summed over decode steps
 
     def _sync(self) -> None:
@@ -134,8 +140,18 @@ class EngineProfile:
             dt = time.perf_counter() - t0
             if input_ids.shape[1] > 1:
                 prof.prefill_s += dt
-                prof.prefill_tokens += int((input_ids != prof.pad_id).sum())
+                new = (input_ids != prof.pad_id).sum(1).tolist()
+                prof.prefill_tokens += sum(new)
                 prof.prefill_columns += input_ids.numel()
+                if "pixel_values" in extra:
+                    prof.prefill_patches += extra["pixel_values"].shape[0]
+                # The rows' lengths count the chunk already: its i-th token sees
+                # length - new + i keys.
+                rows = extra.get("rows") or slice(0, len(batch.lengths))
+                prof.prefill_pairs += sum(
+                    n * length - n * (n - 1) // 2
+                    for n, length in zip(new, batch.lengths[rows], strict=True)
+                )
             else:
                 prof.decode_s += dt
                 prof.decode_steps += 1
@@ -192,6 +208,16 @@ class EngineProfile:
         for name, sec, bound in parts:
             tail = f"{bound:>8.2f} {bound / sec:>8.1%}" if bound is not None and sec > 0 else ""
             print(f"{name:<28} {sec:>8.2f} {sec / total_s:>6.0%} {tail}")
+        work = sizes.prefill_work(self.prefill_tokens, self.prefill_patches, self.prefill_pairs)
+        if self.prefill_s > 0 and sizes.text_body_params:
+            work_s = hw.compute_s(work)
+            print(
+                f"prefill work, vision per patch and attention counted ({self.prefill_patches} "
+                f"patches, {self.prefill_pairs / 1e6:,.1f}M query-key pairs): "
+                f"{work / 1e12:,.1f} TFLOP against the convention's "
+                f"{2 * sizes.params * self.prefill_tokens / 1e12:,.1f}; bound {work_s:.2f} s, "
+                f"{work_s / self.prefill_s:.1%} of it reached"
+            )
         print(
             f"prefill: {self.prefill_tokens} tokens ({self.prefill_columns} with padding), "
             f"{self.prefill_tokens / max(self.prefill_s, 1e-9):,.0f} "
@@ -396,6 +422,10 @@ def main() -> None:
         results = {}
         clew_side(policy, rows[:1], 2, 2, args.max_tokens)  # warm-up: kernels, allocator
         for name, fn in sides:
+            # Each side's own warm-up: torch.compile's kernels (fused_pointwise) compile once
+            # a process, not once a rollout. CUDA graphs are captured per batch, so a
+            # rollout's captures stay in its time.
+            fn(policy, rows[:1], 2, 2, args.max_tokens)
             if policy.engine.device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()

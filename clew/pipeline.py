@@ -92,13 +92,15 @@ def check_stages(cfg: ClewConfig) -> None:
 
 
 def updated(cfg: ClewConfig, values: dict[str, Any]) -> ClewConfig:
-    """``cfg`` with dotted ``values`` set, validated again as a whole."""
-    data = cfg.model_dump(mode="python")
+    """``cfg`` with dotted ``values`` set, validated again as a whole. Keys ``cfg`` left at
+    their defaults stay defaults, so those that follow another key (the prefill attention
+    follows the KV cache) follow the new values."""
+    data = cfg.model_dump(mode="python", exclude_unset=True)
     for key, value in values.items():
         node = data
         *parents, leaf = key.split(".")
         for part in parents:
-            node = node[part]
+            node = node.setdefault(part, {})
         node[leaf] = value
     return validate(build_config(data))
 

@@ -43,7 +43,7 @@ RUNS = {
         + ["--samples", "2", "--max-turns", "2", "--skip-baseline", "--cuda-graphs"]
         + ["--varlen", "--fused", "--prefill-varlen", "--merged", "--profile"]
         + ["--device", "cpu"],
-        ["clew varlen prefill", "clew merged", "prefill forwards", "whole rollout"],
+        ["clew varlen prefill", "clew merged", "prefill forwards", "prefill work", "whole rollout"],
     ),
     "grpo_step": (
         ["grpo_step.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]
