@@ -222,3 +222,15 @@ def test_on_cuda_merged_products_replay_in_graph_steps_and_keep_the_logits(tmp_p
     engine = InferenceEngine(merged, chat, cuda_graphs=True, merged_projections=True)
     trajs = play(engine, rows, settings, seed=5)
     assert all(t.turns >= 1 for t in trajs)
+
+
+def test_a_forward_that_trains_the_weights_takes_separate_products_even_inside(tiny) -> None:
+    model, chat = tiny
+    plain, merged = copy.deepcopy(model), copy.deepcopy(model)
+    merge_projections(merged)
+    for m, inside in ((plain, False), (merged, True)):
+        with projections_merged(inside):
+            m(input_ids=_ids(chat)).logits.square().mean().backward()
+    q = _attention(merged).q_proj.weight
+    assert q.grad is not None
+    torch.testing.assert_close(q.grad, _attention(plain).q_proj.weight.grad, rtol=1e-5, atol=1e-6)

@@ -129,7 +129,10 @@ class _Group:
 
     def columns(self, member: MergedLinear, x: torch.Tensor) -> torch.Tensor | None:
         """``member``'s output for ``x``: its columns of the group's product, computed by the
-        group's first member called with ``x``; None when the group cannot merge."""
+        group's first member called with ``x``; None when the group cannot merge, or when
+        a gradient must reach the members' own weights (the buffer is not a parameter)."""
+        if member.weight.requires_grad and torch.is_grad_enabled():
+            return None
         local = self._local
         if getattr(local, "x", None) is not x:
             if not self._intact():
