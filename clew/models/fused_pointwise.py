@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import threading
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -47,6 +46,8 @@ from typing import Any
 import torch
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
+
+from clew.models.thread_switch import ThreadSwitch
 
 __all__ = [
     "COMPILE_DEVICES",
@@ -65,7 +66,7 @@ ROTARY_MODULES = (
 )
 MLP_CLASSES = frozenset({"Qwen2MLP", "Qwen2_5_VLMLP", "Qwen3VLTextMLP"})
 
-_STATE = threading.local()  # .on: inside pointwise_fused() in this thread
+_SWITCH = ThreadSwitch()  # on inside pointwise_fused() in this thread
 _compiled: dict[str, Callable[..., Any]] = {}
 _eager_only: set[str] = set()
 calls: dict[str, int] = {}  # fused calls made, by kernel (tests, benchmarks)
@@ -101,19 +102,13 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@contextlib.contextmanager
-def pointwise_fused(enabled: bool = True) -> Iterator[None]:
+def pointwise_fused(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Within the block, in this thread, fused models take the fused kernels."""
-    saved = getattr(_STATE, "on", False)
-    _STATE.on = enabled
-    try:
-        yield
-    finally:
-        _STATE.on = saved
+    return _SWITCH.block(enabled)
 
 
 def _active(t: torch.Tensor) -> bool:
-    return getattr(_STATE, "on", False) and t.device.type in COMPILE_DEVICES
+    return _SWITCH.on and t.device.type in COMPILE_DEVICES
 
 
 @contextlib.contextmanager

@@ -39,29 +39,23 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
 from clew.errors import ConfigError
+from clew.models.thread_switch import ThreadSwitch
 
 # Which modules hold which group of projections of one input (Qwen2-VL, Qwen2.5-VL and
 # Qwen3-VL text layers; Qwen2.5-VL's vision MLPs too).
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
-_STATE = threading.local()
+_SWITCH = ThreadSwitch()  # on inside projections_merged() in this thread
 
 
-@contextlib.contextmanager
-def projections_merged(enabled: bool = True) -> Iterator[None]:
+def projections_merged(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Within the block, in this thread, merged groups compute one product each."""
-    saved = getattr(_STATE, "on", False)
-    _STATE.on = enabled
-    try:
-        yield
-    finally:
-        _STATE.on = saved
+    return _SWITCH.block(enabled)
 
 
 class _Group:
@@ -153,7 +147,7 @@ class MergedLinear(torch.nn.Linear):
     _clew_index: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if getattr(_STATE, "on", False):
+        if _SWITCH.on:
             out = self._clew_group.columns(self, x)
             if out is not None:
                 return out
