@@ -346,12 +346,7 @@ def _engine_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
         )
     t = cfg.trainer
     workers = t.placement.num_workers
-    if (
-        ie.merged_projections
-        and t.strategy in ("fsdp", "fsdp2")
-        and workers > 1
-        and t.policy.model.lora.rank == 0
-    ):
+    if ie.merged_projections and _shards(t.strategy, workers, t.policy.model.lora.rank):
         fail(
             "engine-switch",
             f"{key}.merged_projections=true makes each layer's projection weights views of "
@@ -366,6 +361,13 @@ def _engine_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
             f"{key}.decode_attention={ie.decode_attention} is the attention of CUDA-graph "
             f"steps over the static cache, and {key}.{off} takes none: drop one of the two",
         )
+
+
+def _shards(strategy: str, workers: int, lora_rank: int) -> bool:
+    # Imported here: the rest of config validation needs no torch.
+    from clew.cluster.fsdp import shards_policy
+
+    return shards_policy(strategy, workers, lora_rank)
 
 
 def _sft_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:

@@ -84,8 +84,8 @@ def save_policy(worker: PolicyWorker, directory: str | Path, merged: bool = Fals
 
     Merging works on a copy (the worker keeps training its adapter), so it briefly needs
     a second model's memory (the copy's merged projections, if any, are apart:
-    ``clew.models.merged_projections``). A sharded policy's workers must all call this; worker 0
-    writes the whole weights.
+    ``clew.models.merged_projections``). A sharded policy's workers must all call this;
+    worker 0 writes the whole weights.
     """
     directory = Path(directory)
     if fsdp.is_sharded(worker.model):
