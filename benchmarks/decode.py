@@ -9,12 +9,14 @@ prefill forward, as a turn's is in a rollout); no row stops early (no stop token
 (``generator.inference_engine.enforce_eager=false``), ``flex`` the same with FlexAttention
 reading each row's own blocks (``decode_attention=flex``) and ``varlen`` with the
 variable-length kernel reading each row's own columns (``decode_attention=varlen``; ``flash``
-through FlashAttention's decoding path), and ``fused`` is ``varlen`` with the rotary
+through FlashAttention's decoding path; ``triton`` through clew's split-KV kernel,
+``decode_attention=triton``), and ``fused`` is ``varlen`` with the rotary
 embedding and the SwiGLU gate compiled into one kernel each
 (``generator.inference_engine.fused_pointwise=true``) and ``merged`` is ``varlen`` with each
 layer's q/k/v and gate/up products merged (``merged_projections=true``; the weights stay
 merged for the caches after it, which compute them apart); their captures (and compilations)
-are counted and their time left out of the step. Printed per cache and batch: the decode
+are counted and their time left out of the step; ``triton+fused`` (an attention, then
+``+fused`` or ``+merged``) combines them. Printed per cache and batch: the decode
 step time, generated tokens/s, the bandwidth bound of a step (the text weights read once
 plus every row's live KV cache, at ``--bandwidth-tbs``) and the share of it reached, and
 the static cache's speed-up over the dynamic one. ``--generate`` adds the re-encoding
@@ -220,7 +222,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument(
-        "--caches", default="dynamic,static,graphs", help="or flex, varlen, flash, fused, merged"
+        "--caches",
+        default="dynamic,static,graphs",
+        help="or flex, varlen, flash, triton, fused, merged; an attention with +fused or "
+        "+merged (triton+fused) takes those too",
     )
     p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
     p.add_argument(
@@ -260,18 +265,19 @@ def main() -> None:
         results = {}
         for cache in args.caches.split(","):
             # No stop token, so every row decodes every step.
-            graphs = cache in ("graphs", "flex", "varlen", "flash", "fused", "merged")
+            attention, *extras = cache.split("+")
+            if attention in ("fused", "merged"):  # on their own: the varlen attention's
+                attention, extras = "varlen", [attention, *extras]
+            graphs = attention in ("graphs", "flex", "varlen", "flash", "triton")
             engine = InferenceEngine(
                 model,
                 chat,
                 kv_cache="static" if graphs else cache,
                 stop_token_ids=(-1,),
                 cuda_graphs=graphs,
-                decode_attention={"fused": "varlen", "merged": "varlen"}.get(cache, cache)
-                if graphs and cache != "graphs"
-                else "sdpa",
-                fused_pointwise=cache == "fused",
-                merged_projections=cache == "merged",
+                decode_attention="sdpa" if attention in ("graphs", "static") else attention,
+                fused_pointwise="fused" in extras,
+                merged_projections="merged" in extras,
             )
             r = results[cache] = _decode(engine, rows, args.steps, args.warmup, args.kernels)
             bound_s = (weights + size * r["mean_cache"] * kv_token) / (args.bandwidth_tbs * 1e12)

@@ -25,7 +25,10 @@ of rows whose lengths spread evenly over ``--min-width``..``--max-width``:
 - ``flash_rows``: FlashAttention with one sequence a row and grouped-query attention done by
   the kernel: the query ``[B, H, D]`` as it is, the keys a strided view of the slots (row
   stride ``D``, head stride ``capacity x D``); nothing is regrouped;
-- ``flex``: compiled FlexAttention with a block mask of each row's 128-column blocks.
+- ``flex``: compiled FlexAttention with a block mask of each row's 128-column blocks;
+- ``triton``: clew's split-KV kernel (``decode_attention=triton``,
+  ``clew.inference.split_decode``) with its default settings, and ``triton_s1`` ... with
+  one of them changed (splits, columns a block, warps, pipeline stages).
 
 Each result is checked against ``sdpa_mask`` (largest absolute difference printed); time is
 the median of ``--repeats`` calls between CUDA events, and the bound is the row's live KV
@@ -48,6 +51,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from clew.inference.attention import _rows, varlen_decode
+from clew.inference.split_decode import split_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, candidates_header, compare_candidates, hardware  # noqa: E402
@@ -141,8 +145,25 @@ def candidates(
             scale=scale, seqused_k=row_lengths,
         )[0]  # fmt: skip
 
+    def triton(**settings) -> Callable[[], torch.Tensor]:
+        # clew's split-KV kernel (decode_attention=triton); on a CPU, Triton's interpreter.
+        def call() -> torch.Tensor:
+            out = split_decode(
+                q[:, :, None], k, v, lengths, scale, interpret=dev.type != "cuda", **settings
+            )
+            return out.reshape(b, heads, d)
+
+        return call
+
     return {
         "sdpa_mask": sdpa_mask,
+        "triton": triton(),
+        "triton_s1": triton(splits=1),
+        "triton_s4": triton(splits=4),
+        "triton_n128": triton(block_n=128),
+        "triton_n32": triton(block_n=32),
+        "triton_w8": triton(num_warps=8),
+        "triton_st3": triton(num_stages=3),
         "efficient_seqlen": efficient_seqlen,
         "engine_varlen": engine_varlen,
         "flash_seqused": flash_seqused,

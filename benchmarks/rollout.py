@@ -160,7 +160,7 @@ def graphs_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -
 def attention_side(
     attention: str, fused: bool = False, prefill: str = "sdpa", merged: bool = False
 ):
-    """``graphs_side`` with ``decode_attention=attention`` (sdpa, flex, varlen), with
+    """``graphs_side`` with ``decode_attention=attention`` (sdpa, flex, varlen, triton), with
     ``fused`` the engine's fused rotary and gate (``fused_pointwise``),
     ``prefill_attention=prefill`` and, with ``merged``, the q/k/v and gate/up products
     merged (``merged_projections``: the weights stay views of one buffer after the side)."""
@@ -237,6 +237,13 @@ def main() -> None:
         "prefill) with each layer's q/k/v and gate/up products merged (merged_projections="
         "true); --profile then profiles that side",
     )
+    p.add_argument(
+        "--triton",
+        action="store_true",
+        help="add a graphs side whose decode steps take clew's split-KV Triton kernel "
+        "(decode_attention=triton; with --fused, fused; with --prefill-varlen, its prefill); "
+        "--profile then profiles that side",
+    )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument("--arch", default=None, help="qwen2_vl or qwen3_vl (default: the preset's)")
     p.add_argument(
@@ -288,6 +295,8 @@ def main() -> None:
         prefill = "varlen" if args.prefill_varlen else "sdpa"
         merged_side = attention_side("varlen", args.fused, prefill, merged=True)
         sides += [("clew merged", merged_side)] if args.merged else []
+        triton_side = attention_side("triton", args.fused, prefill)
+        sides += [("clew triton", triton_side)] if args.triton else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
             f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
@@ -334,6 +343,7 @@ def main() -> None:
             side = attention_side("varlen", True) if args.fused else side
             side = prefill_side if args.prefill_varlen else side
             side = merged_side if args.merged else side
+            side = triton_side if args.triton else side
             with prof.installed():
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)

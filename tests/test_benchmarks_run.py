@@ -21,7 +21,7 @@ SMALL_HEADS = ["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--repeats
 RUNS = {
     "decode_attention": (
         ["decode_attention.py", *ATTENTION, *SMALL_HEADS],
-        ["sdpa_mask", "engine_varlen"],
+        ["sdpa_mask", "engine_varlen", "triton_s4"],
     ),
     "prefill_attention": (
         ["prefill_attention.py", *ATTENTION, "--chunk", "8", *SMALL_HEADS],
@@ -35,15 +35,15 @@ RUNS = {
     "decode": (
         ["decode.py", "--preset", "tiny", "--batch", "2", "--min-width", "20"]
         + ["--max-width", "40", "--steps", "2", "--warmup", "1", "--caches"]
-        + ["static,varlen,merged", "--kernels"],
-        ["static", "varlen", "merged", "device time a decode step", "matmul"],
+        + ["static,varlen,merged,triton+fused", "--kernels"],
+        ["static", "varlen", "merged", "triton+fused", "device time a decode step", "matmul"],
     ),
     "rollout": (
         ["rollout.py", "--preset", "tiny", "--env-id", "maze_2d/easy", "--prompts", "2"]
         + ["--samples", "2", "--max-turns", "2", "--skip-baseline", "--cuda-graphs"]
-        + ["--varlen", "--fused", "--prefill-varlen", "--merged", "--profile"]
+        + ["--varlen", "--fused", "--prefill-varlen", "--merged", "--triton", "--profile"]
         + ["--device", "cpu"],
-        ["clew varlen prefill", "clew merged", "prefill forwards", "prefill work", "whole rollout"],
+        ["clew merged", "clew triton", "prefill forwards", "prefill work", "whole rollout"],
     ),
     "grpo_step": (
         ["grpo_step.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]

@@ -355,7 +355,9 @@ def _engine_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
             "or train a LoRA adapter (trainer.policy.model.lora.rank > 0)",
         )
     off = "enforce_eager=true" if ie.enforce_eager else "kv_cache=dynamic"
-    if ie.decode_attention in ("flex", "flash") and (ie.enforce_eager or ie.kv_cache == "dynamic"):
+    if ie.decode_attention in ("flex", "flash", "triton") and (
+        ie.enforce_eager or ie.kv_cache == "dynamic"
+    ):
         fail(
             "engine-switch",
             f"{key}.decode_attention={ie.decode_attention} is the attention of CUDA-graph "

@@ -45,7 +45,9 @@ tokens of the tiny test policy, so ``varlen`` keeps the memory-efficient kernel
 FlashAttention may split the keys over several blocks (flash-decoding) when the rows are
 few for the card; whether torch's build does is what ``benchmarks/decode_attention.py``'s
 ``flash_decode`` measures. It falls back to the memory-efficient kernel where flash cannot
-run (float32, cards before Ampere).
+run (float32, cards before Ampere). ``decode_attention=triton`` reads the same columns through
+clew's split-KV kernel (``clew.inference.split_decode``), which loads each KV head once for
+its group of query heads.
 
 A turn's prefill may read each row's own columns too (``prefill_attention=varlen``,
 ``prefill_lengths``): every row is one sequence of the chunk's ``T`` queries over the row's
@@ -73,6 +75,8 @@ from collections.abc import Iterator
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
+
+from clew.inference.split_decode import split_decode
 
 ATTENTION = "clew_gqa_sdpa"
 
@@ -125,7 +129,7 @@ def gqa_sdpa_attention(
 
 _DECODE = threading.local()  # .lengths, .kernel: those of the decode step being run
 _PREFILL = threading.local()  # .lengths: the rows' lengths after the prefill being run
-KERNELS = ("efficient", "flash")  # varlen_decode's kernels (module docstring)
+KERNELS = ("efficient", "flash", "triton")  # varlen_decode's kernels (module docstring)
 
 
 @contextlib.contextmanager
@@ -206,9 +210,11 @@ def varlen_decode(
 ) -> torch.Tensor:
     """One query a row, ``query`` [B, H, 1, D], over views ``key``/``value`` [B, Hkv, W, D]
     of consecutive slots of ``SlotCache`` buffers, each row reading its first ``lengths``
-    [B] columns of its slot, through ``kernel`` ("efficient" or "flash", module docstring;
-    "flash" falls back to "efficient" where it cannot run); returns [B, 1, H, D]."""
+    [B] columns of its slot, through ``kernel`` ("efficient", "flash" or "triton", module
+    docstring; "flash" falls back to "efficient" where it cannot run); returns [B, 1, H, D]."""
     b, heads, _, d = query.shape
+    if kernel == "triton":  # clew's split-KV kernel; Triton's interpreter on a CPU
+        return split_decode(query, key, value, lengths, scale, interpret=not query.is_cuda)
     kv_heads, group, cap = _slot_layout(query, key, value, "decode")
     n = b * kv_heads  # sequences: every (row, KV head), `group` queries and `cap` columns each
     if query.device.type != "cuda":  # the reference: a mask over each slot's capacity

@@ -40,7 +40,8 @@ variable-length kernel, with no mask and no block table, and one graph per row c
 every width. While an image column is hidden anywhere in the cache (``SlotCache.hidden_any``)
 a row's visible columns are no longer its first ``length``, so those steps take the masked
 SDPA step instead (graphs of their own). ``attention="flash"`` is the same step through
-FlashAttention's decoding path (``clew.inference.attention``).
+FlashAttention's decoding path (``clew.inference.attention``), ``attention="triton"``
+through clew's split-KV kernel (``clew.inference.split_decode``).
 
 On a device without CUDA graphs (the CPU), ``capture=False`` runs the same bucketed,
 padded step eagerly: what the CPU tests check against the plain path.
@@ -64,7 +65,7 @@ from clew.inference.kv_cache import SlotCache
 WIDTH_STEP = 256
 # FlexAttention's key block: a row reads its length rounded up to this.
 FLEX_BLOCK = 128
-BY_LENGTH = ("varlen", "flash")  # the attentions that read each row's length, not a mask
+BY_LENGTH = ("varlen", "flash", "triton")  # the attentions that read each row's length, not a mask
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -91,7 +92,7 @@ class _Step:
     graph: torch.cuda.CUDAGraph | None = None
     blocks: torch.Tensor | None = None  # flex: [R, 1, 1] key blocks each row reads
     lengths: torch.Tensor | None = None  # varlen, flash: [R] columns each row reads
-    kernel: str = "efficient"  # varlen_decode's kernel: "flash" for attention="flash"
+    kernel: str = "efficient"  # varlen_decode's kernel: "flash" or "triton" for those
 
 
 class DecodeGraphs:
@@ -103,7 +104,7 @@ class DecodeGraphs:
         self.cache = cache
         self.pad_id = pad_id
         self.capture = capture
-        self.attention = attention  # "sdpa", "flex", "varlen" or "flash" (module docstring)
+        self.attention = attention  # "sdpa", "flex", "varlen", "flash", "triton" (docstring)
         self.captures = 0  # graphs captured so far, and the seconds they took (benchmarks)
         self.capture_s = 0.0
         self.last_shape: tuple[int, int] | None = None  # the last step's (rows, width)
@@ -166,7 +167,7 @@ class DecodeGraphs:
         )
         if mode in BY_LENGTH:
             step.lengths = torch.ones(r, dtype=torch.long, device=dev)
-            step.kernel = "flash" if mode == "flash" else "efficient"
+            step.kernel = mode if mode in ("flash", "triton") else "efficient"
         if mode == "flex":
             step.blocks = torch.ones((r, 1, 1), dtype=torch.int32, device=dev)
             n = -(-w // FLEX_BLOCK)

@@ -40,6 +40,7 @@ continuous batching, for ``clew serve``.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ from clew.models.logit_masks import AllowedIds, banned_token_ids
 from clew.models.merged_projections import merge_projections
 
 KV_CACHES = ("static", "dynamic")
-DECODE_ATTENTION = ("sdpa", "flex", "varlen", "flash")
+DECODE_ATTENTION = ("sdpa", "flex", "varlen", "flash", "triton")
 PREFILL_ATTENTION = ("sdpa", "varlen")
 
 
@@ -105,6 +106,13 @@ class InferenceEngine:
             raise ConfigError(
                 f"generator.inference_engine.decode_attention={decode_attention!r} is not a "
                 f"decode attention; choose one of {', '.join(DECODE_ATTENTION)}"
+            )
+        if decode_attention == "triton" and importlib.util.find_spec("triton") is None:
+            raise ConfigError(
+                "generator.inference_engine.decode_attention=triton runs clew's Triton kernel, "
+                "and the triton package is not installed (torch's CUDA builds bring it; on a "
+                "CPU `pip install triton` runs it in Triton's interpreter): install it or "
+                "choose decode_attention=varlen"
             )
         # In graph-replayed decode steps: SDPA to the longest row, FlexAttention per row's
         # blocks, or a variable-length kernel (memory-efficient or flash) per row's columns.
