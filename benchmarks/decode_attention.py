@@ -28,7 +28,9 @@ of rows whose lengths spread evenly over ``--min-width``..``--max-width``:
 - ``flex``: compiled FlexAttention with a block mask of each row's 128-column blocks;
 - ``triton``: clew's split-KV kernel (``decode_attention=triton``,
   ``clew.inference.split_decode``) with its default settings, and ``triton_s1`` ... with
-  one of them changed (splits, columns a block, warps, pipeline stages).
+  one of them changed (splits, columns a block, warps, pipeline stages); these replay a
+  CUDA graph, as the engine's decode steps do, and so does ``efficient_graphed``, the
+  ``efficient_seqlen`` call, for the comparison.
 
 Each result is checked against ``sdpa_mask`` (largest absolute difference printed); time is
 the median of ``--repeats`` calls between CUDA events, and the bound is the row's live KV
@@ -58,6 +60,28 @@ from bounds import add_hardware_flags, candidates_header, compare_candidates, ha
 
 FLEX_BLOCK = 128
 WIDTH_STEP = 256  # the engine's width bucket (clew.inference.cuda_graphs)
+
+
+def graphed(call: Callable[[], torch.Tensor], dev: torch.device) -> Callable[[], torch.Tensor]:
+    """``call`` replayed from a CUDA graph captured on its first call, as the engine's decode
+    steps run it (a Triton kernel's launch from Python costs tens of microseconds of host
+    time, which a graph does not pay); ``call`` itself on a CPU."""
+    if dev.type != "cuda":
+        return call
+    captured: list = []
+
+    def replay() -> torch.Tensor:
+        if not captured:
+            call()  # compile and warm up outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = call()
+            captured[:] = [graph, out]
+        captured[0].replay()
+        return captured[1]
+
+    return replay
 
 
 def candidates(
@@ -153,10 +177,11 @@ def candidates(
             )
             return out.reshape(b, heads, d)
 
-        return call
+        return graphed(call, dev)
 
     return {
         "sdpa_mask": sdpa_mask,
+        "efficient_graphed": graphed(efficient_seqlen, dev),
         "triton": triton(),
         "triton_s1": triton(splits=1),
         "triton_s4": triton(splits=4),

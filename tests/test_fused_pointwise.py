@@ -165,12 +165,12 @@ def test_a_failed_compilation_warns_and_the_kernel_stays_eager(monkeypatch, on_c
         torch.testing.assert_close(fused_pointwise._fused("probe", silu_mul, x, x), out)
 
 
-def test_a_config_key_turns_it_on_and_is_off_by_default() -> None:
+def test_a_config_key_turns_it_off_and_it_is_on_by_default() -> None:
     from clew.config import load_config
 
-    assert load_config(None).generator.inference_engine.fused_pointwise is False
-    cfg = load_config(None, ["generator.inference_engine.fused_pointwise=true"])
-    assert cfg.generator.inference_engine.fused_pointwise is True
+    assert load_config(None).generator.inference_engine.fused_pointwise is True
+    cfg = load_config(None, ["generator.inference_engine.fused_pointwise=false"])
+    assert cfg.generator.inference_engine.fused_pointwise is False
 
 
 @pytest.mark.gpu

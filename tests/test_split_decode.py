@@ -86,6 +86,21 @@ def test_the_engine_refuses_triton_attention_without_the_triton_package(monkeypa
         InferenceEngine(torch.nn.Linear(1, 1), None, decode_attention="triton")
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_default_engine_takes_the_triton_kernel_and_fused_pointwise_on_cuda_only(
+    device, tmp_path
+):
+    from clew.inference.engine import InferenceEngine
+    from clew.models import build_model
+    from clew.models.chat import ChatFormat
+
+    built = build_model("tiny", tmp_path, overwrite=True)
+    engine = InferenceEngine(built.model.to(device), ChatFormat(built.processor))
+    on_cuda = device == "cuda"
+    assert engine.decode_attention == ("triton" if on_cuda else "varlen")
+    assert engine.fused_pointwise is on_cuda
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 96, 192])
 def test_the_compiled_kernel_matches_sdpa_in_bf16_at_the_8b_shape(rows):

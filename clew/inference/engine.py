@@ -58,7 +58,7 @@ from clew.models.logit_masks import AllowedIds, banned_token_ids
 from clew.models.merged_projections import merge_projections
 
 KV_CACHES = ("static", "dynamic")
-DECODE_ATTENTION = ("sdpa", "flex", "varlen", "flash", "triton")
+DECODE_ATTENTION = ("auto", "sdpa", "flex", "varlen", "flash", "triton")
 PREFILL_ATTENTION = ("sdpa", "varlen")
 
 
@@ -87,9 +87,9 @@ class InferenceEngine:
         autocast: bool = False,
         kv_cache: str = "static",
         cuda_graphs: bool = False,
-        decode_attention: str = "varlen",
+        decode_attention: str = "auto",
         prefill_attention: str = "varlen",
-        fused_pointwise: bool = False,
+        fused_pointwise: bool | None = None,
         merged_projections: bool = False,
     ) -> None:
         if kv_cache not in KV_CACHES:
@@ -107,6 +107,10 @@ class InferenceEngine:
                 f"generator.inference_engine.decode_attention={decode_attention!r} is not a "
                 f"decode attention; choose one of {', '.join(DECODE_ATTENTION)}"
             )
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        if decode_attention == "auto":
+            triton = on_cuda and importlib.util.find_spec("triton") is not None
+            decode_attention = "triton" if triton else "varlen"
         if decode_attention == "triton" and importlib.util.find_spec("triton") is None:
             raise ConfigError(
                 "generator.inference_engine.decode_attention=triton runs clew's Triton kernel, "
@@ -115,7 +119,8 @@ class InferenceEngine:
                 "choose decode_attention=varlen"
             )
         # In graph-replayed decode steps: SDPA to the longest row, FlexAttention per row's
-        # blocks, or a variable-length kernel (memory-efficient or flash) per row's columns.
+        # blocks, or a variable-length kernel (memory-efficient, flash or clew's split-KV
+        # Triton kernel) per row's columns; "auto": the Triton kernel on CUDA, if installed.
         self.decode_attention = decode_attention
         if prefill_attention not in PREFILL_ATTENTION:
             raise ConfigError(
@@ -126,9 +131,9 @@ class InferenceEngine:
         # each row reading its own columns (clew.inference.attention.varlen_prefill).
         self.prefill_attention = prefill_attention
         # The rotary embedding and the SwiGLU gate as one compiled kernel each, in the
-        # engine's forwards on CUDA (clew.models.fused_pointwise).
-        self.fused_pointwise = fused_pointwise
-        if fused_pointwise:
+        # engine's forwards on CUDA (clew.models.fused_pointwise); None: on a CUDA device.
+        self.fused_pointwise = on_cuda if fused_pointwise is None else fused_pointwise
+        if self.fused_pointwise:
             fuse_pointwise(model)
         # Each layer's q/k/v and gate/up products as one each, the weights views of one
         # buffer (clew.models.merged_projections).
@@ -203,9 +208,9 @@ class EngineOptions:
 
     kv_cache: str = "static"
     cuda_graphs: bool = True  # on a CUDA device only
-    decode_attention: str = "varlen"
+    decode_attention: str = "auto"
     prefill_attention: str = "varlen"
-    fused_pointwise: bool = False
+    fused_pointwise: bool = True
     merged_projections: bool = False
     gpu_memory_utilization: float = 0.45  # of a GPU, for the KV cache budget
     max_cache_mb: int = 4096  # the budget on a CPU
