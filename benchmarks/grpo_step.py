@@ -10,12 +10,18 @@ conversation and call ``model.generate`` every turn (``benchmarks/rollout.py``).
 
 ``--forced``: the reply's format written by the engine (``generator.reply_prefix`` /
 ``reply_suffix``), one sampled token a turn (``benchmarks/forced_reply.py`` compares the
-two on one batch).
+two on one batch). ``--compare-set KEY=VALUE ...`` runs the same steps a second time, on the
+same policy and data, with those overrides added, and prints each phase's ratio of the two
+runs' last steps: what a switch buys in a whole step, on one machine.
+
+    python benchmarks/grpo_step.py --preset qwen3vl-8b --device cuda --skip-baseline \
+        --compare-set generator.inference_engine.fused_pointwise=false
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -56,6 +62,13 @@ def main() -> None:
         "--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides"
     )
     p.add_argument(
+        "--compare-set",
+        nargs="*",
+        default=None,
+        metavar="KEY=VALUE",
+        help="run the steps again with these overrides too, and compare the two",
+    )
+    p.add_argument(
         "--forced",
         action="store_true",
         help="the engine writes <action> and </action>, the policy samples one token a turn",
@@ -83,51 +96,34 @@ def main() -> None:
         ).path
         if cuda:
             torch.cuda.empty_cache()
-        cfg = load_config(
-            None,
-            [
-                f"data.train_data=['{tmp / 'train.parquet'}']",
-                f"trainer.policy.model.path={model}",
-                f"trainer.policy.model.lora.rank={args.lora_rank}",
-                "trainer.policy.model.lora.alpha=32",
-                f"trainer.log_path={tmp / 'runs'}",
-                "trainer.run_name=bench",
-                "trainer.logger=jsonl",
-                f"trainer.device={args.device}",
-                f"trainer.train_batch_size={args.prompts}",
-                f"trainer.policy_mini_batch_size={max(args.prompts // 2, 1)}",
-                f"trainer.micro_train_batch_size_per_gpu={args.micro_batch}",
-                f"trainer.micro_forward_batch_size_per_gpu={args.micro_batch}",
-                "trainer.eval_before_train=false",
-                "trainer.ckpt_interval=-1",
-                "trainer.resume_mode=none",
-                f"generator.n_samples_per_prompt={args.samples}",
-                f"generator.max_turns={args.max_turns}",
-                f"generator.sampling_params.max_generate_length={1 if args.forced else args.max_tokens}",
-                "generator.sampling_params.temperature=1.0",
-                "generator.max_input_length=8192",
-                "trainer.max_prompt_length=1024",
-                "trainer.policy.optimizer_config.lr=1.0e-5",
-                *(forced if args.forced else []),
-                *args.set,
-            ],
-        )
-        t0 = time.perf_counter()
-        run_grpo(cfg)
-        wall = time.perf_counter() - t0
-        history = [
-            json.loads(x) for x in (run_dir_of(cfg) / "metrics.jsonl").read_text().splitlines()
+        overrides = [
+            f"data.train_data=['{tmp / 'train.parquet'}']",
+            f"trainer.policy.model.path={model}",
+            f"trainer.policy.model.lora.rank={args.lora_rank}",
+            "trainer.policy.model.lora.alpha=32",
+            f"trainer.log_path={tmp / 'runs'}",
+            "trainer.run_name=bench",
+            "trainer.logger=jsonl",
+            f"trainer.device={args.device}",
+            f"trainer.train_batch_size={args.prompts}",
+            f"trainer.policy_mini_batch_size={max(args.prompts // 2, 1)}",
+            f"trainer.micro_train_batch_size_per_gpu={args.micro_batch}",
+            f"trainer.micro_forward_batch_size_per_gpu={args.micro_batch}",
+            "trainer.eval_before_train=false",
+            "trainer.ckpt_interval=-1",
+            "trainer.resume_mode=none",
+            f"generator.n_samples_per_prompt={args.samples}",
+            f"generator.max_turns={args.max_turns}",
+            f"generator.sampling_params.max_generate_length={1 if args.forced else args.max_tokens}",
+            "generator.sampling_params.temperature=1.0",
+            "generator.max_input_length=8192",
+            "trainer.max_prompt_length=1024",
+            "trainer.policy.optimizer_config.lr=1.0e-5",
+            *(forced if args.forced else []),
+            *args.set,
         ]
-        print(
-            f"GRPO step: {args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
-            f"{args.preset}, LoRA rank {args.lora_rank}{', reply format forced' if args.forced else ''}; {len(history)} steps in {wall:.1f} s (with start-up)"
-        )
-        print("step " + " ".join(f"{ph:>10}" for ph in PHASES) + "   episodes  turns/ep")
-        for h in history:
-            cells = " ".join(f"{h.get(f'timing/{ph}', 0.0):>10.2f}" for ph in PHASES)
-            print(
-                f"{h['step']:>4} {cells}   {args.prompts * args.samples:>8} {h.get('train/turns_mean', 0):>9.1f}"
-            )
+        cfg = load_config(None, overrides)
+        history = _steps(cfg, args, "")
         last = history[-1]
         floor = grpo_step_floor(
             model_sizes(model),
@@ -145,6 +141,21 @@ def main() -> None:
             f"measured/floor: generate {measured['generate'] / floor.generate:.1f}x, update "
             f"{measured['update'] / floor.update:.1f}x, step {measured['step'] / floor.step:.1f}x"
         )
+        if args.compare_set is not None:
+            other = load_config(
+                None, [*overrides, *args.compare_set, "trainer.run_name=bench-compare"]
+            )
+            if cuda:
+                gc.collect()
+                torch.cuda.empty_cache()
+            theirs = _steps(other, args, f" with {' '.join(args.compare_set)}")[-1]
+            cells = []
+            for ph in ("generate", "update", "step"):
+                mine, other_s = last.get(f"timing/{ph}", 0.0), theirs.get(f"timing/{ph}", 0.0)
+                cells.append(
+                    f"{ph} {mine:.2f} / {other_s:.2f} s = {mine / max(other_s, 1e-9):.2f}x"
+                )
+            print("last step, the first run against the second: " + ", ".join(cells))
         if not args.skip_baseline:
             from clew.inference.runtime import open_policy
 
@@ -155,6 +166,28 @@ def main() -> None:
                 f"baseline generate phase (re-encoding model.generate, same batch): "
                 f"{time.perf_counter() - t0:.2f} s"
             )
+
+
+def _steps(cfg, args, label: str) -> list[dict]:
+    """Run ``cfg``'s GRPO steps; print and return each step's metrics."""
+    t0 = time.perf_counter()
+    run_grpo(cfg)
+    wall = time.perf_counter() - t0
+    history = [json.loads(x) for x in (run_dir_of(cfg) / "metrics.jsonl").read_text().splitlines()]
+    forced = ", reply format forced" if args.forced else ""
+    print(
+        f"GRPO step{label}: {args.prompts} prompts x {args.samples} samples, up to "
+        f"{args.max_turns} turns, {args.preset}, LoRA rank {args.lora_rank}{forced}; "
+        f"{len(history)} steps in {wall:.1f} s (with start-up)"
+    )
+    print("step " + " ".join(f"{ph:>10}" for ph in PHASES) + "   episodes  turns/ep")
+    for h in history:
+        cells = " ".join(f"{h.get(f'timing/{ph}', 0.0):>10.2f}" for ph in PHASES)
+        print(
+            f"{h['step']:>4} {cells}   {args.prompts * args.samples:>8} "
+            f"{h.get('train/turns_mean', 0):>9.1f}"
+        )
+    return history
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ RUNS = {
     "grpo_step": (
         ["grpo_step.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]
         + ["--max-turns", "2", "--steps", "1", "--micro-batch", "2", "--device", "cpu"]
-        + ["--skip-baseline"],
-        ["generate", "update", "floor of the last step"],
+        + ["--skip-baseline", "--compare-set", "generator.inference_engine.fused_pointwise=false"],
+        ["generate", "update", "floor of the last step", "the first run against the second"],
     ),
     "update": (
         ["update.py", "--preset", "tiny", "--env", "maze_2d/tiny", "--prompts", "2"]
