@@ -195,6 +195,35 @@ def test_a_turn_that_outgrows_the_budget_ends_only_the_episodes_it_must(policy):
     assert "cache_budget" in reasons and reasons.count("cache_budget") < 3
 
 
+def test_a_second_rollout_packs_its_waves_by_the_later_turns_it_has_seen(policy, monkeypatch):
+    model, chat, rows = policy
+    turns = 6
+    settings = _settings(max_turns=turns, n_samples_per_prompt=2)  # 6 episodes
+    sizes: list[int] = []
+    opened = InferenceEngine.open_batch
+
+    def recording(engine, size, *args, **kwargs):
+        sizes.append(size)
+        return opened(engine, size, *args, **kwargs)
+
+    monkeypatch.setattr(InferenceEngine, "open_batch", recording)
+    engine = InferenceEngine(model, chat)
+    obs = make(rows[0].env_id, **rows[0].options()).reset(rows[0].seed)
+    first = len(chat.user_turn(obs.text, obs.images, first=True).token_ids)
+    # With nothing seen yet an episode is counted as `turns` turns as long as its first (the
+    # instructions make the first observation two to three times a later one's length).
+    counted = turns * (first + settings.sampling.max_tokens + 1)
+    settings = replace(settings, max_input_length=counted)
+    engine.max_cache_bytes = 4 * counted * engine.bytes_per_token  # four such episodes
+    before = play(engine, rows, settings, seed=0)
+    first_sizes, sizes[:] = list(sizes), []
+    after = play(engine, rows, settings, seed=0)
+    assert first_sizes[0] == 4
+    assert max(sizes) > 4  # later turns seen: more episodes share a wave
+    # Packed tighter, and still no turn outgrew the budget.
+    assert all(t.end_reason != "cache_budget" for t in before + after)
+
+
 def test_gqa_attention_equals_attention_over_repeated_kv_heads():
     torch.manual_seed(0)
     b, heads, kv_heads, width, d = 3, 8, 2, 11, 16

@@ -37,6 +37,7 @@ import functools
 import itertools
 import os
 import traceback
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -252,6 +253,7 @@ def play_wave(
                 done.append(episodes.pop(i).traj)
             else:
                 chunks[i] = chunk
+                _note_later_chunk(cached.engine, episodes[i].traj.env_id, len(chunk.token_ids))
         if progress and finished:
             progress(len(finished))
         cached.drop(finished)
@@ -326,13 +328,33 @@ def _expected_length(
     an episode is expected to grow by its first observation and a whole reply every turn
     (later observations carry no system prompt, so they are usually shorter), up to
     ``max_input_length``. Should a turn still outgrow the budget (observations that grow),
-    it ends as few episodes as it takes with ``cache_budget``.
+    it ends as few episodes as it takes with ``cache_budget``. Once the engine has played
+    later turns of the env, those turns are counted by the longest such observation seen,
+    with a quarter of headroom, instead of by the first (``_LATER_CHUNKS``): the second and
+    later waves and steps pack more episodes.
     """
     if not engine.counts_real_lengths:
         return settings.max_input_length
     turns = min(settings.max_turns, ep.max_turns)
-    per_turn = first_chunk + settings.sampling.max_tokens + 1
-    return min(settings.max_input_length, turns * per_turn)
+    reply = settings.sampling.max_tokens + 1  # the reply and the pending token
+    later = _LATER_CHUNKS.get(engine, {}).get(ep.traj.env_id)
+    if later is None:  # nothing seen yet: every turn as long as the first
+        return min(settings.max_input_length, turns * (first_chunk + reply))
+    later += later // 4  # headroom for observations longer than any seen
+    return min(settings.max_input_length, first_chunk + reply + (turns - 1) * (later + reply))
+
+
+# Per engine and env id, the longest observation chunk after an episode's first one that
+# the engine has played: later observations carry no instructions, so the first chunk is a
+# poor measure of them (on maze_2d/easy 289 tokens against about 120).
+_LATER_CHUNKS: weakref.WeakKeyDictionary[InferenceEngine, dict[str, int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _note_later_chunk(engine: InferenceEngine, env_id: str, tokens: int) -> None:
+    seen = _LATER_CHUNKS.setdefault(engine, {})
+    seen[env_id] = max(seen.get(env_id, 0), tokens)
 
 
 def play_model(
