@@ -108,10 +108,10 @@ class InferenceEngine:
                 f"decode attention; choose one of {', '.join(DECODE_ATTENTION)}"
             )
         on_cuda = next(model.parameters()).device.type == "cuda"
+        has_triton = importlib.util.find_spec("triton") is not None
         if decode_attention == "auto":
-            triton = on_cuda and importlib.util.find_spec("triton") is not None
-            decode_attention = "triton" if triton else "varlen"
-        if decode_attention == "triton" and importlib.util.find_spec("triton") is None:
+            decode_attention = "triton" if on_cuda and has_triton else "varlen"
+        if decode_attention == "triton" and not has_triton:
             raise ConfigError(
                 "generator.inference_engine.decode_attention=triton runs clew's Triton kernel, "
                 "and the triton package is not installed (torch's CUDA builds bring it; on a "

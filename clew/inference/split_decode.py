@@ -130,10 +130,13 @@ def _launch(
 
 @contextlib.contextmanager
 def _interpreter(on: bool) -> Iterator[None]:
-    """``TRITON_INTERPRET`` as ``on`` within the block: Triton reads it when it jits a
-    kernel and again when it launches one."""
+    """``TRITON_INTERPRET=1`` within the block if ``on`` (Triton reads it when it jits a
+    kernel and again when it launches one); the environment as it is otherwise."""
+    if not on:
+        yield
+        return
     saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    os.environ["TRITON_INTERPRET"] = "1"
     try:
         yield
     finally:
