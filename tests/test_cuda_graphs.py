@@ -211,6 +211,19 @@ def test_a_batch_with_adapters_or_the_dynamic_cache_takes_the_eager_steps(policy
     assert InferenceEngine(model, chat).open_batch(2).graphs is None
 
 
+def test_under_bf16_autocast_the_fixed_shape_steps_run_and_sample_what_the_plain_steps_sample(
+    policy,
+):
+    # Training's engine computes under autocast (float32 adapters over a bfloat16 base): its
+    # decode steps take the fixed-shape (on CUDA, graphed) path too.
+    model, chat, rows = policy
+    assert InferenceEngine(model, chat, cuda_graphs=True, autocast=True).open_batch(2).graphs
+    kw = {"decode_attention": "varlen", "autocast": True}
+    fixed = _play(model, chat, rows, 0.0, graphs=True, device_kw=kw)
+    plain = _play(model, chat, rows, 0.0, graphs=False, device_kw={"autocast": True})
+    _assert_same_until_they_part(fixed, plain, tol=5e-2)  # bf16: another summation order
+
+
 def cuda_policy(path):
     """The tiny Qwen3-VL policy in bfloat16 on the GPU, its chat format and 3 maze rows."""
     build_model("tiny", path, arch="qwen3_vl", image_size=224, overwrite=True)
@@ -257,6 +270,37 @@ def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
     # clew's split-KV kernel: float32 softmax over bf16 products, another summation order.
     triton = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "triton"})
     _assert_same_until_they_part(triton, eager, tol=5e-2)
+
+
+@pytest.mark.gpu
+def test_graphs_captured_under_autocast_over_a_float32_adapter_sample_what_eager_steps_sample(
+    tmp_path,
+):
+    from clew.train.lora import apply_lora
+
+    model, chat, rows = cuda_policy(tmp_path)
+    model = apply_lora(model, rank=8)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # a non-zero update, so the adapters count
+            torch.nn.init.normal_(p, std=0.02)
+    assert next(p for n, p in model.named_parameters() if "lora_A" in n).dtype == torch.float32
+    captured: list[int] = []
+    step = DecodeGraphs.step
+
+    def counting(graphs, *args):
+        logits = step(graphs, *args)
+        captured.append(graphs.captures)
+        return logits
+
+    kw = {"decode_attention": "triton", "autocast": True}
+    DecodeGraphs.step = counting
+    try:
+        graphed = _play(model, chat, rows, 0.0, graphs=True, device_kw=kw)
+    finally:
+        DecodeGraphs.step = step
+    eager = _play(model, chat, rows, 0.0, graphs=False, device_kw={"autocast": True})
+    assert captured and max(captured) >= 2
+    _assert_same_until_they_part(graphed, eager, tol=5e-2)
 
 
 def _assert_same_until_they_part(a, b, tol: float) -> None:

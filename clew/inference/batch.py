@@ -91,10 +91,11 @@ class CacheBatch:
         self.adapters: list[str | None] = [None] * size  # each row's adapter, None: the base
         self.draws = RowDraws(size, seed, dev)
         self._next_seq = size
-        # Decode steps from CUDA graphs (clew.inference.cuda_graphs): the static cache only,
-        # and not under autocast, whose cast weights would live in a graph's memory.
+        # Decode steps from CUDA graphs (clew.inference.cuda_graphs): the static cache only.
+        # Under autocast the forwards cast without autocast's cache (_forward), so a graph
+        # records the casts of the float32 adapters and replays them over their new values.
         self.graphs: DecodeGraphs | None = None
-        if engine.cuda_graphs and isinstance(self.kv, SlotCache) and not engine.autocast:
+        if engine.cuda_graphs and isinstance(self.kv, SlotCache):
             self.graphs = DecodeGraphs(
                 self.kv,
                 engine.chat.pad_id,
@@ -368,7 +369,7 @@ class CacheBatch:
         static = isinstance(self.kv, SlotCache)
         adapters = self.adapters if rows is None else self.adapters[rows]
         with (
-            bf16_autocast(dev, eng.autocast),
+            bf16_autocast(dev, eng.autocast, cache=False),
             engine_attention(eng.model) if static else contextlib.nullcontext(),
             pointwise_fused(eng.fused_pointwise),
             projections_merged(eng.merged_projections),

@@ -46,10 +46,16 @@ def policy_precision(device: torch.device, precision: str, lora: bool) -> tuple[
     return ("bfloat16" if lora else "float32"), True
 
 
-def bf16_autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` to bfloat16 on ``device``'s type when ``enabled``, else a no-op."""
+def bf16_autocast(
+    device: torch.device, enabled: bool, *, cache: bool = True
+) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to bfloat16 on ``device``'s type when ``enabled``, else a no-op.
+    ``cache=False`` casts a weight anew at each use instead of once per context: what a CUDA
+    graph capture needs (torch's CUDA-graph notes), since a cached cast made during capture
+    would outlive the capture's memory pool, and the graph must recast the weights the
+    optimizer has since updated in place."""
     if not enabled:
         return contextlib.nullcontext()
     import torch
 
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache)
