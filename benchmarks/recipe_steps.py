@@ -10,8 +10,8 @@ per variant from the same weights, evaluation and checkpoints off:
   (``generator.inference_engine.kv_cache=dynamic``, padded micro-batches);
 - ``after``: the recipe's own settings (the static KV cache, the defaults);
 - ``packed``: ``after`` with ``trainer.remove_microbatch_padding=true``;
-- ``graphs``: ``after`` with decode steps replayed from CUDA graphs
-  (``generator.inference_engine.enforce_eager=false``).
+- ``eager``: ``after`` with every decode step run eagerly
+  (``generator.inference_engine.enforce_eager=true``; by default they replay CUDA graphs).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first (which pays the start-up), GRPO steps per minute and the speed-up
@@ -40,7 +40,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "before": {"generator.inference_engine.kv_cache": "dynamic"},
     "after": {},
     "packed": {"trainer.remove_microbatch_padding": True},
-    "graphs": {"generator.inference_engine.enforce_eager": False},
+    "eager": {"generator.inference_engine.enforce_eager": True},
 }
 
 
