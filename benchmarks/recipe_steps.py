@@ -27,6 +27,7 @@ over ``before``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -98,6 +99,7 @@ def main() -> None:
         for name in names:
             run_cfg = updated(cfg, {"trainer.run_name": name, **VARIANTS[name]})
             run_grpo(run_cfg)
+            gc.collect()  # the last variant's policy and engine, before the next sizes its cache
             lines = (run_dir_of(run_cfg) / "metrics.jsonl").read_text().splitlines()
             hist = [h for h in map(json.loads, lines) if "timing/step" in h]
             timed = hist[1:] or hist

@@ -17,7 +17,7 @@ from clew.inference import batch as batch_module
 from clew.inference import engine as engine_module
 from clew.inference.attention import gqa_sdpa_attention, text_config
 from clew.inference.engine import InferenceEngine
-from clew.inference.kv_cache import SlotCache
+from clew.inference.kv_cache import SlotCache, cache_budget_bytes
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
@@ -249,3 +249,19 @@ def test_an_unknown_kv_cache_is_refused(policy):
     model, chat, _ = policy
     with pytest.raises(ConfigError, match="kv_cache='paged'.*static, dynamic"):
         InferenceEngine(model, chat, kv_cache="paged")
+
+
+def test_the_gpu_budget_counts_live_tensors_not_the_blocks_the_allocator_keeps(monkeypatch):
+    # 80 GiB card, 0.45 of it for the process: 16 GiB of live weights, and 30 GiB more that
+    # an earlier run left cached in torch's allocator (the device sees it as used).
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (34 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 16 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 46 * gib)
+    cuda = torch.device("cuda", 0)
+    assert cache_budget_bytes(cuda, 0.45, 4096) == int(80 * gib * 0.45) - 16 * gib
+    # Another process holding most of the card: what is free, and cached, bounds the budget.
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 20 * gib)
+    assert cache_budget_bytes(cuda, 0.45, 4096) == 5 * gib
+    assert cache_budget_bytes(torch.device("cpu"), 0.45, 4096) == 4096 * 2**20

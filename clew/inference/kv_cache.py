@@ -51,13 +51,18 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 def cache_budget_bytes(
     device: torch.device, gpu_memory_utilization: float, max_cache_mb: int
 ) -> int:
-    """The KV-cache budget: a share of the GPU's free memory, or a fixed size on CPU."""
+    """The KV-cache budget: a share of the GPU's memory, or a fixed size on CPU.
+
+    vLLM's meaning: the whole process may use ``gpu_memory_utilization`` of the device; the
+    cache gets what the live tensors (weights, optimizer) leave of it, within what is free.
+    Blocks torch's allocator holds but no tensor uses count as free: they are what an
+    earlier phase or run of the same process (an SFT stage before GRPO, an update before
+    the next rollout) left cached, and the cache's own allocations reuse them."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        in_use_by_us = torch.cuda.memory_reserved(device)
-        # vLLM's meaning: the whole process may use this share of the device; the cache
-        # gets what the weights and optimizer leave of it.
-        return max(0, min(free, int(total * gpu_memory_utilization) - in_use_by_us))
+        live = torch.cuda.memory_allocated(device)
+        cached = torch.cuda.memory_reserved(device) - live
+        return max(0, min(free + cached, int(total * gpu_memory_utilization) - live))
     return max_cache_mb * 2**20
 
 
