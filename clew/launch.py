@@ -27,6 +27,7 @@ from clew.envs.plugins import import_env_modules, modules_env
 from clew.errors import ClewError, ConfigError
 from clew.evaluation import eval_metrics
 from clew.grpo import GRPOTrainer, seed_everything
+from clew.inference.engine import EngineOptions
 from clew.inference.runtime import limit_host_threads, pick_device
 from clew.inference.sampling import SamplingParams
 from clew.metrics import make_loggers, with_ray_metrics
@@ -259,9 +260,12 @@ def sft_run_dir(cfg: ClewConfig) -> Path:
     return Path(cfg.trainer.log_path) / cfg.sft.run_name
 
 
-def sft_eval_fn(rows: list, keep_last_k_images: int | None, autocast: bool) -> EvalFn:
-    """SFT's evaluation: greedy pass@1 on ``rows`` and the policy's agreement with the
-    expert on the expert's own path (``clew.train.agreement``)."""
+def sft_eval_fn(
+    rows: list, keep_last_k_images: int | None, autocast: bool, engine: EngineOptions
+) -> EvalFn:
+    """SFT's evaluation: greedy pass@1 on ``rows``, played on an engine built with
+    ``engine``, and the policy's agreement with the expert on the expert's own path
+    (``clew.train.agreement``)."""
     turns = max(r.max_turns for r in rows)
     settings = RolloutSettings(
         1,
@@ -272,7 +276,7 @@ def sft_eval_fn(rows: list, keep_last_k_images: int | None, autocast: bool) -> E
     )
 
     def eval_fn(model, chat, step: int) -> dict[str, float]:
-        trajs = play_model(model, chat, rows, settings, autocast=autocast)
+        trajs = play_model(model, chat, rows, settings, autocast=autocast, engine=engine)
         agreement = solver_agreement(
             model, chat, rows, image_window=keep_last_k_images, autocast=autocast
         )
@@ -327,7 +331,9 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
     )
     workers = cfg.trainer.placement.num_workers
     if eval_fn is None and eval_rows:
-        eval_fn = sft_eval_fn(eval_rows, cfg.generator.keep_last_k_images, autocast)
+        eval_fn = sft_eval_fn(
+            eval_rows, cfg.generator.keep_last_k_images, autocast, engine_options(cfg)
+        )
     if uses_ray(cfg, on_gpus):  # the workers GRPO would run on (trainer.placement)
         policy = ray_worker_group(cfg, s.model_path, settings, dtype, device, on_gpus)
     else:

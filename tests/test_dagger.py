@@ -14,6 +14,7 @@ from clew.envs.maze.actions import Action, format_action
 from clew.envs.maze.generate import DIRECTIONS
 from clew.envs.maze.solver import shortest_actions
 from clew.errors import ConfigError
+from clew.inference.engine import EngineOptions, InferenceEngine
 from clew.launch import run_sft_stage
 from clew.metrics import read_history
 from clew.train.dagger import (
@@ -124,6 +125,37 @@ def test_sft_with_dagger_rounds_plays_the_policy_and_trains_on_its_branches(mode
     # keep_rounds=0 aggregates: the pool after the second round holds both rounds' branches
     made = [logged[s]["sft/dagger_demonstrations"] for s in rounds]
     assert [logged[s]["sft/dagger_pool"] for s in rounds] == [made[0], made[0] + made[1]]
+
+
+def test_sft_evaluations_and_dagger_episodes_run_on_the_configured_engine(
+    model_dir, tmp_path, monkeypatch
+):
+    built: list[InferenceEngine] = []
+    build = EngineOptions.build
+
+    def recording(options, *args, **kwargs):
+        built.append(build(options, *args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(EngineOptions, "build", recording)
+    data = tmp_path / "train.parquet"
+    write_rows(generate_rows("maze_2d/tiny", 8, env_options=OPTIONS), data)
+    cfg = load_config(
+        None,
+        [
+            f"sft.model_path={model_dir}", f"data.train_data=['{data}']",
+            f"data.val_data=['{data}']", f"trainer.log_path={tmp_path / 'runs'}",
+            "trainer.logger=jsonl", "sft.steps=3", "sft.batch_size=4", "sft.eval_interval=2",
+            "sft.dagger.interval=2", "sft.dagger.rows=4",
+            "generator.inference_engine.kv_cache=dynamic",
+            "generator.inference_engine.max_cache_mb=96",
+        ],
+    )  # fmt: skip
+    logged = read_history(run_sft_stage(cfg).run_dir)
+    assert any("sft/dagger_solve_rate" in m for m in logged)
+    assert any("eval/all/pass_at_1" in m for m in logged)
+    assert len(built) >= 2  # a DAgger round and an evaluation, at least
+    assert {(e.kv_cache, e.max_cache_bytes) for e in built} == {("dynamic", 96 * 2**20)}
 
 
 def _demos(*seeds: int) -> list[Demonstration]:

@@ -48,7 +48,7 @@ from typing import Any
 from clew.data.rows import Row
 from clew.envs import make
 from clew.errors import ConfigError
-from clew.inference.engine import InferenceEngine
+from clew.inference.engine import EngineOptions, InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
 from clew.rollout.trajectory import Trajectory, state_key
@@ -365,13 +365,20 @@ def play_model(
     *,
     seed: int = 0,
     autocast: bool = False,
+    engine: EngineOptions | None = None,
 ) -> list[Trajectory]:
     """``play`` with a model being trained (SFT's evaluations, DAgger rounds): the episodes
-    run in eval mode and the model's mode is restored after."""
+    run in eval mode and the model's mode is restored after. ``engine``: the run's engine
+    options (``generator.inference_engine``: cache, CUDA graphs, attention, budget); without
+    them, the engine's own defaults, eager and with no cache budget."""
     was_training = model.training
     model.eval()
     try:
-        return play(InferenceEngine(model, chat, autocast=autocast), rows, settings, seed=seed)
+        if engine is None:
+            built = InferenceEngine(model, chat, autocast=autocast)
+        else:
+            built = engine.build(model, chat, autocast=autocast)
+        return play(built, rows, settings, seed=seed)
     finally:
         model.train(was_training)
 

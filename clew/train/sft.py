@@ -42,6 +42,7 @@ import torch
 from PIL import Image
 
 from clew.config import ClewConfig
+from clew.config.settings import engine_options
 from clew.data.rows import Row
 from clew.errors import ClewError, DataError
 from clew.metrics import MetricsCollector
@@ -180,6 +181,7 @@ class SFTTrainer:
     ) -> None:
         s = cfg.sft
         self.cfg = cfg
+        self.engine = engine_options(cfg)  # DAgger's episodes run on the run's engine
         self.policy = LocalSFTPolicy(policy) if isinstance(policy, PolicyWorker) else policy
         self.checkpointer = checkpointer
         self.loggers = loggers
@@ -323,7 +325,9 @@ class SFTTrainer:
         self.policy.write_policy(directory)
 
     def _play(self, rows: Sequence[Row], settings: Any, seed: int) -> list[Any]:
-        return self.policy.with_policy(play_policy, rows, settings, seed, self.autocast)
+        return self.policy.with_policy(
+            play_policy, rows, settings, seed, self.autocast, self.engine
+        )
 
     # -- state ----------------------------------------------------------------------
     def checkpointed(self) -> dict[str, Any]:

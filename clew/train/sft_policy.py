@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from clew.data.rows import Row
+from clew.inference.engine import EngineOptions
 from clew.models.chat import ChatFormat
 from clew.train.demonstrations import Demonstration
 from clew.train.worker import PolicyWorker
@@ -76,8 +77,10 @@ def play_policy(
     settings: Any,
     seed: int,
     autocast: bool,
+    engine: EngineOptions | None = None,
 ) -> list[Any]:
-    """``rows`` played by ``model`` (a ``with_policy`` function: DAgger's episodes)."""
+    """``rows`` played by ``model`` (a ``with_policy`` function: DAgger's episodes), on an
+    engine built with ``engine`` (``clew.rollout.loop.play_model``)."""
     from clew.rollout import play_model
 
-    return play_model(model, chat, rows, settings, seed=seed, autocast=autocast)
+    return play_model(model, chat, rows, settings, seed=seed, autocast=autocast, engine=engine)
