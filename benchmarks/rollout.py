@@ -21,6 +21,9 @@ its bound (``benchmarks/bounds.py``): prefill at ``2 N`` FLOPs a token at the ma
 a decode step reading the text weights and every live row's KV cache at the bandwidth. A
 second prefill figure counts the work as it is: the vision tower per patch, attention per
 query-key pair, no output layer.
+The sides other than ``--defaults`` prefill with masked SDPA unless ``--prefill-varlen``
+(the engine's default prefill is ``varlen``); ``--defaults`` adds a side with every engine
+switch at its default, and ``--profile`` then profiles that side.
 ``--env-workers 1,0`` profiles once per ``generator.env_workers`` value: the env steps and
 the encoding of the next observations in the loop's own thread, then on one thread per core.
 ``--frame-cache-mb 0,64`` profiles each of those with every frame resized, then with resized
@@ -44,6 +47,7 @@ import torch
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.envs.base import text_corpus
+from clew.inference.engine import EngineOptions, InferenceEngine
 from clew.inference.runtime import open_policy
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model
@@ -184,6 +188,16 @@ def attention_side(
     return side
 
 
+def defaults_side(policy):
+    """``attention_side`` with the engine's defaults (``EngineOptions``: what ``clew train``
+    runs), ``decode_attention=auto`` resolved as the engine resolves it on this device."""
+    d = EngineOptions()
+    probe = InferenceEngine(policy.engine.model, policy.engine.chat, decode_attention="auto")
+    return attention_side(
+        probe.decode_attention, d.fused_pointwise, d.prefill_attention, d.merged_projections
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="tiny")
@@ -244,6 +258,13 @@ def main() -> None:
         "(decode_attention=triton; with --fused, fused; with --prefill-varlen, its prefill); "
         "--profile then profiles that side",
     )
+    p.add_argument(
+        "--defaults",
+        action="store_true",
+        help="add a graphs side with every engine switch at its default (what `clew train` "
+        "runs; the other sides' prefill is masked SDPA unless --prefill-varlen); --profile "
+        "then profiles that side",
+    )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument("--arch", default=None, help="qwen2_vl or qwen3_vl (default: the preset's)")
     p.add_argument(
@@ -297,6 +318,8 @@ def main() -> None:
         sides += [("clew merged", merged_side)] if args.merged else []
         triton_side = attention_side("triton", args.fused, prefill)
         sides += [("clew triton", triton_side)] if args.triton else []
+        default_side = defaults_side(policy)
+        sides += [("clew defaults", default_side)] if args.defaults else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
             f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
@@ -344,6 +367,7 @@ def main() -> None:
             side = prefill_side if args.prefill_varlen else side
             side = merged_side if args.merged else side
             side = triton_side if args.triton else side
+            side = default_side if args.defaults else side
             with prof.installed():
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)

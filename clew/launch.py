@@ -330,10 +330,9 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
         logprobs_chunk_size=cfg.trainer.logprobs_chunk_size,
     )
     workers = cfg.trainer.placement.num_workers
+    engine = engine_options(cfg)  # evaluations and DAgger episodes run on the run's engine
     if eval_fn is None and eval_rows:
-        eval_fn = sft_eval_fn(
-            eval_rows, cfg.generator.keep_last_k_images, autocast, engine_options(cfg)
-        )
+        eval_fn = sft_eval_fn(eval_rows, cfg.generator.keep_last_k_images, autocast, engine)
     if uses_ray(cfg, on_gpus):  # the workers GRPO would run on (trainer.placement)
         policy = ray_worker_group(cfg, s.model_path, settings, dtype, device, on_gpus)
     else:
@@ -349,7 +348,14 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
         )
         try:
             trainer = SFTTrainer(
-                cfg, policy, train_rows, checkpointer, loggers, eval_fn=eval_fn, autocast=autocast
+                cfg,
+                policy,
+                train_rows,
+                checkpointer,
+                loggers,
+                eval_fn=eval_fn,
+                autocast=autocast,
+                engine=engine,
             )
             return trainer.fit()
         finally:

@@ -41,9 +41,9 @@ RUNS = {
     "rollout": (
         ["rollout.py", "--preset", "tiny", "--env-id", "maze_2d/easy", "--prompts", "2"]
         + ["--samples", "2", "--max-turns", "2", "--skip-baseline", "--cuda-graphs"]
-        + ["--varlen", "--fused", "--prefill-varlen", "--merged", "--triton", "--profile"]
-        + ["--device", "cpu"],
-        ["clew merged", "clew triton", "prefill forwards", "prefill work", "whole rollout"],
+        + ["--varlen", "--fused", "--prefill-varlen", "--merged", "--triton", "--defaults"]
+        + ["--profile", "--device", "cpu"],
+        ["clew merged", "clew triton", "clew defaults", "prefill forwards", "whole rollout"],
     ),
     "grpo_step": (
         ["grpo_step.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]
@@ -69,7 +69,7 @@ RUNS = {
             "trainer.micro_train_batch_size_per_gpu=4",
             "trainer.micro_forward_batch_size_per_gpu=4",
         ],
-        ["before", "graphs", "speed-up"],
+        ["before", "eager", "speed-up"],
     ),
 }
 

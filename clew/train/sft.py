@@ -42,9 +42,9 @@ import torch
 from PIL import Image
 
 from clew.config import ClewConfig
-from clew.config.settings import engine_options
 from clew.data.rows import Row
 from clew.errors import ClewError, DataError
+from clew.inference.engine import EngineOptions
 from clew.metrics import MetricsCollector
 from clew.models.chat import ChatFormat
 from clew.stopping import GracefulStop
@@ -178,10 +178,11 @@ class SFTTrainer:
         *,
         eval_fn: EvalFn | None = None,
         autocast: bool = False,
+        engine: EngineOptions | None = None,
     ) -> None:
         s = cfg.sft
         self.cfg = cfg
-        self.engine = engine_options(cfg)  # DAgger's episodes run on the run's engine
+        self.engine = engine  # what DAgger's episodes run on (clew.rollout.loop.play_model)
         self.policy = LocalSFTPolicy(policy) if isinstance(policy, PolicyWorker) else policy
         self.checkpointer = checkpointer
         self.loggers = loggers
