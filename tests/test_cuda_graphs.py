@@ -273,8 +273,9 @@ def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 def test_graphs_captured_under_autocast_over_a_float32_adapter_sample_what_eager_steps_sample(
-    tmp_path,
+    tmp_path, fused
 ):
     from clew.train.lora import apply_lora
 
@@ -292,7 +293,7 @@ def test_graphs_captured_under_autocast_over_a_float32_adapter_sample_what_eager
         captured.append(graphs.captures)
         return logits
 
-    kw = {"decode_attention": "triton", "autocast": True}
+    kw = {"decode_attention": "triton", "autocast": True, "fused_pointwise": fused}
     DecodeGraphs.step = counting
     try:
         graphed = _play(model, chat, rows, 0.0, graphs=True, device_kw=kw)
