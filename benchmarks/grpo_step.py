@@ -3,7 +3,10 @@
 Runs ``--steps`` full trainer steps (generate, score, advantages, update, sync) on a
 policy built offline, and prints each phase's seconds and how many waves the episodes ran
 in (``train/waves``: more than one when the KV cache budget,
-``generator.inference_engine.gpu_memory_utilization``, cannot hold them all at once). The baseline, in the same run,
+``generator.inference_engine.gpu_memory_utilization``, cannot hold them all at once), and
+how far the engine's sampling logprobs were from the trainer's forward over the same tokens
+(``policy/logprob_diff_mean`` / ``_max``: the guard against kernels that change what is
+sampled). The baseline, in the same run,
 is the generate phase done the way a user without an engine would: re-encode the whole
 conversation and call ``model.generate`` every turn (``benchmarks/rollout.py``).
 
@@ -182,12 +185,20 @@ def _steps(cfg, args, label: str) -> list[dict]:
         f"{args.max_turns} turns, {args.preset}, LoRA rank {args.lora_rank}{forced}; "
         f"{len(history)} steps in {wall:.1f} s (with start-up)"
     )
-    print("step " + " ".join(f"{ph:>10}" for ph in PHASES) + "   episodes  turns/ep  waves")
+    print(
+        "step " + " ".join(f"{ph:>10}" for ph in PHASES)
+        + "   episodes  turns/ep  waves  lp diff mean / max"
+    )  # fmt: skip
     for h in history:
         cells = " ".join(f"{h.get(f'timing/{ph}', 0.0):>10.2f}" for ph in PHASES)
+        diff = (
+            f"{h['policy/logprob_diff_mean']:.2e} / {h.get('policy/logprob_diff_max', 0):.2e}"
+            if "policy/logprob_diff_mean" in h
+            else "-"
+        )
         print(
             f"{h['step']:>4} {cells}   {args.prompts * args.samples:>8} "
-            f"{h.get('train/turns_mean', 0):>9.1f} {h.get('train/waves', 0):>6.0f}"
+            f"{h.get('train/turns_mean', 0):>9.1f} {h.get('train/waves', 0):>6.0f}  {diff}"
         )
     return history
 

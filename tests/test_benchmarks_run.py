@@ -49,7 +49,7 @@ RUNS = {
         ["grpo_step.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]
         + ["--max-turns", "2", "--steps", "1", "--micro-batch", "2", "--device", "cpu"]
         + ["--skip-baseline", "--compare-set", "generator.inference_engine.fused_pointwise=false"],
-        ["generate", "update", "floor of the last step", "the first run against the second"],
+        ["generate", "lp diff mean", "floor of the last step", "the first run against the second"],
     ),
     "update": (
         ["update.py", "--preset", "tiny", "--env", "maze_2d/tiny", "--prompts", "2"]
