@@ -16,6 +16,7 @@ from rollout_support import assert_same_samples
 from transformers.models.qwen3_vl import modeling_qwen3_vl
 
 from clew.data.rows import generate_rows
+from clew.inference import batch as batch_module
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model, fused_pointwise, load_policy
@@ -145,6 +146,32 @@ def test_the_engine_with_fused_pointwise_samples_what_the_plain_engine_samples(
     fused = run(True)
     assert _counts().get("rotary", 0) > before.get("rotary", 0)  # prefill and decode steps
     assert_same_samples(fused, run(False), tol=1e-4)
+
+
+def test_eager_decode_steps_leave_the_fused_kernels_out(tiny, on_cpu, monkeypatch) -> None:
+    # Eager steps (no graphs: enforce_eager, rows with their own adapters) compute a row's
+    # few hundred values a layer: the compiled kernels' host cost outweighs them.
+    model, chat = tiny
+    rows = generate_rows("maze_2d/small", 1, env_options={"cell_px": 12})
+    settings = RolloutSettings(2, 2, 4096, SamplingParams(temperature=1.0, max_tokens=6))
+    seen: list[bool] = []
+    forward = batch_module.CacheBatch._forward
+
+    def recording(batch, ids, pos, mask, rows=None, fused=True, **extra):
+        if ids.shape[1] == 1 and rows is None:  # a decode step
+            seen.append(fused)
+        return forward(batch, ids, pos, mask, rows, fused, **extra)
+
+    monkeypatch.setattr(batch_module.CacheBatch, "_forward", recording)
+    engine = InferenceEngine(copy.deepcopy(model), chat, cuda_graphs=False, fused_pointwise=True)
+    before = _counts().get("rotary", 0)
+    play(engine, rows, settings, seed=5)
+    assert seen and not any(seen)  # every eager decode step, unfused
+    assert _counts().get("rotary", 0) > before  # the prefills still fused
+    seen.clear()
+    graphed = InferenceEngine(copy.deepcopy(model), chat, cuda_graphs=True, fused_pointwise=True)
+    play(graphed, rows, settings, seed=5)
+    assert seen and all(seen)  # the fixed-shape (on CUDA, graphed) steps fused
 
 
 def test_a_failed_compilation_warns_and_the_kernel_stays_eager(monkeypatch, on_cpu) -> None:

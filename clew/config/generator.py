@@ -93,7 +93,8 @@ class InferenceEngineConfig(Section):
         True,
         description="The rotary embeddings (language model and vision tower) and the SwiGLU "
         "gate as one torch.compile'd kernel each in the engine's forwards on a GPU (about "
-        "ten element-wise kernels a layer fewer in a decode step); compiled on first use, in "
+        "ten element-wise kernels a layer fewer in a decode step; decode steps run eagerly "
+        "leave them out, as their host cost outweighs them there); compiled on first use, in "
         "a CUDA-graph step's warm-up (a failed compilation warns and stays eager). On an H100 "
         "a 15-turn Qwen3-VL-8B rollout took 22.5 s with it against 26.0 s without "
         "(BENCHMARKS.md). No effect on a CPU or in the trainer's forwards.",

@@ -295,7 +295,10 @@ class CacheBatch:
         """Launch one decode step of every row; its logits (computed on the device)."""
         if self.graphs is not None and not any(self.adapters):
             return self.graphs.step(ids, pos, active, active_host, self._forward)
-        return self._forward(ids, pos, self.kv.decode(active, active_host))
+        # An eager step's tensors are a row each: a compiled kernel's call costs more host
+        # time than the kernels it replaces (clew.models.fused_pointwise). On an H100 a GRPO
+        # rollout's eager steps took 68.8 s with them against 45.9 s without (BENCHMARKS.md).
+        return self._forward(ids, pos, self.kv.decode(active, active_host), fused=False)
 
     def _record(
         self,
@@ -361,9 +364,11 @@ class CacheBatch:
         positions: torch.Tensor,
         attention_mask: torch.Tensor,
         rows: slice | None = None,
+        fused: bool = True,
         **extra,
     ) -> torch.Tensor:
-        """The last logits of a forward of every row, or of ``rows`` (a prefill's slots)."""
+        """The last logits of a forward of every row, or of ``rows`` (a prefill's slots);
+        ``fused=False`` leaves the fused element-wise kernels out even where they are on."""
         eng = self.engine
         dev = eng.device
         static = isinstance(self.kv, SlotCache)
@@ -371,7 +376,7 @@ class CacheBatch:
         with (
             bf16_autocast(dev, eng.autocast, cache=False),
             engine_attention(eng.model) if static else contextlib.nullcontext(),
-            pointwise_fused(eng.fused_pointwise),
+            pointwise_fused(eng.fused_pointwise and fused),
             projections_merged(eng.merged_projections),
             eng.lora.rows(adapters),
         ):

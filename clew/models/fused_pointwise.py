@@ -30,8 +30,9 @@ A function compiles on its first fused call; a CUDA-graph decode step makes that
 its warm-up run, before the capture. If that compilation fails (no Triton, no compiler), a
 warning says so and the function stays eager. Each fused call costs some host time (the
 compiled function's guards, about 20 us on a CPU core), which a replayed graph does not pay
-and a prefill's large kernels hide; a decode step run eagerly (``enforce_eager=true``) would
-pay it in every layer.
+and a prefill's large kernels hide; a decode step run eagerly (``enforce_eager=true``, rows
+with their own adapters) would pay it in every layer, so the engine leaves the fused kernels
+out of those (``clew.inference.batch``).
 """
 
 from __future__ import annotations
