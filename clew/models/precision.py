@@ -51,10 +51,10 @@ def bf16_autocast(
 ) -> contextlib.AbstractContextManager:
     """``torch.autocast`` to bfloat16 on ``device``'s type when ``enabled``, else a no-op.
     ``cache=False`` casts a weight anew at each use instead of once per context: what a CUDA
-    graph capture needs (as ``torch.cuda.make_graphed_callables`` requires). A cast cached during a capture is freed
-    when the context exits while the graph still reads it; uncached, every cast is a kernel
-    of the graph, so each replay recasts the weights the optimizer has since updated in
-    place."""
+    graph capture needs (``torch.cuda.make_graphed_callables`` requires it too). A cast
+    cached during a capture is freed when the context exits while the graph still reads it;
+    uncached, every cast is a kernel of the graph, so each replay recasts the weights the
+    optimizer has since updated in place."""
     if not enabled:
         return contextlib.nullcontext()
     import torch
