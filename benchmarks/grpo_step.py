@@ -6,7 +6,7 @@ in (``train/waves``: more than one when the KV cache budget,
 ``generator.inference_engine.gpu_memory_utilization``, cannot hold them all at once), and
 how far the engine's sampling logprobs were from the trainer's forward over the same tokens
 (``policy/logprob_diff_mean`` / ``_max``: the guard against kernels that change what is
-sampled). The baseline, in the same run,
+sampled); on a GPU, the peak device memory of the generate and update phases. The baseline, in the same run,
 is the generate phase done the way a user without an engine would: re-encode the whole
 conversation and call ``model.generate`` every turn (``benchmarks/rollout.py``).
 
@@ -187,7 +187,7 @@ def _steps(cfg, args, label: str) -> list[dict]:
     )
     print(
         "step " + " ".join(f"{ph:>10}" for ph in PHASES)
-        + "   episodes  turns/ep  waves  lp diff mean / max"
+        + "   episodes  turns/ep  waves  peak GB gen/upd  lp diff mean / max"
     )  # fmt: skip
     for h in history:
         cells = " ".join(f"{h.get(f'timing/{ph}', 0.0):>10.2f}" for ph in PHASES)
@@ -196,9 +196,14 @@ def _steps(cfg, args, label: str) -> list[dict]:
             if "policy/logprob_diff_mean" in h
             else "-"
         )
+        peaks = "/".join(
+            f"{h[k]:.1f}" if k in h else "-"
+            for k in ("perf/peak_memory_gb/generate", "perf/peak_memory_gb/update")
+        )
         print(
             f"{h['step']:>4} {cells}   {args.prompts * args.samples:>8} "
-            f"{h.get('train/turns_mean', 0):>9.1f} {h.get('train/waves', 0):>6.0f}  {diff}"
+            f"{h.get('train/turns_mean', 0):>9.1f} {h.get('train/waves', 0):>6.0f} "
+            f"{peaks:>16}  {diff}"
         )
     return history
 
