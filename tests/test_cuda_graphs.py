@@ -237,21 +237,9 @@ def cuda_policy(path):
 @pytest.mark.gpu
 def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
     model, chat, rows = cuda_policy(tmp_path)
-    captured: list[int] = []
-    step = DecodeGraphs.step
-
-    def counting(graphs, *args):
-        logits = step(graphs, *args)
-        captured.append(graphs.captures)
-        return logits
-
-    DecodeGraphs.step = counting
-    try:
-        graphed = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "sdpa"})
-    finally:
-        DecodeGraphs.step = step
+    graphed, captures = _play_counting_captures(model, chat, rows, {"decode_attention": "sdpa"})
     eager = _play(model, chat, rows, 0.0, graphs=False)
-    assert max(captured) >= 2  # several buckets were captured and replayed
+    assert captures >= 2  # several buckets were captured and replayed
     assert_same_samples(graphed, eager, tol=2e-2)  # bf16: summation order differs with the width
     flex = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "flex"})
     assert_same_samples(flex, eager, tol=2e-2)
@@ -285,7 +273,16 @@ def test_graphs_captured_under_autocast_over_a_float32_adapter_sample_what_eager
         if "lora_B" in name:  # a non-zero update, so the adapters count
             torch.nn.init.normal_(p, std=0.02)
     assert next(p for n, p in model.named_parameters() if "lora_A" in n).dtype == torch.float32
-    captured: list[int] = []
+    kw = {"decode_attention": "triton", "autocast": True, "fused_pointwise": fused}
+    graphed, captures = _play_counting_captures(model, chat, rows, kw)
+    eager = _play(model, chat, rows, 0.0, graphs=False, device_kw={"autocast": True})
+    assert captures >= 2
+    _assert_same_until_they_part(graphed, eager, tol=5e-2)
+
+
+def _play_counting_captures(model, chat, rows, device_kw):
+    """Greedy ``_play`` with graphs; its trajectories and the most graphs a batch captured."""
+    captured = [0]
     step = DecodeGraphs.step
 
     def counting(graphs, *args):
@@ -293,15 +290,11 @@ def test_graphs_captured_under_autocast_over_a_float32_adapter_sample_what_eager
         captured.append(graphs.captures)
         return logits
 
-    kw = {"decode_attention": "triton", "autocast": True, "fused_pointwise": fused}
     DecodeGraphs.step = counting
     try:
-        graphed = _play(model, chat, rows, 0.0, graphs=True, device_kw=kw)
+        return _play(model, chat, rows, 0.0, graphs=True, device_kw=device_kw), max(captured)
     finally:
         DecodeGraphs.step = step
-    eager = _play(model, chat, rows, 0.0, graphs=False, device_kw={"autocast": True})
-    assert captured and max(captured) >= 2
-    _assert_same_until_they_part(graphed, eager, tol=5e-2)
 
 
 def _assert_same_until_they_part(a, b, tol: float) -> None:
