@@ -6,8 +6,8 @@ in (``train/waves``: more than one when the KV cache budget,
 ``generator.inference_engine.gpu_memory_utilization``, cannot hold them all at once), and
 how far the engine's sampling logprobs were from the trainer's forward over the same tokens
 (``policy/logprob_diff_mean`` / ``_max``: the guard against kernels that change what is
-sampled); on a GPU, the peak device memory of the generate and update phases. The baseline, in the same run,
-is the generate phase done the way a user without an engine would: re-encode the whole
+sampled); on a GPU, the peak device memory of the generate and update phases. The
+baseline, in the same run, is the generate phase done the way a user without an engine would: re-encode the whole
 conversation and call ``model.generate`` every turn (``benchmarks/rollout.py``).
 
     python benchmarks/grpo_step.py --preset base --device cuda --max-turns 15

@@ -47,7 +47,7 @@ import torch
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.envs.base import text_corpus
-from clew.inference.engine import EngineOptions, InferenceEngine
+from clew.inference.engine import EngineOptions, resolve_decode_attention
 from clew.inference.runtime import open_policy
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model
@@ -192,10 +192,8 @@ def defaults_side(policy):
     """``attention_side`` with the engine's defaults (``EngineOptions``: what ``clew train``
     runs), ``decode_attention=auto`` resolved as the engine resolves it on this device."""
     d = EngineOptions()
-    probe = InferenceEngine(policy.engine.model, policy.engine.chat, decode_attention="auto")
-    return attention_side(
-        probe.decode_attention, d.fused_pointwise, d.prefill_attention, d.merged_projections
-    )
+    attention = resolve_decode_attention(d.decode_attention, policy.engine.device)
+    return attention_side(attention, d.fused_pointwise, d.prefill_attention, d.merged_projections)
 
 
 def main() -> None:
@@ -318,8 +316,8 @@ def main() -> None:
         sides += [("clew merged", merged_side)] if args.merged else []
         triton_side = attention_side("triton", args.fused, prefill)
         sides += [("clew triton", triton_side)] if args.triton else []
-        default_side = defaults_side(policy)
-        sides += [("clew defaults", default_side)] if args.defaults else []
+        default_side = defaults_side(policy) if args.defaults else None
+        sides += [("clew defaults", default_side)] if default_side else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
             f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
@@ -367,7 +365,7 @@ def main() -> None:
             side = prefill_side if args.prefill_varlen else side
             side = merged_side if args.merged else side
             side = triton_side if args.triton else side
-            side = default_side if args.defaults else side
+            side = default_side or side
             with prof.installed():
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)

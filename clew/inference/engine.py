@@ -74,6 +74,23 @@ def _text_config(model: torch.nn.Module):
     return getattr(cfg, "text_config", cfg)
 
 
+def resolve_decode_attention(name: str, device: torch.device) -> str:
+    """``decode_attention`` as the engine runs it on ``device``: ``auto`` is ``triton`` on
+    CUDA where the triton package is installed, else ``varlen``; ``triton`` without the
+    package is refused."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "auto":
+        return "triton" if device.type == "cuda" and has_triton else "varlen"
+    if name == "triton" and not has_triton:
+        raise ConfigError(
+            "generator.inference_engine.decode_attention=triton runs clew's Triton kernel, "
+            "and the triton package is not installed (torch's CUDA builds bring it; on a "
+            "CPU `pip install triton` runs it in Triton's interpreter): install it or "
+            "choose decode_attention=varlen"
+        )
+    return name
+
+
 class InferenceEngine:
     """Samples replies for many sequences at once from a (possibly LoRA-wrapped) Qwen-VL model."""
 
@@ -107,17 +124,8 @@ class InferenceEngine:
                 f"generator.inference_engine.decode_attention={decode_attention!r} is not a "
                 f"decode attention; choose one of {', '.join(DECODE_ATTENTION)}"
             )
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        has_triton = importlib.util.find_spec("triton") is not None
-        if decode_attention == "auto":
-            decode_attention = "triton" if on_cuda and has_triton else "varlen"
-        if decode_attention == "triton" and not has_triton:
-            raise ConfigError(
-                "generator.inference_engine.decode_attention=triton runs clew's Triton kernel, "
-                "and the triton package is not installed (torch's CUDA builds bring it; on a "
-                "CPU `pip install triton` runs it in Triton's interpreter): install it or "
-                "choose decode_attention=varlen"
-            )
+        device = next(model.parameters()).device
+        decode_attention = resolve_decode_attention(decode_attention, device)
         # In graph-replayed decode steps: SDPA to the longest row, FlexAttention per row's
         # blocks, or a variable-length kernel (memory-efficient, flash or clew's split-KV
         # Triton kernel) per row's columns; "auto": the Triton kernel on CUDA, if installed.
@@ -132,6 +140,7 @@ class InferenceEngine:
         self.prefill_attention = prefill_attention
         # The rotary embedding and the SwiGLU gate as one compiled kernel each, in the
         # engine's forwards on CUDA (clew.models.fused_pointwise); None: on a CUDA device.
+        on_cuda = device.type == "cuda"
         self.fused_pointwise = on_cuda if fused_pointwise is None else fused_pointwise
         if self.fused_pointwise:
             fuse_pointwise(model)
@@ -143,7 +152,7 @@ class InferenceEngine:
         # bfloat16 compute over float32 weights (clew.models.precision), as the trainer scores.
         self.autocast = autocast
         self.chat = chat
-        self.device = next(model.parameters()).device
+        self.device = device
         self.bytes_per_token = kv_bytes_per_token(model)
         self.num_layers = _text_config(model).num_hidden_layers
         self.max_cache_bytes = max_cache_bytes
