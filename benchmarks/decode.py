@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import re
 import sys
 import tempfile
 import time
@@ -53,18 +52,9 @@ from clew.models.chat import ChatFormat, Chunk
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, hardware  # noqa: E402
+from kernel_kinds import kind_table, own_times  # noqa: E402
 
 PREFILL_CHUNK = 256  # tokens a row per prefill forward, to bound the attention's memory
-# Kernel kinds by name (cuBLAS, CUTLASS, FlashAttention, torch's and Inductor's kernels);
-# the first that matches wins.
-KERNEL_KINDS = (  # attention first: its CUTLASS kernels (fmha_cutlassF) are not products
-    ("attention", r"fmha|flash|attention|efficient|sdpa"),
-    ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|splitk|gemv|aten::(add|b)?mm\b"),
-    ("norm", r"rms|norm"),
-    ("sampling", r"softmax|multinomial|sort|topk|argmax|exponential|distribution|cumsum"),
-    ("copy", r"copy|cat|index|scatter|gather|fill"),
-    ("element-wise", r"elementwise|vectorized|unrolled|triton|reduce"),
-)
 
 
 def _sync(device: torch.device) -> None:
@@ -149,41 +139,23 @@ def _kernel_profile(batch, empty: dict, steps: int) -> list[str]:
 
     cuda = batch.engine.device.type == "cuda"
 
-    def own_us(e) -> float:
-        return e.self_device_time_total if cuda else e.self_cpu_time_total
-
     def profiled(max_tokens: int) -> dict[str, list[float]]:
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
             batch.extend_and_generate(empty, SamplingParams(temperature=1.0, max_tokens=max_tokens))
             _sync(batch.engine.device)
-        kind = "CUDA" if cuda else "CPU"
-        return {e.key: [own_us(e), e.count] for e in p.key_averages() if e.device_type.name == kind}
+        return own_times(p, cuda)
 
     chunk, whole = profiled(1), profiled(steps + 1)
     for key, (us, count) in chunk.items():
         if key in whole:
             whole[key][0] -= us
             whole[key][1] -= count
-    events = {k: v for k, v in whole.items() if v[1] > 0 and v[0] > 0}
-    total = sum(us for us, _ in events.values()) or 1.0
-    kinds: dict[str, list[float]] = {}
-    for key, (us, count) in events.items():
-        kind = next((k for k, rx in KERNEL_KINDS if re.search(rx, key, re.I)), "other")
-        acc = kinds.setdefault(kind, [0.0, 0])
-        acc[0] += us
-        acc[1] += count
+    total = sum(us for us, count in whole.values() if count > 0 and us > 0)
     lines = [
         f"    device time a decode step: {total / steps / 1e3:.2f} ms (the chunk's forward "
         "profiled apart and taken out)"
     ]
-    for kind, (us, count) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
-        lines.append(
-            f"    {kind:<13} {us / steps / 1e3:>7.3f} ms {us / total:>6.1%} "
-            f"{count / steps:>6.0f} kernels a step"
-        )
-    for key, (us, count) in sorted(events.items(), key=lambda kv: -kv[1][0])[:12]:
-        lines.append(f"      {us / steps / 1e3:>7.3f} ms {count / steps:>5.0f}x {key[:90]}")
-    return lines
+    return lines + kind_table(whole, steps, "step")
 
 
 def _generate(model, chat: ChatFormat, rows: list[list[int]], steps: int) -> dict:

@@ -28,6 +28,10 @@ switch at its default, and ``--profile`` then profiles that side.
 the encoding of the next observations in the loop's own thread, then on one thread per core.
 ``--frame-cache-mb 0,64`` profiles each of those with every frame resized, then with resized
 frames kept by content (``clew.models.frame_cache``), and prints how many frames each resized.
+``--prefill-kernels`` (with ``--profile``) plays the profiled side once more, each prefill
+forward under ``torch.profiler``, and prints a forward's device time by kernel kind and its
+longest kernels; beside the timings above, it shows how much of a prefill forward the
+device sits idle. ``--profile`` also times the vision tower inside the prefill forwards.
 ``--trace FILE`` plays once more under ``torch.profiler`` (host, and device on CUDA; the
 CUDA-graph side with ``--cuda-graphs``), prints the operators that took the most host time
 (CUDA runtime calls such as ``cudaMalloc`` included) and, on CUDA, the kernels that took the
@@ -264,6 +268,12 @@ def main() -> None:
         "then profiles that side",
     )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
+    p.add_argument(
+        "--prefill-kernels",
+        action="store_true",
+        help="with --profile, play the profiled side once more with each prefill forward under "
+        "torch.profiler, and print its device time by kernel kind",
+    )
     p.add_argument("--arch", default=None, help="qwen2_vl or qwen3_vl (default: the preset's)")
     p.add_argument(
         "--env-workers",
@@ -285,6 +295,8 @@ def main() -> None:
     )
     add_hardware_flags(p)
     args = p.parse_args()
+    if args.prefill_kernels and not args.profile:
+        p.error("--prefill-kernels profiles the --profile side: add --profile")
     hardware(args)  # the bounds: measured on CUDA unless given (benchmarks/bounds.py)
     cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     rows = generate_rows(
@@ -366,7 +378,7 @@ def main() -> None:
             side = merged_side if args.merged else side
             side = triton_side if args.triton else side
             side = default_side or side
-            with prof.installed():
+            with prof.installed(policy.engine.model):
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)
                 prof._sync()
@@ -375,6 +387,11 @@ def main() -> None:
             print(f"frames resized: {frame_cache.misses}, from the cache: {frame_cache.hits}")
         ENV_WORKERS[0] = workers[-1]
         frame_cache.capacity_bytes = caches[-1] << 20
+        if args.prefill_kernels:
+            prof = EngineProfile(policy.engine.device, policy.engine.chat.pad_id, kernels=True)
+            with prof.installed():
+                side(policy, rows, args.samples, args.max_turns, args.max_tokens)
+            print("\n".join(prof.kernel_report()))
         if args.trace:
             _trace(policy, rows, args)
 
