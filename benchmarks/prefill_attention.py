@@ -19,7 +19,11 @@ tokens (left-padded to ``--chunk``):
   slots);
 - ``flash_varlen``: FlashAttention's kernel alone on the other flattening, one sequence a
   (row, KV head) of ``T`` queries x the group's heads, which costs a copy of the queries to
-  regroup them and one of the output back (the kernel call alone is timed here).
+  regroup them and one of the output back (the kernel call alone is timed here);
+- ``triton``: clew's Triton kernel (``prefill_attention=triton``,
+  ``clew.inference.prefill_triton``), each KV head's query heads packed into one block of
+  queries, read through the same strides as ``engine_varlen`` (Triton's interpreter on a
+  CPU); ``--triton-configs M:N:WARPS:STAGES,...`` adds a candidate per kernel setting.
 
 Each result is checked against ``sdpa_mask`` on the chunks' real tokens (largest absolute
 difference printed); time is the median of ``--repeats`` calls between CUDA events. The
@@ -42,6 +46,7 @@ from pathlib import Path
 import torch
 
 from clew.inference.attention import _varlen_index, gqa_sdpa_attention, varlen_prefill
+from clew.inference.prefill_triton import prefill_triton
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, candidates_header, compare_candidates, hardware  # noqa: E402
@@ -72,6 +77,7 @@ def candidates(
     lengths: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
+    triton_configs: tuple[tuple[int, int, int, int], ...] = (),
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """Each candidate as a call returning ``[B, T, H, D]``; ``q`` [B, H, T, D], ``k``/``v``
     the engine's buffers [B, Hkv, capacity, D] (row ``r`` valid to ``lengths[r]``)."""
@@ -99,9 +105,19 @@ def candidates(
         out = out.reshape(b, kv_heads, t, group, d)
         return out.permute(0, 2, 1, 3, 4).reshape(b, t, heads, d)
 
+    def triton(m: int = 128, n: int = 64, warps: int = 8, stages: int = 3):
+        cpu = q.device.type != "cuda"
+        return lambda: prefill_triton(
+            q, kw, vw, lengths, scale, block_m=m, block_n=n, num_warps=warps,
+            num_stages=stages, interpret=cpu,
+        )  # fmt: skip
+
     runs = {"sdpa_mask": sdpa_mask, "engine_varlen": engine_varlen}
     if q.device.type == "cuda":
         runs["flash_varlen"] = flash_varlen
+    runs["triton"] = triton()
+    for m, n, warps, stages in triton_configs:
+        runs[f"triton_{m}x{n}w{warps}s{stages}"] = triton(m, n, warps, stages)
     return runs
 
 
@@ -118,6 +134,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--triton-configs",
+        default="",
+        help="more settings of the Triton kernel to time, BLOCK_M:BLOCK_N:WARPS:STAGES, "
+        "comma-separated (the default candidate is 128:64:8:3)",
+    )
     add_hardware_flags(p)
     args = p.parse_args()
     hw = hardware(args)  # measured on CUDA unless given (benchmarks/bounds.py)
@@ -146,7 +168,10 @@ def main() -> None:
         live = int(lengths.sum()) * args.kv_heads * d * 2 * k.element_size()
         bound = max(hw.compute_s(flops), hw.memory_s(live))
         real = torch.arange(t)[None, :] >= (t - new)[:, None]
-        runs = candidates(q, k, v, lengths.to(dev), mask.to(dev), d**-0.5)
+        configs = tuple(
+            tuple(int(x) for x in c.split(":")) for c in args.triton_configs.split(",") if c
+        )
+        runs = candidates(q, k, v, lengths.to(dev), mask.to(dev), d**-0.5, configs)
         real = real.to(dev)
         compare_candidates(
             runs, list(runs), "sdpa_mask", batch=b, bound_s=bound, layers=args.layers,

@@ -23,7 +23,8 @@ second prefill figure counts the work as it is: the vision tower per patch, atte
 query-key pair, no output layer.
 The sides other than ``--defaults`` prefill with masked SDPA unless ``--prefill-varlen``
 (the engine's default prefill is ``varlen``); ``--defaults`` adds a side with every engine
-switch at its default, and ``--profile`` then profiles that side.
+switch at its default, and ``--profile`` then profiles that side; ``--prefill-triton`` adds
+one with the defaults but ``prefill_attention=triton``, which ``--profile`` then profiles.
 ``--env-workers 1,0`` profiles once per ``generator.env_workers`` value: the env steps and
 the encoding of the next observations in the loop's own thread, then on one thread per core.
 ``--frame-cache-mb 0,64`` profiles each of those with every frame resized, then with resized
@@ -192,12 +193,14 @@ def attention_side(
     return side
 
 
-def defaults_side(policy):
+def defaults_side(policy, prefill: str | None = None):
     """``attention_side`` with the engine's defaults (``EngineOptions``: what ``clew train``
-    runs), ``decode_attention=auto`` resolved as the engine resolves it on this device."""
+    runs), ``decode_attention=auto`` resolved as the engine resolves it on this device;
+    ``prefill`` instead of the default prefill attention if given."""
     d = EngineOptions()
     attention = resolve_decode_attention(d.decode_attention, policy.engine.device)
-    return attention_side(attention, d.fused_pointwise, d.prefill_attention, d.merged_projections)
+    prefill = prefill or d.prefill_attention
+    return attention_side(attention, d.fused_pointwise, prefill, d.merged_projections)
 
 
 def main() -> None:
@@ -267,6 +270,12 @@ def main() -> None:
         "runs; the other sides' prefill is masked SDPA unless --prefill-varlen); --profile "
         "then profiles that side",
     )
+    p.add_argument(
+        "--prefill-triton",
+        action="store_true",
+        help="add a side with the engine's defaults but clew's Triton prefill kernel "
+        "(prefill_attention=triton); --profile then profiles that side",
+    )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument(
         "--prefill-kernels",
@@ -330,6 +339,8 @@ def main() -> None:
         sides += [("clew triton", triton_side)] if args.triton else []
         default_side = defaults_side(policy) if args.defaults else None
         sides += [("clew defaults", default_side)] if default_side else []
+        triton_prefill_side = defaults_side(policy, "triton") if args.prefill_triton else None
+        sides += [("clew triton prefill", triton_prefill_side)] if triton_prefill_side else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
             f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
@@ -378,6 +389,7 @@ def main() -> None:
             side = merged_side if args.merged else side
             side = triton_side if args.triton else side
             side = default_side or side
+            side = triton_prefill_side or side
             with prof.installed(policy.engine.model):
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)

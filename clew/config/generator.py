@@ -78,7 +78,7 @@ class InferenceEngineConfig(Section):
         "once for its query heads: on an H100 one layer's attention took 146 against 184 us "
         "with 'varlen' at Qwen3-VL-8B's shape and batch 192 (BENCHMARKS.md).",
     )
-    prefill_attention: Literal["sdpa", "varlen"] = Field(
+    prefill_attention: Literal["sdpa", "varlen", "triton"] = Field(
         "varlen",
         description="The attention of a turn's prefill with the static cache: 'varlen' (the "
         "default) reads each row's own columns, causally, through FlashAttention's "
@@ -86,8 +86,10 @@ class InferenceEngineConfig(Section):
         "over the same layout elsewhere, and while images are hidden); 'sdpa' is SDPA under "
         "a mask over every row's keys to the longest row's width. On an H100 one layer's "
         "attention took 1.8-2.0x less time with 'varlen', a 15-turn rollout of Qwen3-VL-8B "
-        "1.12x less (BENCHMARKS.md). With kv_cache=dynamic, which has no slots, the default "
-        "is 'sdpa'.",
+        "1.12x less (BENCHMARKS.md). 'triton' reads the same columns through clew's Triton "
+        "kernel, which packs the query heads of each KV head into one block of queries "
+        "(clew.inference.prefill_triton; Triton's interpreter on a CPU). With kv_cache=dynamic, "
+        "which has no slots, the default is 'sdpa'.",
     )
     fused_pointwise: bool = Field(
         True,
@@ -117,7 +119,7 @@ class InferenceEngineConfig(Section):
 
     @model_validator(mode="after")
     def _prefill_follows_the_cache(self) -> InferenceEngineConfig:
-        # An explicit prefill_attention=varlen with the dynamic cache is refused instead
+        # An explicit prefill_attention=varlen or triton with the dynamic cache is refused instead
         # (clew.config.validate).
         if self.kv_cache == "dynamic" and "prefill_attention" not in self.model_fields_set:
             self.prefill_attention = "sdpa"

@@ -338,10 +338,10 @@ def _engine_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
     """Engine switches that another key turns into a no-op are refused, not ignored."""
     ie = cfg.generator.inference_engine
     key = "generator.inference_engine"
-    if ie.prefill_attention == "varlen" and ie.kv_cache == "dynamic":
+    if ie.prefill_attention in ("varlen", "triton") and ie.kv_cache == "dynamic":
         fail(
             "engine-switch",
-            f"{key}.prefill_attention=varlen reads the static cache's slots, and "
+            f"{key}.prefill_attention={ie.prefill_attention} reads the static cache's slots, and "
             f"{key}.kv_cache=dynamic has none: set kv_cache=static or prefill_attention=sdpa",
         )
     t = cfg.trainer

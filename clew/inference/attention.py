@@ -59,7 +59,9 @@ itself, so no row reads past its length, none is masked and nothing is copied: t
 slots (``_rows``), and the output is already ``[B, T, H, D]``. Elsewhere the same flat
 tensors go through masked SDPA (``_varlen_reference``, what the tests compare). As for
 decode steps, the rows' visible columns must be their first ``length``: the engine takes
-the masked prefill while an image is hidden.
+the masked prefill while an image is hidden. ``prefill_attention=triton`` reads the same
+columns through clew's kernel (``clew.inference.prefill_triton``), which packs each KV
+head's query heads into one block of queries where FlashAttention's blocks hold one head.
 
 The function is registered in transformers' ``AttentionInterface`` under ``ATTENTION`` and
 selected only inside ``engine_attention``, on the text model's config alone: the vision
@@ -76,6 +78,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
+from clew.inference.prefill_triton import prefill_triton
 from clew.inference.split_decode import split_decode
 
 ATTENTION = "clew_gqa_sdpa"
@@ -99,6 +102,9 @@ def gqa_sdpa_attention(
     b, heads, t, d = query.shape
     ends = getattr(_PREFILL, "lengths", None)
     if ends is not None:
+        if getattr(_PREFILL, "kernel", "varlen") == "triton":  # Triton's interpreter on a CPU
+            out = prefill_triton(query, key, value, ends, scaling, interpret=not query.is_cuda)
+            return out, None
         return varlen_prefill(query, key, value, ends, scaling), None
     lengths = getattr(_DECODE, "lengths", None)
     if lengths is not None and t == 1:
@@ -128,7 +134,7 @@ def gqa_sdpa_attention(
 
 
 _DECODE = threading.local()  # .lengths, .kernel: those of the decode step being run
-_PREFILL = threading.local()  # .lengths: the rows' lengths after the prefill being run
+_PREFILL = threading.local()  # .lengths, .kernel: those of the prefill being run
 KERNELS = ("efficient", "flash", "triton")  # varlen_decode's kernels (module docstring)
 
 
@@ -146,15 +152,16 @@ def row_lengths(lengths: torch.Tensor, kernel: str = "efficient") -> Iterator[No
 
 
 @contextlib.contextmanager
-def prefill_lengths(lengths: torch.Tensor) -> Iterator[None]:
+def prefill_lengths(lengths: torch.Tensor, kernel: str = "varlen") -> Iterator[None]:
     """Within the block, the forward's chunks (left-padded, each row's real tokens last)
-    attend causally to each row's first ``lengths[row]`` columns of the cache
-    (``varlen_prefill``) and the mask is ignored."""
-    _PREFILL.lengths, _PREFILL.index = lengths, {}
+    attend causally to each row's first ``lengths[row]`` columns of the cache and the mask
+    is ignored: through ``varlen_prefill`` (``kernel="varlen"``) or ``prefill_triton``
+    (``"triton"``)."""
+    _PREFILL.lengths, _PREFILL.index, _PREFILL.kernel = lengths, {}, kernel
     try:
         yield
     finally:
-        _PREFILL.lengths, _PREFILL.index = None, {}
+        _PREFILL.lengths, _PREFILL.index, _PREFILL.kernel = None, {}, "varlen"
 
 
 def _varlen_index(

@@ -238,12 +238,12 @@ class CacheBatch:
             extra["rows"] = rows
         ids, pos = torch.from_numpy(part.ids), torch.from_numpy(part.pos)
         by_length = (
-            self.engine.prefill_attention == "varlen"
+            self.engine.prefill_attention in ("varlen", "triton")
             and isinstance(self.kv, SlotCache)
             and not self.kv.hidden_any  # a row's visible columns are then its first `fill`
         )
         with (
-            prefill_lengths(self.kv.fill_dev[part.lo : part.hi])
+            prefill_lengths(self.kv.fill_dev[part.lo : part.hi], self.engine.prefill_attention)
             if by_length
             else contextlib.nullcontext()
         ):

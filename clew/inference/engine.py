@@ -59,7 +59,7 @@ from clew.models.merged_projections import merge_projections
 
 KV_CACHES = ("static", "dynamic")
 DECODE_ATTENTION = ("auto", "sdpa", "flex", "varlen", "flash", "triton")
-PREFILL_ATTENTION = ("sdpa", "varlen")
+PREFILL_ATTENTION = ("sdpa", "varlen", "triton")
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:

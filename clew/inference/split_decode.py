@@ -32,16 +32,11 @@ compare with SDPA, and what the engine runs there when asked for ``decode_attent
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import importlib.util
 import math
-import os
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
+
+from clew.inference.triton_loading import interpreter, kernels
 
 BLOCK_H = 16  # query heads a program computes: the group padded to the matrix tile
 BLOCK_N = 64  # key columns a program reads at a time
@@ -96,9 +91,10 @@ def split_decode(
     if interpret and query.dtype == torch.bfloat16:
         # The interpreter's bf16 products are wrong (numpy has no bf16): compute in float32.
         query, key, value = query.float(), key.float(), value.float()
-    split_kernel, combine_kernel = _kernels(interpret)
+    module = kernels("split_decode_kernels", interpret)
+    split_kernel, combine_kernel = module.split_kernel, module.combine_kernel
     block_d = 1 << (d - 1).bit_length()
-    with _interpreter(interpret):
+    with interpreter(interpret):
         _launch(
             split_kernel, combine_kernel, query, key, value, lengths, part, lse, out, scale,
             group, d, block_d, block_n, splits, num_warps, num_stages,
@@ -126,36 +122,3 @@ def _launch(
         out.stride(0), out.stride(2),
         HEAD_DIM=d, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=max(2, 1 << (splits - 1).bit_length()),
     )  # fmt: skip
-
-
-@contextlib.contextmanager
-def _interpreter(on: bool) -> Iterator[None]:
-    """``TRITON_INTERPRET=1`` within the block if ``on`` (Triton reads it when it jits a
-    kernel and again when it launches one); the environment as it is otherwise."""
-    if not on:
-        yield
-        return
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
-@functools.cache
-def _kernels(interpret: bool):
-    """The two kernels (``clew.inference.split_decode_kernels``), loaded on first use as a
-    module of their own per mode: Triton decides when it jits a function whether it is
-    interpreted, so the interpreted copy and the compiled one cannot be the same objects."""
-    name = "clew.inference.split_decode_kernels" + ("_interpreted" if interpret else "")
-    path = Path(__file__).with_name("split_decode_kernels.py")
-    with _interpreter(interpret):
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # Triton reads a kernel's globals through its module
-        spec.loader.exec_module(module)
-    return module.split_kernel, module.combine_kernel

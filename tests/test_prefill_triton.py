@@ -1,0 +1,127 @@
+"""clew's Triton prefill kernel (``prefill_attention=triton``, ``clew.inference.prefill_triton``):
+the attention of the masked prefill for every real token, whatever the blocks, and the same
+samples from an engine. On a CPU Triton's interpreter runs the kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_support import assert_same_samples
+from test_prefill_attention import _chunk_case, _play, policy  # noqa: F401
+
+from clew.config import load_config
+from clew.config.settings import engine_options
+from clew.errors import ConfigError
+from clew.inference import attention as attention_module
+from clew.inference.attention import gqa_sdpa_attention, prefill_lengths, text_config
+from clew.inference.prefill_triton import prefill_triton
+
+pytest.importorskip("triton")
+
+
+def _masked(query, key, value, lengths):
+    """The masked reference of a left-padded chunk: query ``j`` of row ``r`` sees columns
+    up to ``lengths[r] - T + j``."""
+    t, width = query.shape[2], key.shape[2]
+    limit = lengths[:, None] - t + torch.arange(t)[None, :]  # [rows, T]
+    mask = torch.arange(width)[None, None, :] <= limit[:, :, None]
+    return gqa_sdpa_attention(None, query, key, value, mask[:, None])[0]
+
+
+def test_the_kernel_computes_the_masked_prefill_for_every_real_token():
+    query, key, value, lengths, mask, real = _chunk_case()
+    expected, _ = gqa_sdpa_attention(None, query, key, value, mask)
+    got = prefill_triton(query, key, value, lengths, interpret=True)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+    # The middle row's first padding queries see no column: zeros, no NaN.
+    assert torch.isfinite(got).all() and got[1, :3].abs().max() == 0
+    with prefill_lengths(lengths, "triton"):
+        inside, _ = gqa_sdpa_attention(None, query, key, value, torch.zeros_like(mask))
+    torch.testing.assert_close(inside, got)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 8), (64, 64)])
+def test_blocks_that_split_positions_and_columns_anywhere_give_the_same_attention(block_m, block_n):
+    # 4 query heads a KV head, 13 positions: blocks of 16 or 32 (position, head) pairs end
+    # inside a position's group of heads only if GROUP does not divide them; the columns
+    # fall into the unmasked loop, the masked loop, or both, depending on the row.
+    gen = torch.Generator().manual_seed(1)
+    rows, kv_heads, group, t, d, cap = 3, 2, 4, 13, 16, 40
+    query = torch.randn(rows, t, kv_heads * group, d, generator=gen).transpose(1, 2)
+    keys, values = (torch.randn(rows, kv_heads, cap, d, generator=gen) for _ in range(2))
+    lengths = torch.tensor([13, 40, 20])
+    got = prefill_triton(
+        query, keys, values, lengths, block_m=block_m, block_n=block_n, interpret=True
+    )
+    expected = _masked(query, keys, values, lengths)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_bf16_prefill_is_computed_in_float32_by_the_interpreter():
+    query, key, value, lengths, mask, real = _chunk_case(dtype=torch.bfloat16)
+    got = prefill_triton(query, key, value, lengths, interpret=True)
+    assert got.dtype == torch.bfloat16
+    expected, _ = gqa_sdpa_attention(None, query.float(), key.float(), value.float(), mask)
+    torch.testing.assert_close(got[real].float(), expected[real], atol=1e-2, rtol=1e-2)
+
+
+def test_heads_that_do_not_share_kv_heads_evenly_are_refused():
+    q, k = torch.randn(1, 6, 2, 16), torch.randn(1, 4, 8, 16)
+    with pytest.raises(ValueError, match="6 query heads cannot share 4 KV heads"):
+        prefill_triton(q, k, k, torch.tensor([4]), interpret=True)
+
+
+def test_the_config_key_takes_triton_and_refuses_it_with_the_dynamic_cache():
+    cfg = load_config(None, ["generator.inference_engine.prefill_attention=triton"])
+    assert engine_options(cfg).prefill_attention == "triton"
+    with pytest.raises(ConfigError, match="prefill_attention=triton reads the static cache"):
+        load_config(
+            None,
+            [
+                "generator.inference_engine.prefill_attention=triton",
+                "generator.inference_engine.kv_cache=dynamic",
+            ],
+        )
+
+
+def test_an_engine_with_the_triton_prefill_samples_what_the_masked_prefill_samples(
+    policy,  # noqa: F811
+    monkeypatch,
+):
+    model, chat, rows = policy
+    calls: list[int] = []
+    inner = attention_module.prefill_triton
+
+    def recording(query, key, value, lengths, scale=None, **kw):
+        calls.append(query.shape[2])
+        return inner(query, key, value, lengths, scale, **kw)
+
+    monkeypatch.setattr(attention_module, "prefill_triton", recording)
+    triton_run = _play(model, chat, rows, "triton")
+    plain = _play(model, chat, rows, "sdpa")
+    layers = text_config(model).num_hidden_layers
+    assert calls and len(calls) % layers == 0  # whole forwards took the kernel
+    assert_same_samples(triton_run, plain, tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [4, 96])
+def test_the_compiled_kernel_matches_flash_attention_at_the_8b_shape(rows):
+    # Qwen3-VL-8B's attention (32 query heads over 8 KV heads of 128) and a 15-turn
+    # rollout's widths: chunks of 140 new columns over rows of 150-2000.
+    from clew.inference.attention import varlen_prefill
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cap, t = 2048, 140
+    keys, values = (
+        torch.randn(rows, 8, cap, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    query = torch.randn(
+        rows, t, 32, 128, generator=gen, device="cuda", dtype=torch.bfloat16
+    ).transpose(1, 2)
+    lengths = torch.randint(150, cap, (rows,), generator=gen, device="cuda")
+    got = prefill_triton(query, keys, values, lengths)
+    flash = varlen_prefill(query, keys, values, lengths)
+    torch.testing.assert_close(got.float(), flash.float(), atol=2e-2, rtol=2e-2)
