@@ -105,7 +105,7 @@ def test_the_config_key_reaches_the_engine_options_and_a_typo_lists_the_choices(
 
     again = updated(load_config(None, []), {"generator.inference_engine.kv_cache": "dynamic"})
     assert engine_options(again).prefill_attention == "sdpa"  # a default follows the cache
-    expected = re.escape("prefill_attention: expected 'sdpa' | 'varlen', got 'flash'")
+    expected = re.escape("prefill_attention: expected 'sdpa' | 'varlen' | 'triton', got 'flash'")
     with pytest.raises(ConfigError, match=expected):
         load_config(None, ["generator.inference_engine.prefill_attention=flash"])
 
