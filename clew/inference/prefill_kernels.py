@@ -11,7 +11,7 @@ import triton.language as tl
 
 MAX = tl.standard._elementwise_max
 SUM = tl.standard._sum_combine
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a global a kernel reads must be a constexpr
 
 
 @triton.jit
