@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 
 KERNEL_KINDS = (  # attention first: its CUTLASS kernels (fmha_cutlassF) are not products
-    ("attention", r"fmha|flash|attention|efficient|sdpa"),
+    # clew's Triton kernels by name ("prefill_kernel" would otherwise be a "fill" copy)
+    ("attention", r"fmha|flash|attention|efficient|sdpa|prefill_kernel|split_kernel|combine_k"),
     ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|splitk|gemv|aten::(add|b)?mm\b"),
     ("norm", r"rms|norm"),
     ("sampling", r"softmax|multinomial|sort|topk|argmax|exponential|distribution|cumsum"),

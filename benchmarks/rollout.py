@@ -338,9 +338,10 @@ def main() -> None:
         triton_side = attention_side("triton", args.fused, prefill)
         sides += [("clew triton", triton_side)] if args.triton else []
         default_side = defaults_side(policy) if args.defaults else None
-        sides += [("clew defaults", default_side)] if default_side else []
+        # Before the defaults' side: a side run second must win against that order too.
         triton_prefill_side = defaults_side(policy, "triton") if args.prefill_triton else None
         sides += [("clew triton prefill", triton_prefill_side)] if triton_prefill_side else []
+        sides += [("clew defaults", default_side)] if default_side else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
             f"{args.prompts} prompts x {args.samples} samples, up to {args.max_turns} turns, "
