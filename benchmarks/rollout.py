@@ -52,7 +52,11 @@ import torch
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.envs.base import text_corpus
-from clew.inference.engine import EngineOptions, resolve_decode_attention
+from clew.inference.engine import (
+    EngineOptions,
+    resolve_decode_attention,
+    resolve_prefill_attention,
+)
 from clew.inference.runtime import open_policy
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model
@@ -199,7 +203,7 @@ def defaults_side(policy, prefill: str | None = None):
     ``prefill`` instead of the default prefill attention if given."""
     d = EngineOptions()
     attention = resolve_decode_attention(d.decode_attention, policy.engine.device)
-    prefill = prefill or d.prefill_attention
+    prefill = resolve_prefill_attention(prefill or d.prefill_attention, policy.engine.device)
     return attention_side(attention, d.fused_pointwise, prefill, d.merged_projections)
 
 

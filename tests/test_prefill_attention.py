@@ -97,7 +97,7 @@ def test_the_config_key_reaches_the_engine_options_and_a_typo_lists_the_choices(
 
     cfg = load_config(None, ["generator.inference_engine.prefill_attention=sdpa"])
     assert engine_options(cfg).prefill_attention == "sdpa"
-    assert engine_options(load_config(None, [])).prefill_attention == "varlen"
+    assert engine_options(load_config(None, [])).prefill_attention == "auto"
     # The dynamic cache has no slots to read by lengths: its default is masked SDPA.
     dynamic = load_config(None, ["generator.inference_engine.kv_cache=dynamic"])
     assert engine_options(dynamic).prefill_attention == "sdpa"
@@ -105,7 +105,8 @@ def test_the_config_key_reaches_the_engine_options_and_a_typo_lists_the_choices(
 
     again = updated(load_config(None, []), {"generator.inference_engine.kv_cache": "dynamic"})
     assert engine_options(again).prefill_attention == "sdpa"  # a default follows the cache
-    expected = re.escape("prefill_attention: expected 'sdpa' | 'varlen' | 'triton', got 'flash'")
+    choices = "'auto' | 'sdpa' | 'varlen' | 'triton'"
+    expected = re.escape(f"prefill_attention: expected {choices}, got 'flash'")
     with pytest.raises(ConfigError, match=expected):
         load_config(None, ["generator.inference_engine.prefill_attention=flash"])
 

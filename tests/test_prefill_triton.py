@@ -14,6 +14,7 @@ from clew.config.settings import engine_options
 from clew.errors import ConfigError
 from clew.inference import attention as attention_module
 from clew.inference.attention import gqa_sdpa_attention, prefill_lengths, text_config
+from clew.inference.engine import resolve_prefill_attention
 from clew.inference.prefill_triton import prefill_triton
 
 pytest.importorskip("triton")
@@ -70,6 +71,18 @@ def test_heads_that_do_not_share_kv_heads_evenly_are_refused():
     q, k = torch.randn(1, 6, 2, 16), torch.randn(1, 4, 8, 16)
     with pytest.raises(ValueError, match="6 query heads cannot share 4 KV heads"):
         prefill_triton(q, k, k, torch.tensor([4]), interpret=True)
+
+
+def test_auto_takes_the_kernel_on_cuda_only_and_a_missing_triton_is_refused(monkeypatch):
+    assert resolve_prefill_attention("auto", torch.device("cuda")) == "triton"
+    assert resolve_prefill_attention("auto", torch.device("cpu")) == "varlen"
+    assert resolve_prefill_attention("sdpa", torch.device("cuda")) == "sdpa"
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert resolve_prefill_attention("auto", torch.device("cuda")) == "varlen"
+    with pytest.raises(ConfigError, match="prefill_attention=triton runs clew's Triton kernel"):
+        resolve_prefill_attention("triton", torch.device("cpu"))
 
 
 def test_the_config_key_takes_triton_and_refuses_it_with_the_dynamic_cache():

@@ -78,18 +78,19 @@ class InferenceEngineConfig(Section):
         "once for its query heads: on an H100 one layer's attention took 146 against 184 us "
         "with 'varlen' at Qwen3-VL-8B's shape and batch 192 (BENCHMARKS.md).",
     )
-    prefill_attention: Literal["sdpa", "varlen", "triton"] = Field(
-        "varlen",
-        description="The attention of a turn's prefill with the static cache: 'varlen' (the "
-        "default) reads each row's own columns, causally, through FlashAttention's "
-        "variable-length kernel on a GPU that runs it (bf16 or fp16, Ampere on; masked SDPA "
-        "over the same layout elsewhere, and while images are hidden); 'sdpa' is SDPA under "
-        "a mask over every row's keys to the longest row's width. On an H100 one layer's "
-        "attention took 1.8-2.0x less time with 'varlen', a 15-turn rollout of Qwen3-VL-8B "
-        "1.12x less (BENCHMARKS.md). 'triton' reads the same columns through clew's Triton "
+    prefill_attention: Literal["auto", "sdpa", "varlen", "triton"] = Field(
+        "auto",
+        description="The attention of a turn's prefill with the static cache: 'auto' (the "
+        "default) is 'triton' on a CUDA device where the triton package is installed, else "
+        "'varlen'. 'triton' reads each row's own columns, causally, through clew's Triton "
         "kernel, which packs the query heads of each KV head into one block of queries "
-        "(clew.inference.prefill_triton; Triton's interpreter on a CPU). With kv_cache=dynamic, "
-        "which has no slots, the default is 'sdpa'.",
+        "(clew.inference.prefill_triton; Triton's interpreter on a CPU): on an H100 one "
+        "layer's attention at 15-turn widths took 2.1x less time than with 'varlen' "
+        "(BENCHMARKS.md). 'varlen' reads the same columns through FlashAttention's "
+        "variable-length kernel on a GPU that runs it (bf16 or fp16, Ampere on; masked SDPA "
+        "over the same layout elsewhere); 'sdpa' is SDPA under a mask over every row's keys "
+        "to the longest row's width. All take the masked prefill while images are hidden. "
+        "With kv_cache=dynamic, which has no slots, the default is 'sdpa'.",
     )
     fused_pointwise: bool = Field(
         True,

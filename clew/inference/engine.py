@@ -59,7 +59,7 @@ from clew.models.merged_projections import merge_projections
 
 KV_CACHES = ("static", "dynamic")
 DECODE_ATTENTION = ("auto", "sdpa", "flex", "varlen", "flash", "triton")
-PREFILL_ATTENTION = ("sdpa", "varlen", "triton")
+PREFILL_ATTENTION = ("auto", "sdpa", "varlen", "triton")
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -74,21 +74,31 @@ def _text_config(model: torch.nn.Module):
     return getattr(cfg, "text_config", cfg)
 
 
-def resolve_decode_attention(name: str, device: torch.device) -> str:
-    """``decode_attention`` as the engine runs it on ``device``: ``auto`` is ``triton`` on
-    CUDA where the triton package is installed, else ``varlen``; ``triton`` without the
+def _resolve_attention(key: str, name: str, device: torch.device) -> str:
+    """``key``'s value ``name`` as the engine runs it on ``device``: ``auto`` is ``triton``
+    on CUDA where the triton package is installed, else ``varlen``; ``triton`` without the
     package is refused."""
     has_triton = importlib.util.find_spec("triton") is not None
     if name == "auto":
         return "triton" if device.type == "cuda" and has_triton else "varlen"
     if name == "triton" and not has_triton:
         raise ConfigError(
-            "generator.inference_engine.decode_attention=triton runs clew's Triton kernel, "
+            f"generator.inference_engine.{key}=triton runs clew's Triton kernel, "
             "and the triton package is not installed (torch's CUDA builds bring it; on a "
             "CPU `pip install triton` runs it in Triton's interpreter): install it or "
-            "choose decode_attention=varlen"
+            f"choose {key}=varlen"
         )
     return name
+
+
+def resolve_decode_attention(name: str, device: torch.device) -> str:
+    """``decode_attention`` as the engine runs it on ``device`` (``_resolve_attention``)."""
+    return _resolve_attention("decode_attention", name, device)
+
+
+def resolve_prefill_attention(name: str, device: torch.device) -> str:
+    """``prefill_attention`` as the engine runs it on ``device`` (``_resolve_attention``)."""
+    return _resolve_attention("prefill_attention", name, device)
 
 
 class InferenceEngine:
@@ -105,7 +115,7 @@ class InferenceEngine:
         kv_cache: str = "static",
         cuda_graphs: bool = False,
         decode_attention: str = "auto",
-        prefill_attention: str = "varlen",
+        prefill_attention: str = "auto",
         fused_pointwise: bool | None = None,
         merged_projections: bool = False,
     ) -> None:
@@ -136,8 +146,9 @@ class InferenceEngine:
                 f"prefill attention; choose one of {', '.join(PREFILL_ATTENTION)}"
             )
         # A turn's prefill with the static cache: SDPA under the mask to the longest row, or
-        # each row reading its own columns (clew.inference.attention.varlen_prefill).
-        self.prefill_attention = prefill_attention
+        # each row reading its own columns (FlashAttention's kernel or clew's Triton kernel,
+        # clew.inference.attention); "auto": the Triton kernel on CUDA, if installed.
+        self.prefill_attention = resolve_prefill_attention(prefill_attention, device)
         # The rotary embedding and the SwiGLU gate as one compiled kernel each, in the
         # engine's forwards on CUDA (clew.models.fused_pointwise); None: on a CUDA device.
         on_cuda = device.type == "cuda"
@@ -218,7 +229,7 @@ class EngineOptions:
     kv_cache: str = "static"
     cuda_graphs: bool = True  # on a CUDA device only
     decode_attention: str = "auto"
-    prefill_attention: str = "varlen"
+    prefill_attention: str = "auto"
     fused_pointwise: bool = True
     merged_projections: bool = False
     gpu_memory_utilization: float = 0.45  # of a GPU, for the KV cache budget
