@@ -108,3 +108,36 @@ def test_shared_vision_positions_give_the_same_features_from_one_image_s_ids(
         for p in shared.model.visual.parameters():
             p.add_(0.5)
     torch.testing.assert_close(_features(twin, pixels, grid), reference, rtol=0, atol=0)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts reads of a tensor's value to the host (``item``, ``int``, ``tolist``): on a GPU
+    each waits for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_vl"])
+def test_the_images_lengths_are_read_to_the_host_once_a_forward_not_once_a_layer(
+    tmp_path: Path, arch: str
+) -> None:
+    reads = {}
+    for depth in (1, 4):
+        built = build_model(
+            "tiny", tmp_path / f"m{depth}", image_size=84, patch_size=14, merge_size=1,
+            arch=arch, vision_overrides={"depth": depth}, overwrite=True,
+        )  # fmt: skip
+        model = built.model
+        assert batch_vision_attention(model) == depth
+        pixels, grid = ChatFormat(built.processor).encode_images(_images([84] * 3))
+        counter = _HostReads()
+        with counter:
+            _features(model, pixels, grid)
+        reads[depth] = counter.reads
+    assert reads[4] == reads[1]  # three more layers, no more waits for the device

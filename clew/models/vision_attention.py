@@ -39,6 +39,18 @@ def _rotary_for(module: torch.nn.Module) -> Callable | None:
     return lambda *args: lib.apply_rotary_pos_emb_vision(*args)
 
 
+def _length_range(cu_seqlens: torch.Tensor, lengths: torch.Tensor) -> tuple[int, int]:
+    """The shortest and longest image of ``cu_seqlens``, read to the host once: the vision
+    tower hands every layer the same ``cu_seqlens`` tensor, and each read waits for the
+    device (on a GPU 27 waits a forward at Qwen3-VL-8B's depth, each leaving the device idle
+    while the host queues the next kernels)."""
+    known = getattr(cu_seqlens, "_clew_length_range", None)
+    if known is None:
+        known = tuple(int(x) for x in torch.aminmax(lengths))
+        cu_seqlens._clew_length_range = known
+    return known
+
+
 def _batched_forward(rotary: Callable) -> Callable:
     def forward(
         self: torch.nn.Module,
@@ -60,7 +72,7 @@ def _batched_forward(rotary: Callable) -> Callable:
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
-        low, high = (int(x) for x in torch.aminmax(lengths))
+        low, high = _length_range(cu_seqlens, lengths)
         if low != high:
             return type(self).forward(
                 self, hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs
