@@ -42,13 +42,17 @@ def test_the_kernel_computes_the_masked_prefill_for_every_real_token():
     torch.testing.assert_close(inside, got)
 
 
-@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 8), (64, 64)])
-def test_blocks_that_split_positions_and_columns_anywhere_give_the_same_attention(block_m, block_n):
-    # 4 query heads a KV head, 13 positions: blocks of 16 or 32 (position, head) pairs end
-    # inside a position's group of heads only if GROUP does not divide them; the columns
-    # fall into the unmasked loop, the masked loop, or both, depending on the row.
+@pytest.mark.parametrize(
+    "group, block_m, block_n", [(4, 16, 16), (4, 32, 8), (4, 64, 64), (3, 16, 8), (7, 32, 16)]
+)
+def test_blocks_that_split_positions_and_columns_anywhere_give_the_same_attention(
+    group, block_m, block_n
+):
+    # 13 positions of `group` query heads a KV head: a block of 16 or 32 (position, head)
+    # pairs ends inside a position's heads where the group does not divide it (3, 7); the
+    # columns fall into the unmasked loop, the masked loop, or both, depending on the row.
     gen = torch.Generator().manual_seed(1)
-    rows, kv_heads, group, t, d, cap = 3, 2, 4, 13, 16, 40
+    rows, kv_heads, t, d, cap = 3, 2, 13, 16, 40
     query = torch.randn(rows, t, kv_heads * group, d, generator=gen).transpose(1, 2)
     keys, values = (torch.randn(rows, kv_heads, cap, d, generator=gen) for _ in range(2))
     lengths = torch.tensor([13, 40, 20])
