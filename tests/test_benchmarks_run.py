@@ -25,7 +25,7 @@ RUNS = {
     ),
     "prefill_attention": (
         ["prefill_attention.py", *ATTENTION, "--chunk", "8", *SMALL_HEADS],
-        ["sdpa_mask", "engine_varlen"],
+        ["sdpa_mask", "engine_varlen", "triton"],
     ),
     "decode_linears": (
         ["decode_linears.py", "--device", "cpu", "--batch", "2", "--hidden", "64"]
@@ -42,8 +42,9 @@ RUNS = {
         ["rollout.py", "--preset", "tiny", "--env-id", "maze_2d/easy", "--prompts", "2"]
         + ["--samples", "2", "--max-turns", "2", "--skip-baseline", "--cuda-graphs"]
         + ["--varlen", "--fused", "--prefill-varlen", "--merged", "--triton", "--defaults"]
-        + ["--profile", "--device", "cpu"],
-        ["clew merged", "clew triton", "clew defaults", "prefill forwards", "whole rollout"],
+        + ["--prefill-triton", "--profile", "--prefill-kernels", "--device", "cpu"],
+        ["clew merged", "clew triton", "clew defaults", "clew triton prefill", "prefill forwards"]
+        + ["whole rollout", "vision tower", "prefill kernels", "matmul"],
     ),
     "grpo_step": (
         ["grpo_step.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]
