@@ -24,7 +24,8 @@ query-key pair, no output layer.
 The sides other than ``--defaults`` prefill with masked SDPA unless ``--prefill-varlen``
 (the engine's default prefill is ``varlen``); ``--defaults`` adds a side with every engine
 switch at its default, and ``--profile`` then profiles that side; ``--prefill-triton`` adds
-one with the defaults but ``prefill_attention=triton``, which ``--profile`` then profiles.
+one with the defaults but ``prefill_attention=triton``, which ``--profile`` then profiles,
+and ``--packed-prefill`` one with the defaults but ``packed_prefill=true`` (the same).
 ``--env-workers 1,0`` profiles once per ``generator.env_workers`` value: the env steps and
 the encoding of the next observations in the loop's own thread, then on one thread per core.
 ``--frame-cache-mb 0,64`` profiles each of those with every frame resized, then with resized
@@ -171,18 +172,29 @@ def graphs_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -
 
 
 def attention_side(
-    attention: str, fused: bool = False, prefill: str = "sdpa", merged: bool = False
+    attention: str,
+    fused: bool = False,
+    prefill: str = "sdpa",
+    merged: bool = False,
+    packed: bool = False,
 ):
     """``graphs_side`` with ``decode_attention=attention`` (sdpa, flex, varlen, triton), with
     ``fused`` the engine's fused rotary and gate (``fused_pointwise``),
     ``prefill_attention=prefill`` and, with ``merged``, the q/k/v and gate/up products
-    merged (``merged_projections``: the weights stay views of one buffer after the side)."""
+    merged (``merged_projections``: the weights stay views of one buffer after the side) and,
+    with ``packed``, the prefill's real tokens alone (``packed_prefill``)."""
 
     def side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict:
         engine = policy.engine
-        keys = ("decode_attention", "fused_pointwise", "prefill_attention", "merged_projections")
+        keys = (
+            "decode_attention",
+            "fused_pointwise",
+            "prefill_attention",
+            "merged_projections",
+            "packed_prefill",
+        )
         before = [getattr(engine, k) for k in keys]
-        for k, v in zip(keys, (attention, fused, prefill, merged), strict=True):
+        for k, v in zip(keys, (attention, fused, prefill, merged, packed), strict=True):
             setattr(engine, k, v)
         if fused:
             fuse_pointwise(engine.model)
@@ -197,14 +209,16 @@ def attention_side(
     return side
 
 
-def defaults_side(policy, prefill: str | None = None):
+def defaults_side(policy, prefill: str | None = None, packed: bool | None = None):
     """``attention_side`` with the engine's defaults (``EngineOptions``: what ``clew train``
     runs), ``decode_attention=auto`` resolved as the engine resolves it on this device;
-    ``prefill`` instead of the default prefill attention if given."""
+    ``prefill`` instead of the default prefill attention and ``packed`` instead of the
+    default ``packed_prefill`` if given."""
     d = EngineOptions()
     attention = resolve_decode_attention(d.decode_attention, policy.engine.device)
     prefill = resolve_prefill_attention(prefill or d.prefill_attention, policy.engine.device)
-    return attention_side(attention, d.fused_pointwise, prefill, d.merged_projections)
+    packed = d.packed_prefill if packed is None else packed
+    return attention_side(attention, d.fused_pointwise, prefill, d.merged_projections, packed)
 
 
 def main() -> None:
@@ -280,6 +294,12 @@ def main() -> None:
         help="add a side with the engine's defaults but clew's Triton prefill kernel "
         "(prefill_attention=triton); --profile then profiles that side",
     )
+    p.add_argument(
+        "--packed-prefill",
+        action="store_true",
+        help="add a side with the engine's defaults but each prefill's real tokens alone "
+        "(packed_prefill=true), run before the defaults; --profile then profiles that side",
+    )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument(
         "--prefill-kernels",
@@ -345,6 +365,8 @@ def main() -> None:
         # Before the defaults' side: a side run second must win against that order too.
         triton_prefill_side = defaults_side(policy, "triton") if args.prefill_triton else None
         sides += [("clew triton prefill", triton_prefill_side)] if triton_prefill_side else []
+        packed_side = defaults_side(policy, packed=True) if args.packed_prefill else None
+        sides += [("clew packed prefill", packed_side)] if packed_side else []
         sides += [("clew defaults", default_side)] if default_side else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
@@ -395,6 +417,7 @@ def main() -> None:
             side = triton_side if args.triton else side
             side = default_side or side
             side = triton_prefill_side or side
+            side = packed_side or side
             with prof.installed(policy.engine.model):
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)

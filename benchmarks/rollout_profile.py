@@ -98,7 +98,12 @@ class EngineProfile:
             if prefill:
                 prof.prefill_s += dt
                 prof.prefill_forwards += 1
-                new = (input_ids != prof.pad_id).sum(1).tolist()
+                keep = extra.get("keep")  # a packed prefill: one row of every real token
+                if keep is None:
+                    new = (input_ids != prof.pad_id).sum(1).tolist()
+                else:
+                    ends = [-1, *keep.tolist()]
+                    new = [b - a for a, b in zip(ends, ends[1:], strict=False)]
                 prof.prefill_tokens += sum(new)
                 prof.prefill_columns += input_ids.numel()
                 if "pixel_values" in extra:

@@ -42,9 +42,10 @@ RUNS = {
         ["rollout.py", "--preset", "tiny", "--env-id", "maze_2d/easy", "--prompts", "2"]
         + ["--samples", "2", "--max-turns", "2", "--skip-baseline", "--cuda-graphs"]
         + ["--varlen", "--fused", "--prefill-varlen", "--merged", "--triton", "--defaults"]
-        + ["--prefill-triton", "--profile", "--prefill-kernels", "--device", "cpu"],
+        + ["--prefill-triton", "--packed-prefill", "--profile", "--prefill-kernels"]
+        + ["--device", "cpu"],
         ["clew merged", "clew triton", "clew defaults", "clew triton prefill", "prefill forwards"]
-        + ["whole rollout", "vision tower", "prefill kernels", "matmul"],
+        + ["clew packed prefill", "whole rollout", "vision tower", "prefill kernels", "matmul"],
     ),
     "grpo_step": (
         ["grpo_step.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]

@@ -92,6 +92,15 @@ class InferenceEngineConfig(Section):
         "to the longest row's width. All take the masked prefill while images are hidden. "
         "With kv_cache=dynamic, which has no slots, the default is 'sdpa'.",
     )
+    packed_prefill: bool = Field(
+        False,
+        description="A turn's prefill runs the rows' new tokens alone, one row after another "
+        "in one sequence, instead of left-padded to the longest chunk, so no padding passes "
+        "through the products, norms and element-wise kernels (a 15-turn Qwen3-VL-8B rollout's "
+        "prefill forwards held 4.8% padding columns: BENCHMARKS.md). Needs prefill_attention "
+        "auto, varlen or triton and the static cache; forwards with per-row adapters, or "
+        "while images are hidden, stay padded. Off until measured on a GPU.",
+    )
     fused_pointwise: bool = Field(
         True,
         description="The rotary embeddings (language model and vision tower) and the SwiGLU "

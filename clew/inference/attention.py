@@ -59,7 +59,10 @@ itself, so no row reads past its length, none is masked and nothing is copied: t
 slots (``_rows``), and the output is already ``[B, T, H, D]``. Elsewhere the same flat
 tensors go through masked SDPA (``_varlen_reference``, what the tests compare). As for
 decode steps, the rows' visible columns must be their first ``length``: the engine takes
-the masked prefill while an image is hidden. ``prefill_attention=triton`` reads the same
+the masked prefill while an image is hidden. Packed chunks (``prefill_lengths(starts=)``,
+``packed_prefill``: the rows' real tokens one after another in a batch of one) take the same
+kernels with one sequence a row of its own length, FlashAttention's ``cu_seqlens_q``
+being the rows' starts. ``prefill_attention=triton`` reads the same
 columns through clew's kernel (``clew.inference.prefill_triton``), which packs each KV
 head's query heads into one block of queries where FlashAttention's blocks hold one head.
 
@@ -102,10 +105,14 @@ def gqa_sdpa_attention(
     b, heads, t, d = query.shape
     ends = getattr(_PREFILL, "lengths", None)
     if ends is not None:
+        starts = getattr(_PREFILL, "starts", None)
+        packed = {} if starts is None else {"starts": starts, "max_new": _PREFILL.max_new}
         if getattr(_PREFILL, "kernel", "varlen") == "triton":  # Triton's interpreter on a CPU
-            out = prefill_triton(query, key, value, ends, scaling, interpret=not query.is_cuda)
-            return out, None
-        return varlen_prefill(query, key, value, ends, scaling), None
+            interpret = not query.is_cuda
+            return prefill_triton(
+                query, key, value, ends, scaling, interpret=interpret, **packed
+            ), None
+        return varlen_prefill(query, key, value, ends, scaling, **packed), None
     lengths = getattr(_DECODE, "lengths", None)
     if lengths is not None and t == 1:
         kernel = getattr(_DECODE, "kernel", "efficient")
@@ -152,16 +159,24 @@ def row_lengths(lengths: torch.Tensor, kernel: str = "efficient") -> Iterator[No
 
 
 @contextlib.contextmanager
-def prefill_lengths(lengths: torch.Tensor, kernel: str = "varlen") -> Iterator[None]:
+def prefill_lengths(
+    lengths: torch.Tensor,
+    kernel: str = "varlen",
+    starts: torch.Tensor | None = None,
+    max_new: int = 0,
+) -> Iterator[None]:
     """Within the block, the forward's chunks (left-padded, each row's real tokens last)
     attend causally to each row's first ``lengths[row]`` columns of the cache and the mask
     is ignored: through ``varlen_prefill`` (``kernel="varlen"``) or ``prefill_triton``
-    (``"triton"``)."""
+    (``"triton"``). With ``starts`` (int32 [rows + 1]) the chunks are packed instead, one
+    row after another on the position axis of a batch of one, at most ``max_new`` a row."""
     _PREFILL.lengths, _PREFILL.index, _PREFILL.kernel = lengths, {}, kernel
+    _PREFILL.starts, _PREFILL.max_new = starts, max_new
     try:
         yield
     finally:
         _PREFILL.lengths, _PREFILL.index, _PREFILL.kernel = None, {}, "varlen"
+        _PREFILL.starts, _PREFILL.max_new = None, 0
 
 
 def _varlen_index(
@@ -258,6 +273,8 @@ def varlen_prefill(
     value: torch.Tensor,
     lengths: torch.Tensor,
     scale: float | None = None,
+    starts: torch.Tensor | None = None,
+    max_new: int = 0,
 ) -> torch.Tensor:
     """A chunk of ``T`` queries a row, ``query`` [B, H, T, D] left-padded, over views
     ``key``/``value`` [B, Hkv, W, D] of consecutive slots of ``SlotCache`` buffers: row ``r``
@@ -266,7 +283,11 @@ def varlen_prefill(
     a padding query's output is what the kernel makes of fewer columns (zero for none), and
     nothing reads it. FlashAttention's variable-length kernel on a GPU that runs it
     (``seqused_k``, causal from the bottom right, grouped-query heads in the kernel), the
-    same flat tensors through masked SDPA elsewhere."""
+    same flat tensors through masked SDPA elsewhere. With ``starts`` (int32 [B + 1]) the
+    chunks are packed: ``query`` [1, H, N, D] holds row ``r``'s queries from position
+    ``starts[r]`` to ``starts[r + 1]``, at most ``max_new`` a row; returns [1, N, H, D]."""
+    if starts is not None:
+        return _packed_prefill(query, key, value, lengths, starts, max_new, scale)
     b, heads, t, d = query.shape
     kv_heads, _, cap = _slot_layout(query, key, value, "prefill")
     # One sequence a row. [B, H, T, D] is a transpose of the projection's [B, T, H, D], so
@@ -282,6 +303,48 @@ def varlen_prefill(
     else:
         out = _varlen_reference(q, rows_k, rows_v, seqlens, cu_k, t, cap, scale)
     return out.reshape(b, t, heads, d)
+
+
+def _packed_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: torch.Tensor,
+    starts: torch.Tensor,
+    max_new: int,
+    scale: float | None,
+) -> torch.Tensor:
+    """``varlen_prefill`` of packed chunks: every row one sequence of its own queries, as
+    FlashAttention's variable-length kernel takes them (``cu_seqlens_q`` = ``starts``); row
+    by row through masked SDPA elsewhere."""
+    _, heads, n, d = query.shape
+    b = lengths.shape[0]
+    kv_heads, _, cap = _slot_layout(query, key, value, "prefill")
+    q = query.transpose(1, 2).reshape(n, heads, d)
+    rows_k, rows_v = _rows(key, b, cap), _rows(value, b, cap)
+    seqlens, _, cu_k = _varlen_index(lengths, 1, kv_heads * cap, max_new)
+    if query.device.type == "cuda" and query.dtype == key.dtype and _flash_runs(query):
+        out = torch.ops.aten._flash_attention_forward(
+            q, rows_k, rows_v, starts, cu_k, max_new, cap, 0.0, True, False, scale=scale,
+            seqused_k=seqlens,
+        )[0]  # fmt: skip
+        return out.reshape(1, n, heads, d)
+    out = torch.zeros_like(q)
+    bounds = starts.tolist()  # the reference path: a host read is no matter here
+    for r, length in enumerate(lengths.tolist()):
+        lo, hi = bounds[r], bounds[r + 1]
+        if hi == lo:
+            continue
+        keys = rows_k[int(cu_k[r]) : int(cu_k[r]) + length].transpose(0, 1)  # [Hkv, L, D]
+        values = rows_v[int(cu_k[r]) : int(cu_k[r]) + length].transpose(0, 1)
+        last = length - (hi - lo) + torch.arange(hi - lo, device=q.device)  # [n]
+        allowed = torch.arange(length, device=q.device)[None, :] <= last[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[lo:hi].transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype),
+            allowed[None, None], scale=scale, enable_gqa=True,
+        )[0]  # fmt: skip
+        out[lo:hi] = torch.where(allowed.any(-1)[None, :, None], o, 0.0).transpose(0, 1)
+    return out.reshape(1, n, heads, d)
 
 
 def _rows(x: torch.Tensor, rows: int, cap: int) -> torch.Tensor:

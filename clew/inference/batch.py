@@ -4,7 +4,12 @@ A ``CacheBatch`` (``InferenceEngine.open_batch``) holds its rows in cache order;
 addressed by its sequence id (``0 .. size-1`` at opening, the next ids for rows that join).
 Each ``extend_and_generate`` appends a chunk to every row (its pending token, if any, plus
 the chunk's tokens), prefills them left-padded to one width and decodes a reply per row, one
-token a row per step; finished rows leave with ``drop``.
+token a row per step; finished rows leave with ``drop``. With ``packed_prefill`` the prefill
+runs the real tokens alone instead, row after row in one sequence of a batch of one: the
+cache writes each token at its row's column, the attention reads each row by its length
+(``prefill_lengths(starts=)``) and the logits of each row's last token come out
+(``logits_to_keep`` as positions). It needs an attention that reads rows by their lengths,
+so a forward while images are hidden, or with per-row adapters, stays padded.
 
 Joining (continuous batching, static cache only): ``add_rows`` puts new rows into free slots
 of the running batch between two ``extend_and_generate`` calls, and the next call prefills
@@ -29,6 +34,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from clew.errors import ConfigError
@@ -225,8 +231,18 @@ class CacheBatch:
         """One forward of ``part``'s rows; their last logits ``[rows, vocab]``."""
         dev = self.engine.device
         mask, image = torch.from_numpy(part.mask).to(dev), torch.from_numpy(part.image).to(dev)
+        by_length = (
+            self.engine.prefill_attention in ("varlen", "triton")
+            and isinstance(self.kv, SlotCache)
+            and not self.kv.hidden_any  # a row's visible columns are then its first `fill`
+        )
+        # Packed: the real tokens alone, row after row in one sequence (no padding computed);
+        # per-row adapters select by batch row, so those forwards stay padded.
+        packed = (
+            by_length and self.engine.packed_prefill and not any(self.adapters[part.lo : part.hi])
+        )
         if isinstance(self.kv, SlotCache):
-            attention_mask = self.kv.prefill(mask, image, part.counts, first=part.lo)
+            attention_mask = self.kv.prefill(mask, image, part.counts, part.lo, packed)
         else:
             attention_mask = self.kv.prefill(mask, image, part.counts)
         extra = {}
@@ -237,17 +253,31 @@ class CacheBatch:
         if rows is not None:
             extra["rows"] = rows
         ids, pos = torch.from_numpy(part.ids), torch.from_numpy(part.pos)
-        by_length = (
-            self.engine.prefill_attention in ("varlen", "triton")
-            and isinstance(self.kv, SlotCache)
-            and not self.kv.hidden_any  # a row's visible columns are then its first `fill`
-        )
+        lengths = self.kv.fill_dev[part.lo : part.hi] if by_length else None
+        if packed:
+            return self._packed_forward(part, lengths, extra)
         with (
-            prefill_lengths(self.kv.fill_dev[part.lo : part.hi], self.engine.prefill_attention)
+            prefill_lengths(lengths, self.engine.prefill_attention)
             if by_length
             else contextlib.nullcontext()
         ):
             return self._forward(ids, pos, attention_mask, **extra)
+
+    def _packed_forward(self, part: Prefill, lengths: torch.Tensor, extra: dict) -> torch.Tensor:
+        """``part``'s real tokens as one sequence of a batch of one (the cache's write and the
+        attention planned by row: ``SlotCache.prefill(packed=True)``, ``prefill_lengths``);
+        the last logits of each row ``[rows, vocab]``."""
+        dev = self.engine.device
+        real = part.mask.astype(bool)
+        ids = torch.from_numpy(part.ids[real][None])
+        pos = torch.from_numpy(part.pos[:, real][:, None])
+        bounds = np.concatenate([[0], np.cumsum(part.counts)])
+        starts = torch.from_numpy(bounds.astype(np.int32)).to(dev)
+        ends = torch.from_numpy(bounds[1:] - 1).to(dev)  # each row's last token
+        # A 4D mask is passed through as it is; the attention reads the lengths instead.
+        no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=dev)
+        with prefill_lengths(lengths, self.engine.prefill_attention, starts, max(part.counts)):
+            return self._forward(ids, pos, no_mask, keep=ends, **extra)
 
     def _decode(self, logits: torch.Tensor, params: SamplingParams) -> dict[int, Generation]:
         """Sample the replies, one token a row per step, from the chunk's last logits.
@@ -365,10 +395,13 @@ class CacheBatch:
         attention_mask: torch.Tensor,
         rows: slice | None = None,
         fused: bool = True,
+        keep: torch.Tensor | None = None,
         **extra,
     ) -> torch.Tensor:
         """The last logits of a forward of every row, or of ``rows`` (a prefill's slots);
-        ``fused=False`` leaves the fused element-wise kernels out even where they are on."""
+        ``fused=False`` leaves the fused element-wise kernels out even where they are on;
+        ``keep``: the positions of a packed forward's rows' last tokens, whose logits are
+        returned instead."""
         eng = self.engine
         dev = eng.device
         static = isinstance(self.kv, SlotCache)
@@ -385,11 +418,12 @@ class CacheBatch:
                 attention_mask=attention_mask,
                 position_ids=positions.to(dev),
                 use_cache=True,
-                logits_to_keep=1,
+                logits_to_keep=1 if keep is None else keep,
                 **{eng._cache_kw: self.cache},
                 **extra,
             )
-        return mask_banned(out.logits[:, -1, :].float(), eng.banned_token_ids)
+        logits = out.logits[:, -1, :] if keep is None else out.logits[0]
+        return mask_banned(logits.float(), eng.banned_token_ids)
 
     def _sample(
         self, logits: torch.Tensor, params: SamplingParams

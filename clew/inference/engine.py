@@ -116,6 +116,7 @@ class InferenceEngine:
         cuda_graphs: bool = False,
         decode_attention: str = "auto",
         prefill_attention: str = "auto",
+        packed_prefill: bool = False,
         fused_pointwise: bool | None = None,
         merged_projections: bool = False,
     ) -> None:
@@ -149,6 +150,9 @@ class InferenceEngine:
         # each row reading its own columns (FlashAttention's kernel or clew's Triton kernel,
         # clew.inference.attention); "auto": the Triton kernel on CUDA, if installed.
         self.prefill_attention = resolve_prefill_attention(prefill_attention, device)
+        # A prefill's real tokens alone, row after row (clew.inference.batch), where the
+        # attention reads rows by their lengths.
+        self.packed_prefill = packed_prefill
         # The rotary embedding and the SwiGLU gate as one compiled kernel each, in the
         # engine's forwards on CUDA (clew.models.fused_pointwise); None: on a CUDA device.
         on_cuda = device.type == "cuda"
@@ -230,6 +234,7 @@ class EngineOptions:
     cuda_graphs: bool = True  # on a CUDA device only
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
+    packed_prefill: bool = False
     fused_pointwise: bool = True
     merged_projections: bool = False
     gpu_memory_utilization: float = 0.45  # of a GPU, for the KV cache budget
@@ -258,6 +263,7 @@ class EngineOptions:
             cuda_graphs=self.cuda_graphs and device.type == "cuda",
             decode_attention=self.decode_attention,
             prefill_attention=self.prefill_attention,
+            packed_prefill=self.packed_prefill,
             fused_pointwise=self.fused_pointwise,
             merged_projections=self.merged_projections,
         )

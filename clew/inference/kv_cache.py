@@ -19,7 +19,8 @@ sequence order whatever their slots (``CacheBatch._sample``), so seeded draws do
 on where a row lives. Hidden image columns are removed within each row's slot (a gather of
 the visible columns to the front) only once they are a quarter of the width, as for the
 dynamic cache. Chunk padding (the batch's chunks are left-padded to one width) is written
-past each row's end, where the next real token overwrites it, and is never visible. A row
+past each row's end, where the next real token overwrites it, and is never visible; a packed
+prefill (``prefill(packed=True)``) writes the real tokens alone. A row
 that joins a running batch (``add_rows``) takes the next free slot, the slots doubling when
 none is left; a forward may cover a range of slots only (``prefill(first=)``: the joining
 rows' prompts), attending over views of those slots alone.
@@ -34,6 +35,7 @@ growth)`` columns, the rows' real lengths rather than the longest a row could gr
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -115,9 +117,10 @@ class SlotCache(Cache):
         self.hidden_any = False
         # Bumped whenever the buffers move (a growth): CUDA graphs over them are then stale.
         self.generation = 0
-        # Where the current forward writes: row and column indices [rows, T], the width of
-        # the views the attention reads and the first slot of its rows.
-        self._write: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
+        # Where the current forward writes: row and column indices [rows, T] (a packed
+        # prefill's [1, tokens]), the width of the views the attention reads, and the first
+        # slot and the number of the rows they cover.
+        self._write: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
         self._arange = torch.arange(rows, device=device)
 
     # What transformers calls.
@@ -126,14 +129,13 @@ class SlotCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self._write is None:
             raise RuntimeError("SlotCache: a forward ran without prefill()/decode() planning it")
-        rows, cols, width, first = self._write
+        rows, cols, width, first, b = self._write
         layer = self.layers[layer_idx]
         if layer.keys is None:
             shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[3])
             layer.keys = key_states.new_zeros(shape)
             layer.values = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
             layer.is_initialized = True
-        b = key_states.shape[0]
         # Advanced indices on dims 0 and 2 put their [B, T] first: [B, T, kv_heads, head_dim].
         layer.keys[rows, :, cols] = key_states.transpose(1, 2)
         layer.values[rows, :, cols] = value_states.transpose(1, 2)
@@ -219,13 +221,21 @@ class SlotCache(Cache):
         self.generation += 1
 
     def prefill(
-        self, new_mask: torch.Tensor, image_ids: torch.Tensor, counts: list[int], first: int = 0
-    ) -> torch.Tensor:
+        self,
+        new_mask: torch.Tensor,
+        image_ids: torch.Tensor,
+        counts: list[int],
+        first: int = 0,
+        packed: bool = False,
+    ) -> torch.Tensor | None:
         """Plan a forward of left-padded chunks ``[rows, T]`` for the rows in slots
         ``[first, first + rows)`` (``new_mask`` 1 on real tokens, ``counts`` real tokens per
-        row); returns its attention mask ``[rows, 1, T, width]``, ``width`` their longest."""
+        row); returns its attention mask ``[rows, 1, T, width]``, ``width`` their longest.
+        ``packed``: the forward runs the real tokens alone, row after row in one sequence
+        (``CacheBatch``'s packed prefill); it needs no mask, and None is returned."""
         b, t = new_mask.shape
         end = first + b
+        before = self.fill[first:end]
         real = new_mask.bool()
         n = real.sum(1, keepdim=True)
         j = torch.arange(t, device=self.device)[None, :]
@@ -238,7 +248,14 @@ class SlotCache(Cache):
         self.fill_dev = self.fill_dev.index_add(0, self._arange[first:end], n[:, 0])
         self.fill[first:end] = [f + c for f, c in zip(self.fill[first:end], counts, strict=True)]
         width = max(self.fill[first:end])
-        self._write = (rows, cols, width, first)
+        if packed:
+            # Built on the host, where the counts are: a device-side selection would wait.
+            at = np.concatenate([np.arange(f, f + c) for f, c in zip(before, counts, strict=True)])
+            slot = np.repeat(np.arange(first, end), counts)
+            index = torch.from_numpy(np.stack([slot, at])).to(self.device, non_blocking=True)
+            self._write = (index[0][None], index[1][None], width, first, b)
+            return None
+        self._write = (rows, cols, width, first, b)
         causal = torch.arange(width, device=self.device)[None, None, :] <= cols[:, :, None]
         return (self.visible[first:end, None, :width] & causal)[:, None]
 
@@ -265,7 +282,7 @@ class SlotCache(Cache):
         """The next forward runs over slots ``[0, len(cols))``, slot ``i`` writing column
         ``cols[i, 0]`` and attending over ``width`` columns (``clew.inference.cuda_graphs``:
         fixed tensors a captured graph reads at every replay)."""
-        self._write = (self._arange[: cols.shape[0], None], cols, width, 0)
+        self._write = (self._arange[: cols.shape[0], None], cols, width, 0, cols.shape[0])
 
     def hide_images(self, limit: torch.Tensor) -> None:
         """Hide, per row, the columns of images numbered below ``limit`` [rows]."""

@@ -16,17 +16,24 @@ LOG2E = tl.constexpr(1.4426950408889634)  # a global a kernel reads must be a co
 
 @triton.jit
 def prefill_kernel(
-    Q, K, V, Lengths, Out, scale, T,
+    Q, K, V, Lengths, Starts, Out, scale, T,
     q_b, q_h, q_t, k_b, k_h, k_n, v_b, v_h, v_n, o_b, o_t, o_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     """One (query block, KV head, row): ``BLOCK_M`` of the row's ``T x GROUP`` (position,
-    query head) pairs over the KV head's columns, causally."""
+    query head) pairs over the KV head's columns, causally. ``PACKED``: the rows' queries
+    follow one another on the position axis, row ``r``'s from ``Starts[r]`` to
+    ``Starts[r + 1]`` (``T`` is then the longest row's count, the grid's bound)."""
     block = tl.program_id(0)
     kv = tl.program_id(1)
     row = tl.program_id(2)
     length = tl.load(Lengths + row).to(tl.int32)
+    if PACKED:
+        start = tl.load(Starts + row).to(tl.int32)
+        T = tl.load(Starts + row + 1).to(tl.int32) - start
+        Q = Q + start * q_t
+        Out = Out + start * o_t
     first = block * BLOCK_M
     offs_m = first + tl.arange(0, BLOCK_M)
     pos = offs_m // GROUP  # the query's position in the chunk
@@ -46,6 +53,9 @@ def prefill_kernel(
     last = tl.minimum((first + BLOCK_M - 1) // GROUP, T - 1)
     full = tl.maximum(length - T + first // GROUP + 1, 0) // BLOCK_N * BLOCK_N
     end = tl.maximum(length - T + last + 1, 0)
+    # A block past a packed row's queries reads nothing.
+    full = tl.where(first < T * GROUP, full, 0)
+    end = tl.where(first < T * GROUP, end, 0)
     qk_scale = scale * LOG2E
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     s = tl.full([BLOCK_M], 0.0, dtype=tl.float32)

@@ -44,6 +44,8 @@ def prefill_triton(
     lengths: torch.Tensor,
     scale: float | None = None,
     *,
+    starts: torch.Tensor | None = None,
+    max_new: int = 0,
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
     num_warps: int = 8,
@@ -53,11 +55,15 @@ def prefill_triton(
     """A chunk of ``T`` queries a row, ``query`` [B, H, T, D] left-padded, over ``key`` /
     ``value`` [B, Hkv, W, D] (views of ``SlotCache`` buffers, or any tensors whose last
     dimension is contiguous): row ``r``'s query ``j`` attends to columns up to
-    ``lengths[r] - T + j``. Returns [B, T, H, D] in the query's dtype. ``block_m``,
+    ``lengths[r] - T + j``. Returns [B, T, H, D] in the query's dtype. With ``starts``
+    [B + 1] the chunks are packed instead: ``query`` [1, H, N, D] holds row ``r``'s
+    ``starts[r + 1] - starts[r]`` queries from position ``starts[r]``, at most ``max_new``
+    a row, and the result is [1, N, H, D]. ``block_m``,
     ``block_n``, ``num_warps`` and ``num_stages``: the kernel's settings (the module's
     defaults; ``benchmarks/prefill_attention.py`` tries others)."""
     b, heads, t, d = query.shape
     kv_heads = key.shape[1]
+    rows = b if starts is None else lengths.shape[0]
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads cannot share {kv_heads} KV heads evenly")
     if min(query.stride(-1), key.stride(-1), value.stride(-1)) != 1:
@@ -71,15 +77,19 @@ def prefill_triton(
         # The interpreter's bf16 products are wrong (numpy has no bf16): compute in float32.
         query, key, value = query.float(), key.float(), value.float()
     kernel = kernels("prefill_kernels", interpret).prefill_kernel
-    grid = (-(-t * group // block_m), kv_heads, b)
+    packed = starts is not None
+    t_grid = max_new if packed else t
+    grid = (max(1, -(-t_grid * group // block_m)), kv_heads, rows)
+    q_b, o_b = (0, 0) if packed else (query.stride(0), out.stride(0))
     with interpreter(interpret):
         kernel[grid](
-            query, key, value, lengths, out, scale, t,
-            query.stride(0), query.stride(1), query.stride(2),
+            query, key, value, lengths, starts if packed else lengths, out, scale, t,
+            q_b, query.stride(1), query.stride(2),
             key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
+            o_b, out.stride(1), out.stride(2),
             GROUP=group, HEAD_DIM=d, BLOCK_D=1 << (d - 1).bit_length(),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, PACKED=packed,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return out

@@ -1,0 +1,156 @@
+"""A packed prefill (``generator.inference_engine.packed_prefill``): the rows' new tokens
+alone, row after row in one sequence, give the attention, the samples and the logprobs of
+the left-padded prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rollout_support import assert_same_samples, ending_at_different_turns
+from test_prefill_attention import _chunk_case, policy  # noqa: F401
+
+from clew.config import load_config
+from clew.config.settings import engine_options
+from clew.errors import ConfigError
+from clew.inference import batch as batch_module
+from clew.inference.attention import gqa_sdpa_attention, prefill_lengths, varlen_prefill
+from clew.inference.engine import InferenceEngine
+from clew.inference.prefill_triton import prefill_triton
+from clew.inference.sampling import SamplingParams
+from clew.models.chat import Chunk
+from clew.rollout.loop import RolloutSettings, play
+
+
+def _packed(query: torch.Tensor, new: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded queries [B, H, T, D] as packed ones [1, H, N, D] and their starts."""
+    t = query.shape[2]
+    rows = [query[r, :, t - n :] for r, n in enumerate(new)]
+    starts = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    return torch.cat(rows, 1)[None], starts
+
+
+@pytest.mark.parametrize("kernel", ["varlen", "triton"])
+def test_packed_chunks_get_the_attention_of_the_padded_ones(kernel):
+    query, key, value, lengths, mask, real = _chunk_case()
+    expected, _ = gqa_sdpa_attention(None, query, key, value, mask)  # [rows, T, H, D]
+    new = real.sum(1).tolist()  # 5, 2 and 3 real tokens
+    packed, starts = _packed(query, new)
+    if kernel == "varlen":
+        got = varlen_prefill(packed, key, value, lengths, starts=starts, max_new=max(new))
+    else:
+        got = prefill_triton(
+            packed, key, value, lengths, starts=starts, max_new=max(new), interpret=True
+        )
+    assert got.shape == (1, sum(new), *expected.shape[2:])
+    torch.testing.assert_close(got[0], expected[real], atol=1e-5, rtol=1e-5)
+    with prefill_lengths(lengths, kernel, starts, max(new)):
+        inside, _ = gqa_sdpa_attention(None, packed, key, value, None)
+    torch.testing.assert_close(inside, got)
+
+
+def test_a_row_with_no_new_token_takes_no_query():
+    query, key, value, lengths, mask, real = _chunk_case()
+    new = [5, 0, 3]
+    packed, starts = _packed(query, new)
+    lengths = lengths.clone()
+    lengths[1] = 6  # the middle row's cache as it was
+    for got in (
+        varlen_prefill(packed, key, value, lengths, starts=starts, max_new=5),
+        prefill_triton(packed, key, value, lengths, starts=starts, max_new=5, interpret=True),
+    ):
+        assert got.shape[1] == 8 and torch.isfinite(got).all()
+
+
+def _play(model, chat, rows, prefill: str, packed: bool, keep_last_k_images=None):
+    settings = RolloutSettings(
+        n_samples_per_prompt=3,
+        max_turns=4,
+        max_input_length=4096,
+        sampling=SamplingParams(temperature=1.0, max_tokens=6),
+        keep_last_k_images=keep_last_k_images,
+        env_workers=1,
+    )
+    engine = InferenceEngine(model, chat, prefill_attention=prefill, packed_prefill=packed)
+    return play(engine, rows, settings, seed=3, env_factory=ending_at_different_turns())
+
+
+@pytest.mark.parametrize("prefill", ["varlen", "triton"])
+def test_a_packed_prefill_samples_what_the_padded_prefill_samples(policy, prefill, monkeypatch):  # noqa: F811
+    model, chat, rows = policy
+    forwards: list[int] = []
+    inner = batch_module.CacheBatch._packed_forward
+
+    def counted(self, part, lengths, extra):
+        forwards.append(part.hi - part.lo)
+        return inner(self, part, lengths, extra)
+
+    monkeypatch.setattr(batch_module.CacheBatch, "_packed_forward", counted)
+    packed = _play(model, chat, rows, prefill, packed=True)
+    assert forwards and forwards[0] == 9  # every prefill, from the first turn's 9 prompts on
+    count = len(forwards)
+    padded = _play(model, chat, rows, "sdpa", packed=False)
+    assert len(forwards) == count  # the padded prefill never packs
+    assert_same_samples(packed, padded, tol=1e-5)
+
+
+def test_while_images_are_hidden_the_prefill_stays_padded(policy, monkeypatch):  # noqa: F811
+    model, chat, rows = policy
+    kinds: list[str] = []
+    inner_packed = batch_module.CacheBatch._packed_forward
+    inner = batch_module.CacheBatch._forward
+
+    def packed_forward(self, part, lengths, extra):
+        kinds.append("packed")
+        return inner_packed(self, part, lengths, extra)
+
+    def forward(self, input_ids, *args, **kwargs):
+        if kwargs.get("keep") is None and input_ids.shape[1] > 1:
+            kinds.append("padded")
+        return inner(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(batch_module.CacheBatch, "_packed_forward", packed_forward)
+    monkeypatch.setattr(batch_module.CacheBatch, "_forward", forward)
+    packed = _play(model, chat, rows, "varlen", packed=True, keep_last_k_images=1)
+    # Packed while no image is hidden; padded (the masked prefill) while one is, until the
+    # hidden columns are compacted away.
+    assert kinds[0] == "packed" and "padded" in kinds
+    padded = _play(model, chat, rows, "sdpa", packed=False, keep_last_k_images=1)
+    assert_same_samples(packed, padded, tol=1e-5)
+
+
+def test_rows_joining_a_running_batch_are_packed_on_their_own_slots(policy):  # noqa: F811
+    model, chat, rows = policy
+    from clew.envs import make
+
+    prompts = []
+    for row in rows[:2]:
+        obs = make(row.env_id, **row.options()).reset(seed=row.seed)
+        prompts.append(chat.user_turn(obs.text, obs.images, first=True))
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    out = {}
+    for packed in (False, True):
+        engine = InferenceEngine(
+            model, chat, prefill_attention="varlen", packed_prefill=packed, stop_token_ids=(-1,)
+        )
+        batch = engine.open_batch(2, seed=1, capacity_hint=512)
+        short = chat.user_turn("left right up down", [], first=True)
+        first = batch.extend_and_generate({0: prompts[0], 1: short}, params)
+        (joined,) = batch.add_rows(1, tokens=512)
+        later = batch.extend_and_generate({0: Chunk([]), 1: Chunk([]), joined: prompts[1]}, params)
+        out[packed] = [(g.token_ids, g.logprobs) for g in (*first.values(), *later.values())]
+    for (a_tokens, a_lp), (b_tokens, b_lp) in zip(out[True], out[False], strict=True):
+        assert a_tokens == b_tokens
+        assert max(abs(x - y) for x, y in zip(a_lp, b_lp, strict=True)) < 1e-5
+
+
+def test_the_key_reaches_the_engine_and_is_refused_where_nothing_reads_lengths():
+    cfg = load_config(None, ["generator.inference_engine.packed_prefill=true"])
+    assert engine_options(cfg).packed_prefill
+    assert not engine_options(load_config(None, [])).packed_prefill
+    for other, says in (
+        ("prefill_attention=sdpa", "prefill_attention=sdpa has none"),
+        ("kv_cache=dynamic", "kv_cache=dynamic has none"),
+    ):
+        keys = ["packed_prefill=true", other]
+        with pytest.raises(ConfigError, match=r"\[engine-switch\].*" + says):
+            load_config(None, [f"generator.inference_engine.{k}" for k in keys])
