@@ -154,3 +154,27 @@ def test_the_key_reaches_the_engine_and_is_refused_where_nothing_reads_lengths()
         keys = ["packed_prefill=true", other]
         with pytest.raises(ConfigError, match=r"\[engine-switch\].*" + says):
             load_config(None, [f"generator.inference_engine.{k}" for k in keys])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["varlen", "triton"])
+def test_on_the_gpu_packed_chunks_get_the_attention_of_the_padded_ones(kernel):
+    # Qwen3-VL-8B's attention (32 query heads over 8 KV heads of 128), 48 rows of 15-turn
+    # widths, chunks of 100-140 new tokens left-padded to 140.
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, cap, t = 48, 2048, 140
+    keys, values = (
+        torch.randn(rows, 8, cap, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    query = torch.randn(
+        rows, t, 32, 128, generator=gen, device="cuda", dtype=torch.bfloat16
+    ).transpose(1, 2)
+    lengths = torch.randint(150, cap, (rows,), generator=gen, device="cuda")
+    new = torch.randint(100, t + 1, (rows,), generator=gen).tolist()
+    packed, starts = _packed(query, new)
+    attend = varlen_prefill if kernel == "varlen" else prefill_triton
+    padded = attend(query, keys, values, lengths)
+    got = attend(packed, keys, values, lengths, starts=starts.cuda(), max_new=max(new))
+    real = torch.arange(t)[None, :] >= (t - torch.tensor(new))[:, None]
+    torch.testing.assert_close(got[0].float(), padded[real.cuda()].float(), atol=2e-2, rtol=2e-2)
