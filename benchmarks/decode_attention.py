@@ -52,7 +52,8 @@ from pathlib import Path
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from clew.inference.attention import _rows, varlen_decode
+from clew.inference.attention import varlen_decode
+from clew.inference.slot_views import row_keys
 from clew.inference.split_decode import split_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -159,7 +160,7 @@ def candidates(
         return call
 
     per_row = kv_heads * cap
-    rows_k, rows_v = _rows(k, b, cap), _rows(v, b, cap)  # the engine's prefill view
+    rows_k, rows_v = row_keys(k, b, cap), row_keys(v, b, cap)  # the engine's prefill view
     cu_rows_k = torch.arange(0, (b + 1) * per_row, per_row, device=dev, dtype=torch.int32)
     row_lengths = lengths.to(torch.int32)
 

@@ -5,7 +5,7 @@ and some text) over the row's whole cache. The engine's default
 (``generator.inference_engine.prefill_attention=sdpa``) gives SDPA a boolean mask
 ``[B, 1, T, W]`` over every row to the longest row's width ``W``, so the short rows' padding
 columns and the chunk's padding queries cost as much as real ones, through a kernel that
-reads a mask. ``varlen`` (``clew.inference.attention.varlen_prefill``) reads each row to its
+reads a mask. ``varlen`` (``clew.inference.prefill_attention.varlen_prefill``) reads each row to its
 own length, causally, through FlashAttention's variable-length kernel. This benchmark times,
 for one layer, on a batch whose rows' lengths spread evenly over
 ``--min-width``..``--max-width`` and whose chunks hold ``--chunk`` / 2 to ``--chunk`` new
@@ -45,8 +45,10 @@ from pathlib import Path
 
 import torch
 
-from clew.inference.attention import _varlen_index, gqa_sdpa_attention, varlen_prefill
+from clew.inference.attention import gqa_sdpa_attention
+from clew.inference.prefill_attention import varlen_prefill
 from clew.inference.prefill_triton import prefill_triton
+from clew.inference.slot_views import varlen_index
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, candidates_header, compare_candidates, hardware  # noqa: E402
@@ -95,7 +97,7 @@ def candidates(
 
     n = b * kv_heads
     regrouped = q.reshape(b, kv_heads, group, t, d).transpose(2, 3).reshape(n * t, group, d)
-    seqlens, cu_q, cu_k = _varlen_index(lengths, kv_heads, cap, t)
+    seqlens, cu_q, cu_k = varlen_index(lengths, kv_heads, cap, t)
 
     def flash_varlen() -> torch.Tensor:
         out = torch.ops.aten._flash_attention_forward(

@@ -316,13 +316,13 @@ def test_an_opened_policy_replays_graphs_only_on_cuda(tmp_path):
 
 
 def test_a_varlen_step_builds_its_kernel_index_once_for_every_layer():
-    from clew.inference.attention import _varlen_index, row_lengths
+    from clew.inference.slot_views import row_lengths, varlen_index
 
     lengths = torch.tensor([3, 5])
-    seqlens, cu_q, cu_k = _varlen_index(lengths, kv_heads=2, cap=8, group=4)
+    seqlens, cu_q, cu_k = varlen_index(lengths, kv_heads=2, cap=8, group=4)
     assert seqlens.tolist() == [3, 3, 5, 5]  # every (row, KV head) a sequence
     assert cu_q.tolist() == [0, 4, 8, 12, 16] and cu_k.tolist() == [0, 8, 16, 24, 32]
     with row_lengths(lengths):
-        first = _varlen_index(lengths, 2, 8, 4)
-        assert all(a is b for a, b in zip(first, _varlen_index(lengths, 2, 8, 4), strict=True))
-    assert _varlen_index(lengths, 2, 8, 4)[0] is not first[0]  # outside a step: built anew
+        first = varlen_index(lengths, 2, 8, 4)
+        assert all(a is b for a, b in zip(first, varlen_index(lengths, 2, 8, 4), strict=True))
+    assert varlen_index(lengths, 2, 8, 4)[0] is not first[0]  # outside a step: built anew

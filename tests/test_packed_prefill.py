@@ -13,10 +13,12 @@ from clew.config import load_config
 from clew.config.settings import engine_options
 from clew.errors import ConfigError
 from clew.inference import batch as batch_module
-from clew.inference.attention import gqa_sdpa_attention, prefill_lengths, varlen_prefill
+from clew.inference.attention import gqa_sdpa_attention
 from clew.inference.engine import InferenceEngine
+from clew.inference.prefill_attention import varlen_prefill
 from clew.inference.prefill_triton import prefill_triton
 from clew.inference.sampling import SamplingParams
+from clew.inference.slot_views import prefill_lengths
 from clew.models.chat import Chunk
 from clew.rollout.loop import RolloutSettings, play
 

@@ -1,5 +1,5 @@
 """A turn's prefill reading each row's own columns (``prefill_attention=varlen``,
-``clew.inference.attention.varlen_prefill``): the same attention as the masked prefill for
+``clew.inference.prefill_attention.varlen_prefill``): the same attention as the masked prefill for
 every real token, the same samples from an engine, rows joining a running batch included."""
 
 from __future__ import annotations
@@ -14,16 +14,11 @@ from clew.config import load_config
 from clew.data.rows import generate_rows
 from clew.errors import ConfigError
 from clew.inference import attention as attention_module
-from clew.inference.attention import (
-    _varlen_index,
-    _varlen_reference,
-    gqa_sdpa_attention,
-    prefill_lengths,
-    text_config,
-    varlen_prefill,
-)
+from clew.inference.attention import gqa_sdpa_attention, text_config
 from clew.inference.engine import InferenceEngine
+from clew.inference.prefill_attention import _varlen_reference, varlen_prefill
 from clew.inference.sampling import SamplingParams
+from clew.inference.slot_views import prefill_lengths, varlen_index
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat, Chunk
 from clew.rollout.loop import RolloutSettings, play
@@ -78,12 +73,12 @@ def test_a_query_with_no_column_gets_zero():
 
 def test_a_prefill_builds_its_kernel_index_once_for_every_layer():
     lengths = torch.tensor([4, 7])
-    seqlens, cu_q, cu_k = _varlen_index(lengths, kv_heads=2, cap=8, group=5)
+    seqlens, cu_q, cu_k = varlen_index(lengths, kv_heads=2, cap=8, group=5)
     assert seqlens.tolist() == [4, 4, 7, 7] and cu_q.tolist() == [0, 5, 10, 15, 20]
     with prefill_lengths(lengths):
-        first = _varlen_index(lengths, 2, 8, 5)
-        assert all(a is b for a, b in zip(first, _varlen_index(lengths, 2, 8, 5), strict=True))
-    assert _varlen_index(lengths, 2, 8, 5)[0] is not first[0]
+        first = varlen_index(lengths, 2, 8, 5)
+        assert all(a is b for a, b in zip(first, varlen_index(lengths, 2, 8, 5), strict=True))
+    assert varlen_index(lengths, 2, 8, 5)[0] is not first[0]
 
 
 def test_an_unknown_prefill_attention_is_refused_with_the_choices(policy):

@@ -13,9 +13,10 @@ from clew.config import load_config
 from clew.config.settings import engine_options
 from clew.errors import ConfigError
 from clew.inference import attention as attention_module
-from clew.inference.attention import gqa_sdpa_attention, prefill_lengths, text_config
+from clew.inference.attention import gqa_sdpa_attention, text_config
 from clew.inference.engine import resolve_prefill_attention
 from clew.inference.prefill_triton import prefill_triton
+from clew.inference.slot_views import prefill_lengths
 
 pytest.importorskip("triton")
 
@@ -127,7 +128,7 @@ def test_an_engine_with_the_triton_prefill_samples_what_the_masked_prefill_sampl
 def test_the_compiled_kernel_matches_flash_attention_at_the_8b_shape(rows):
     # Qwen3-VL-8B's attention (32 query heads over 8 KV heads of 128) and a 15-turn
     # rollout's widths: chunks of 140 new columns over rows of 150-2000.
-    from clew.inference.attention import varlen_prefill
+    from clew.inference.prefill_attention import varlen_prefill
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     cap, t = 2048, 140

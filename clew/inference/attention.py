@@ -56,8 +56,9 @@ row's real tokens are its last queries and its last columns). FlashAttention's
 variable-length kernel takes that shape with ``seqused_k`` and does the grouped-query heads
 itself, so no row reads past its length, none is masked and nothing is copied: the queries
 ``[B * T, H, D]`` are the projection's output as it is, the keys a strided view of the
-slots (``_rows``), and the output is already ``[B, T, H, D]``. Elsewhere the same flat
-tensors go through masked SDPA (``_varlen_reference``, what the tests compare). As for
+slots (``clew.inference.slot_views.row_keys``), and the output is already ``[B, T, H, D]``. Elsewhere the same flat
+tensors go through masked SDPA (``clew.inference.prefill_attention``, what the tests
+compare). As for
 decode steps, the rows' visible columns must be their first ``length``: the engine takes
 the masked prefill while an image is hidden. Packed chunks (``prefill_lengths(starts=)``,
 ``packed_prefill``: the rows' real tokens one after another in a batch of one) take the same
@@ -74,14 +75,22 @@ tower and the trainer's forwards keep their own attention.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
+from clew.inference.prefill_attention import varlen_prefill
 from clew.inference.prefill_triton import prefill_triton
+from clew.inference.slot_views import (
+    DECODE,
+    PREFILL,
+    flash_runs,
+    flat_keys,
+    slot_layout,
+    varlen_index,
+)
 from clew.inference.split_decode import split_decode
 
 ATTENTION = "clew_gqa_sdpa"
@@ -103,19 +112,19 @@ def gqa_sdpa_attention(
         out = _flex(query, key, value, attention_mask, scaling)
         return out.transpose(1, 2).contiguous(), None
     b, heads, t, d = query.shape
-    ends = getattr(_PREFILL, "lengths", None)
+    ends = getattr(PREFILL, "lengths", None)
     if ends is not None:
-        starts = getattr(_PREFILL, "starts", None)
-        packed = {} if starts is None else {"starts": starts, "max_new": _PREFILL.max_new}
-        if getattr(_PREFILL, "kernel", "varlen") == "triton":  # Triton's interpreter on a CPU
+        starts = getattr(PREFILL, "starts", None)
+        packed = {} if starts is None else {"starts": starts, "max_new": PREFILL.max_new}
+        if getattr(PREFILL, "kernel", "varlen") == "triton":  # Triton's interpreter on a CPU
             interpret = not query.is_cuda
             return prefill_triton(
                 query, key, value, ends, scaling, interpret=interpret, **packed
             ), None
         return varlen_prefill(query, key, value, ends, scaling, **packed), None
-    lengths = getattr(_DECODE, "lengths", None)
+    lengths = getattr(DECODE, "lengths", None)
     if lengths is not None and t == 1:
-        kernel = getattr(_DECODE, "kernel", "efficient")
+        kernel = getattr(DECODE, "kernel", "efficient")
         return varlen_decode(query, key, value, lengths, scaling, kernel), None
     kv_heads = key.shape[1]
     if heads % kv_heads:
@@ -140,88 +149,6 @@ def gqa_sdpa_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-_DECODE = threading.local()  # .lengths, .kernel: those of the decode step being run
-_PREFILL = threading.local()  # .lengths, .kernel: those of the prefill being run
-KERNELS = ("efficient", "flash", "triton")  # varlen_decode's kernels (module docstring)
-
-
-@contextlib.contextmanager
-def row_lengths(lengths: torch.Tensor, kernel: str = "efficient") -> Iterator[None]:
-    """Within the block, one-query forwards attend to each row's first ``lengths[row]``
-    columns of the cache (``varlen_decode`` with ``kernel``) and ignore the mask."""
-    if kernel not in KERNELS:
-        raise ValueError(f"no varlen decode kernel {kernel!r}; choose one of {KERNELS}")
-    _DECODE.lengths, _DECODE.kernel, _DECODE.index = lengths, kernel, {}
-    try:
-        yield
-    finally:
-        _DECODE.lengths, _DECODE.kernel, _DECODE.index = None, "efficient", {}
-
-
-@contextlib.contextmanager
-def prefill_lengths(
-    lengths: torch.Tensor,
-    kernel: str = "varlen",
-    starts: torch.Tensor | None = None,
-    max_new: int = 0,
-) -> Iterator[None]:
-    """Within the block, the forward's chunks (left-padded, each row's real tokens last)
-    attend causally to each row's first ``lengths[row]`` columns of the cache and the mask
-    is ignored: through ``varlen_prefill`` (``kernel="varlen"``) or ``prefill_triton``
-    (``"triton"``). With ``starts`` (int32 [rows + 1]) the chunks are packed instead, one
-    row after another on the position axis of a batch of one, at most ``max_new`` a row."""
-    _PREFILL.lengths, _PREFILL.index, _PREFILL.kernel = lengths, {}, kernel
-    _PREFILL.starts, _PREFILL.max_new = starts, max_new
-    try:
-        yield
-    finally:
-        _PREFILL.lengths, _PREFILL.index, _PREFILL.kernel = None, {}, "varlen"
-        _PREFILL.starts, _PREFILL.max_new = None, 0
-
-
-def _varlen_index(
-    lengths: torch.Tensor, kv_heads: int, cap: int, group: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's per-sequence key lengths and query and key offsets (``group`` queries a
-    sequence); within ``row_lengths`` or ``prefill_lengths`` built by the first layer and
-    reused by the others (once per forward)."""
-    memo = None
-    for context in (_DECODE, _PREFILL):
-        if lengths is getattr(context, "lengths", None):
-            memo = context.index
-    if memo is not None and (kv_heads, cap, group) in memo:
-        return memo[(kv_heads, cap, group)]
-    n, dev = lengths.shape[0] * kv_heads, lengths.device
-    index = (
-        lengths[:, None].expand(-1, kv_heads).reshape(n).to(torch.int32),
-        torch.arange(0, (n + 1) * group, group, device=dev, dtype=torch.int32),
-        torch.arange(0, (n + 1) * cap, cap, device=dev, dtype=torch.int32),
-    )
-    if memo is not None:
-        memo[(kv_heads, cap, group)] = index
-    return index
-
-
-def _slot_layout(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, what: str
-) -> tuple[int, int, int]:
-    """KV heads, query heads a KV head and slot capacity of views ``key``/``value``
-    [B, Hkv, W, D] of ``SlotCache`` buffers; another layout is refused."""
-    d, kv_heads = query.shape[-1], key.shape[1]
-    cap = key.stride(1) // d
-    for x in (key, value):
-        if x.stride() != (kv_heads * cap * d, cap * d, d, 1):
-            raise ValueError(f"varlen {what} reads the SlotCache's buffers, got another layout")
-    return kv_heads, query.shape[1] // kv_heads, cap
-
-
-def _flat(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``rows`` consecutive key (or value) vectors of the slot buffer ``x`` views from its
-    first one, as ``[rows, 1, D]``: every (slot, KV head) a run of ``capacity`` rows."""
-    d = x.shape[-1]
-    return torch.as_strided(x, (rows, 1, d), (d, d, 1), x.storage_offset())
-
-
 def varlen_decode(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -237,7 +164,7 @@ def varlen_decode(
     b, heads, _, d = query.shape
     if kernel == "triton":  # clew's split-KV kernel; Triton's interpreter on a CPU
         return split_decode(query, key, value, lengths, scale, interpret=not query.is_cuda)
-    kv_heads, group, cap = _slot_layout(query, key, value, "decode")
+    kv_heads, group, cap = slot_layout(query, key, value, "decode")
     n = b * kv_heads  # sequences: every (row, KV head), `group` queries and `cap` columns each
     if query.device.type != "cuda":  # the reference: a mask over each slot's capacity
         keys, values = (
@@ -249,150 +176,22 @@ def varlen_decode(
             query.reshape(b, kv_heads, group, d), keys, values, live[:, None, None], scale=scale
         )
         return out.reshape(b, 1, heads, d)
-    if kernel == "flash" and _flash_runs(query):
+    if kernel == "flash" and flash_runs(query):
         # One sequence a (row, KV head): one query of `group` heads over one KV head, the
         # shape FlashAttention's decoding path takes (keys split over blocks).
-        seqlens, cu_one, cu_k = _varlen_index(lengths, kv_heads, cap, 1)
+        seqlens, cu_one, cu_k = varlen_index(lengths, kv_heads, cap, 1)
         out = torch.ops.aten._flash_attention_forward(
-            query.reshape(n, group, d), _flat(key, n * cap), _flat(value, n * cap), cu_one, cu_k, 1, cap, 0.0, False,
+            query.reshape(n, group, d), flat_keys(key, n * cap), flat_keys(value, n * cap), cu_one, cu_k, 1, cap, 0.0, False,
             False, scale=scale, seqused_k=seqlens,
         )[0]  # fmt: skip
         return out.reshape(b, 1, heads, d)
-    seqlens, cu_q, cu_k = _varlen_index(lengths, kv_heads, cap, group)
+    seqlens, cu_q, cu_k = varlen_index(lengths, kv_heads, cap, group)
     out = torch.ops.aten._efficient_attention_forward(
-        query.reshape(1, n * group, 1, d), _flat(key, n * cap)[None],
-        _flat(value, n * cap)[None], None, cu_q, cu_k, group, cap, 0.0, 0, False, scale=scale,
+        query.reshape(1, n * group, 1, d), flat_keys(key, n * cap)[None],
+        flat_keys(value, n * cap)[None], None, cu_q, cu_k, group, cap, 0.0, 0, False, scale=scale,
         seqlen_k=seqlens,
     )[0]  # fmt: skip
     return out.reshape(b, 1, heads, d)
-
-
-def varlen_prefill(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    lengths: torch.Tensor,
-    scale: float | None = None,
-    starts: torch.Tensor | None = None,
-    max_new: int = 0,
-) -> torch.Tensor:
-    """A chunk of ``T`` queries a row, ``query`` [B, H, T, D] left-padded, over views
-    ``key``/``value`` [B, Hkv, W, D] of consecutive slots of ``SlotCache`` buffers: row ``r``
-    reads its first ``lengths[r]`` columns, the last of which are its chunk's real tokens,
-    causally (query ``j`` sees columns up to ``lengths[r] - T + j``). Returns [B, T, H, D];
-    a padding query's output is what the kernel makes of fewer columns (zero for none), and
-    nothing reads it. FlashAttention's variable-length kernel on a GPU that runs it
-    (``seqused_k``, causal from the bottom right, grouped-query heads in the kernel), the
-    same flat tensors through masked SDPA elsewhere. With ``starts`` (int32 [B + 1]) the
-    chunks are packed: ``query`` [1, H, N, D] holds row ``r``'s queries from position
-    ``starts[r]`` to ``starts[r + 1]``, at most ``max_new`` a row; returns [1, N, H, D]."""
-    if starts is not None:
-        return _packed_prefill(query, key, value, lengths, starts, max_new, scale)
-    b, heads, t, d = query.shape
-    kv_heads, _, cap = _slot_layout(query, key, value, "prefill")
-    # One sequence a row. [B, H, T, D] is a transpose of the projection's [B, T, H, D], so
-    # the queries' flat form is a view, and so is the output's [B, T, H, D].
-    q = query.transpose(1, 2).reshape(b * t, heads, d)
-    rows_k, rows_v = _rows(key, b, cap), _rows(value, b, cap)
-    seqlens, cu_q, cu_k = _varlen_index(lengths, 1, kv_heads * cap, t)
-    if query.device.type == "cuda" and query.dtype == key.dtype and _flash_runs(query):
-        out = torch.ops.aten._flash_attention_forward(
-            q, rows_k, rows_v, cu_q, cu_k, t, cap, 0.0, True, False, scale=scale,
-            seqused_k=seqlens,
-        )[0]  # fmt: skip
-    else:
-        out = _varlen_reference(q, rows_k, rows_v, seqlens, cu_k, t, cap, scale)
-    return out.reshape(b, t, heads, d)
-
-
-def _packed_prefill(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    lengths: torch.Tensor,
-    starts: torch.Tensor,
-    max_new: int,
-    scale: float | None,
-) -> torch.Tensor:
-    """``varlen_prefill`` of packed chunks: every row one sequence of its own queries, as
-    FlashAttention's variable-length kernel takes them (``cu_seqlens_q`` = ``starts``); row
-    by row through masked SDPA elsewhere."""
-    _, heads, n, d = query.shape
-    b = lengths.shape[0]
-    kv_heads, _, cap = _slot_layout(query, key, value, "prefill")
-    q = query.transpose(1, 2).reshape(n, heads, d)
-    rows_k, rows_v = _rows(key, b, cap), _rows(value, b, cap)
-    seqlens, _, cu_k = _varlen_index(lengths, 1, kv_heads * cap, max_new)
-    if query.device.type == "cuda" and query.dtype == key.dtype and _flash_runs(query):
-        out = torch.ops.aten._flash_attention_forward(
-            q, rows_k, rows_v, starts, cu_k, max_new, cap, 0.0, True, False, scale=scale,
-            seqused_k=seqlens,
-        )[0]  # fmt: skip
-        return out.reshape(1, n, heads, d)
-    out = torch.zeros_like(q)
-    bounds = starts.tolist()  # the reference path: a host read is no matter here
-    for r, length in enumerate(lengths.tolist()):
-        lo, hi = bounds[r], bounds[r + 1]
-        if hi == lo:
-            continue
-        keys = rows_k[int(cu_k[r]) : int(cu_k[r]) + length].transpose(0, 1)  # [Hkv, L, D]
-        values = rows_v[int(cu_k[r]) : int(cu_k[r]) + length].transpose(0, 1)
-        last = length - (hi - lo) + torch.arange(hi - lo, device=q.device)  # [n]
-        allowed = torch.arange(length, device=q.device)[None, :] <= last[:, None]
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q[lo:hi].transpose(0, 1)[None], keys[None].to(q.dtype), values[None].to(q.dtype),
-            allowed[None, None], scale=scale, enable_gqa=True,
-        )[0]  # fmt: skip
-        out[lo:hi] = torch.where(allowed.any(-1)[None, :, None], o, 0.0).transpose(0, 1)
-    return out.reshape(1, n, heads, d)
-
-
-def _rows(x: torch.Tensor, rows: int, cap: int) -> torch.Tensor:
-    """Slot buffer view ``x`` [B, Hkv, W, D] (slots of ``cap`` columns, ``_slot_layout``) as
-    FlashAttention's flat keys ``[total, Hkv, D]`` of one sequence a row: row ``r``'s column
-    ``j`` of head ``h`` is at ``r * Hkv * cap + j`` (row stride ``D``, head stride
-    ``cap x D``), nothing copied. ``total`` stops where the last row's last head ends."""
-    kv_heads, d = x.shape[1], x.shape[-1]
-    total = (rows - 1) * kv_heads * cap + cap
-    return torch.as_strided(x, (total, kv_heads, d), (d, cap * d, 1), x.storage_offset())
-
-
-def _varlen_reference(
-    q: torch.Tensor,
-    rows_k: torch.Tensor,
-    rows_v: torch.Tensor,
-    seqlens: torch.Tensor,
-    cu_k: torch.Tensor,
-    t: int,
-    cap: int,
-    scale: float | None,
-) -> torch.Tensor:
-    """What ``_flash_attention_forward`` computes from the same flat tensors: ``q``
-    [B * t, H, D], ``rows_k``/``rows_v`` [total, Hkv, D] with row ``r``'s keys from
-    ``cu_k[r]`` on, row ``r`` reading its first ``seqlens[r]`` keys causally from the bottom
-    right; a query with no key gets 0."""
-    b, heads, d = seqlens.shape[0], q.shape[1], q.shape[2]
-    cols = cu_k[:-1, None].long() + torch.arange(cap, device=q.device)[None, :]  # [B, cap]
-    keys, values = (x[cols].transpose(1, 2) for x in (rows_k, rows_v))  # [B, Hkv, cap, D]
-    last = seqlens[:, None] - t + torch.arange(t, device=q.device)[None, :]  # [B, t]
-    allowed = torch.arange(cap, device=q.device)[None, None, :] <= last[:, :, None]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.reshape(b, t, heads, d).transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-        allowed[:, None], scale=scale, enable_gqa=True,
-    )  # fmt: skip
-    out = torch.where(allowed.any(-1)[:, None, :, None], out, 0.0)
-    return out.transpose(1, 2).reshape(b * t, heads, d)
-
-
-def _flash_runs(query: torch.Tensor) -> bool:
-    """FlashAttention's kernel: half precision, head sizes to 256 in steps of 8, Ampere on."""
-    d = query.shape[-1]
-    return (
-        query.dtype in (torch.float16, torch.bfloat16)
-        and d % 8 == 0
-        and d <= 256
-        and torch.cuda.get_device_capability(query.device)[0] >= 8
-    )
 
 
 _compiled_flex = None

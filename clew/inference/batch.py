@@ -38,13 +38,14 @@ import numpy as np
 import torch
 
 from clew.errors import ConfigError
-from clew.inference.attention import engine_attention, prefill_lengths
+from clew.inference.attention import engine_attention
 from clew.inference.chunks import Prefill, pack
 from clew.inference.cuda_graphs import DecodeGraphs
 from clew.inference.draws import RowDraws
 from clew.inference.dynamic_kv import DynamicKV
 from clew.inference.kv_cache import SlotCache
 from clew.inference.sampling import SamplingParams
+from clew.inference.slot_views import prefill_lengths
 from clew.models.chat import Chunk
 from clew.models.fused_pointwise import pointwise_fused
 from clew.models.logit_masks import keep_allowed, mask_banned

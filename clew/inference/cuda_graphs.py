@@ -34,7 +34,7 @@ width (one capture per row bucket). Its ``mask_mod`` reads the cache's ``visible
 hidden image columns stay hidden; padding rows read one block of their free slot.
 
 With ``attention="varlen"`` (``decode_attention=varlen``) the width is the whole capacity
-too, and the step passes each row's length (``clew.inference.attention.row_lengths``, a
+too, and the step passes each row's length (``clew.inference.slot_views.row_lengths``, a
 static tensor updated before each replay): each row reads its own columns through the
 variable-length kernel, with no mask and no block table, and one graph per row count serves
 every width. While an image column is hidden anywhere in the cache (``SlotCache.hidden_any``)
@@ -57,8 +57,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from clew.errors import ClewError
-from clew.inference.attention import row_lengths
 from clew.inference.kv_cache import SlotCache
+from clew.inference.slot_views import row_lengths
 
 # Attention width granularity: at 8B and 192 rows each extra column costs about 28 MB of
 # KV reads a step, while each distinct width is one more capture (about 0.1 s at 8B).
