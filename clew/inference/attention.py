@@ -56,16 +56,15 @@ row's real tokens are its last queries and its last columns). FlashAttention's
 variable-length kernel takes that shape with ``seqused_k`` and does the grouped-query heads
 itself, so no row reads past its length, none is masked and nothing is copied: the queries
 ``[B * T, H, D]`` are the projection's output as it is, the keys a strided view of the
-slots (``clew.inference.slot_views.row_keys``), and the output is already ``[B, T, H, D]``. Elsewhere the same flat
-tensors go through masked SDPA (``clew.inference.prefill_attention``, what the tests
-compare). As for
-decode steps, the rows' visible columns must be their first ``length``: the engine takes
-the masked prefill while an image is hidden. Packed chunks (``prefill_lengths(starts=)``,
-``packed_prefill``: the rows' real tokens one after another in a batch of one) take the same
-kernels with one sequence a row of its own length, FlashAttention's ``cu_seqlens_q``
-being the rows' starts. ``prefill_attention=triton`` reads the same
-columns through clew's kernel (``clew.inference.prefill_triton``), which packs each KV
-head's query heads into one block of queries where FlashAttention's blocks hold one head.
+slots (``clew.inference.slot_views.row_keys``), and the output is already ``[B, T, H, D]``.
+Elsewhere the same flat tensors go through masked SDPA (``clew.inference.prefill_attention``,
+what the tests compare). As for decode steps, the rows' visible columns must be their first
+``length``: the engine takes the masked prefill while an image is hidden. Packed chunks
+(``prefill_lengths(starts=)``, ``packed_prefill``: the rows' real tokens one after another
+in a batch of one) take the same kernels with one sequence a row of its own length,
+FlashAttention's ``cu_seqlens_q`` being the rows' starts. ``prefill_attention=triton`` reads
+the same columns through clew's kernel (``clew.inference.prefill_triton``), which packs each
+KV head's query heads into one block of queries where FlashAttention's blocks hold one head.
 
 The function is registered in transformers' ``AttentionInterface`` under ``ATTENTION`` and
 selected only inside ``engine_attention``, on the text model's config alone: the vision
