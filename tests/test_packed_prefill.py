@@ -163,17 +163,11 @@ def test_the_key_reaches_the_engine_and_is_refused_where_nothing_reads_lengths()
 def test_on_the_gpu_packed_chunks_get_the_attention_of_the_padded_ones(kernel):
     # Qwen3-VL-8B's attention (32 query heads over 8 KV heads of 128), 48 rows of 15-turn
     # widths, chunks of 100-140 new tokens left-padded to 140.
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rows, cap, t = 48, 2048, 140
-    keys, values = (
-        torch.randn(rows, 8, cap, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
-        for _ in range(2)
-    )
-    query = torch.randn(
-        rows, t, 32, 128, generator=gen, device="cuda", dtype=torch.bfloat16
-    ).transpose(1, 2)
-    lengths = torch.randint(150, cap, (rows,), generator=gen, device="cuda")
-    new = torch.randint(100, t + 1, (rows,), generator=gen).tolist()
+    from test_prefill_triton import eight_b_case
+
+    rows, t = 48, 140
+    query, keys, values, lengths = eight_b_case(rows, t=t)
+    new = torch.randint(100, t + 1, (rows,), generator=torch.Generator().manual_seed(0)).tolist()
     packed, starts = _packed(query, new)
     attend = varlen_prefill if kernel == "varlen" else prefill_triton
     padded = attend(query, keys, values, lengths)

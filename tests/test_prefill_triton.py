@@ -123,15 +123,11 @@ def test_an_engine_with_the_triton_prefill_samples_what_the_masked_prefill_sampl
     assert_same_samples(triton_run, plain, tol=1e-5)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [4, 96])
-def test_the_compiled_kernel_matches_flash_attention_at_the_8b_shape(rows):
-    # Qwen3-VL-8B's attention (32 query heads over 8 KV heads of 128) and a 15-turn
-    # rollout's widths: chunks of 140 new columns over rows of 150-2000.
-    from clew.inference.prefill_attention import varlen_prefill
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    cap, t = 2048, 140
+def eight_b_case(rows: int, cap: int = 2048, t: int = 140, seed: int = 0):
+    """Qwen3-VL-8B's attention on the GPU (32 query heads over 8 KV heads of 128, bf16):
+    chunks of ``t`` queries [rows, H, T, D] as the projection leaves them, slot buffers of
+    ``cap`` columns and row lengths of 150 to ``cap``."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     keys, values = (
         torch.randn(rows, 8, cap, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
         for _ in range(2)
@@ -140,6 +136,17 @@ def test_the_compiled_kernel_matches_flash_attention_at_the_8b_shape(rows):
         rows, t, 32, 128, generator=gen, device="cuda", dtype=torch.bfloat16
     ).transpose(1, 2)
     lengths = torch.randint(150, cap, (rows,), generator=gen, device="cuda")
+    return query, keys, values, lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [4, 96])
+def test_the_compiled_kernel_matches_flash_attention_at_the_8b_shape(rows):
+    # Qwen3-VL-8B's attention (32 query heads over 8 KV heads of 128) and a 15-turn
+    # rollout's widths: chunks of 140 new columns over rows of 150-2000.
+    from clew.inference.prefill_attention import varlen_prefill
+
+    query, keys, values, lengths = eight_b_case(rows)
     got = prefill_triton(query, keys, values, lengths)
     flash = varlen_prefill(query, keys, values, lengths)
     torch.testing.assert_close(got.float(), flash.float(), atol=2e-2, rtol=2e-2)

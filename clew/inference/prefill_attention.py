@@ -29,52 +29,42 @@ def varlen_prefill(
     same flat tensors through masked SDPA elsewhere. With ``starts`` (int32 [B + 1]) the
     chunks are packed: ``query`` [1, H, N, D] holds row ``r``'s queries from position
     ``starts[r]`` to ``starts[r + 1]``, at most ``max_new`` a row; returns [1, N, H, D]."""
-    if starts is not None:
-        return _packed_prefill(query, key, value, lengths, starts, max_new, scale)
-    b, heads, t, d = query.shape
+    b = lengths.shape[0]
+    _, heads, t, d = query.shape  # t: the padded width, or a packed forward's tokens
     kv_heads, _, cap = slot_layout(query, key, value, "prefill")
     # One sequence a row. [B, H, T, D] is a transpose of the projection's [B, T, H, D], so
     # the queries' flat form is a view, and so is the output's [B, T, H, D].
-    q = query.transpose(1, 2).reshape(b * t, heads, d)
+    q = query.transpose(1, 2).reshape(-1, heads, d)
     rows_k, rows_v = row_keys(key, b, cap), row_keys(value, b, cap)
-    seqlens, cu_q, cu_k = varlen_index(lengths, 1, kv_heads * cap, t)
+    per_row = t if starts is None else max_new
+    seqlens, cu_q, cu_k = varlen_index(lengths, 1, kv_heads * cap, per_row)
+    cu_q = cu_q if starts is None else starts
     if query.device.type == "cuda" and query.dtype == key.dtype and flash_runs(query):
         out = torch.ops.aten._flash_attention_forward(
-            q, rows_k, rows_v, cu_q, cu_k, t, cap, 0.0, True, False, scale=scale,
+            q, rows_k, rows_v, cu_q, cu_k, per_row, cap, 0.0, True, False, scale=scale,
             seqused_k=seqlens,
         )[0]  # fmt: skip
-    else:
+    elif starts is None:
         out = _varlen_reference(q, rows_k, rows_v, seqlens, cu_k, t, cap, scale)
-    return out.reshape(b, t, heads, d)
+    else:
+        out = _packed_reference(q, rows_k, rows_v, seqlens, cu_k, starts, scale)
+    return out.reshape(query.shape[0], t, heads, d)
 
 
-def _packed_prefill(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    lengths: torch.Tensor,
+def _packed_reference(
+    q: torch.Tensor,
+    rows_k: torch.Tensor,
+    rows_v: torch.Tensor,
+    seqlens: torch.Tensor,
+    cu_k: torch.Tensor,
     starts: torch.Tensor,
-    max_new: int,
     scale: float | None,
 ) -> torch.Tensor:
-    """``varlen_prefill`` of packed chunks: every row one sequence of its own queries, as
-    FlashAttention's variable-length kernel takes them (``cu_seqlens_q`` = ``starts``); row
-    by row through masked SDPA elsewhere."""
-    _, heads, n, d = query.shape
-    b = lengths.shape[0]
-    kv_heads, _, cap = slot_layout(query, key, value, "prefill")
-    q = query.transpose(1, 2).reshape(n, heads, d)
-    rows_k, rows_v = row_keys(key, b, cap), row_keys(value, b, cap)
-    seqlens, _, cu_k = varlen_index(lengths, 1, kv_heads * cap, max_new)
-    if query.device.type == "cuda" and query.dtype == key.dtype and flash_runs(query):
-        out = torch.ops.aten._flash_attention_forward(
-            q, rows_k, rows_v, starts, cu_k, max_new, cap, 0.0, True, False, scale=scale,
-            seqused_k=seqlens,
-        )[0]  # fmt: skip
-        return out.reshape(1, n, heads, d)
+    """``_varlen_reference`` of packed queries ``q`` [N, H, D], row ``r``'s from
+    ``starts[r]`` to ``starts[r + 1]``: row by row through masked SDPA."""
     out = torch.zeros_like(q)
     bounds = starts.tolist()  # the reference path: a host read is no matter here
-    for r, length in enumerate(lengths.tolist()):
+    for r, length in enumerate(seqlens.tolist()):
         lo, hi = bounds[r], bounds[r + 1]
         if hi == lo:
             continue
@@ -87,7 +77,7 @@ def _packed_prefill(
             allowed[None, None], scale=scale, enable_gqa=True,
         )[0]  # fmt: skip
         out[lo:hi] = torch.where(allowed.any(-1)[None, :, None], o, 0.0).transpose(0, 1)
-    return out.reshape(1, n, heads, d)
+    return out
 
 
 def _varlen_reference(
