@@ -22,7 +22,7 @@ a decode step reading the text weights and every live row's KV cache at the band
 second prefill figure counts the work as it is: the vision tower per patch, attention per
 query-key pair, no output layer.
 The sides other than ``--defaults`` prefill with masked SDPA unless ``--prefill-varlen``
-(the engine's default prefill is ``varlen``); ``--defaults`` adds a side with every engine
+(the engine's default prefill is ``auto``: clew's Triton kernel on CUDA); ``--defaults`` adds a side with every engine
 switch at its default, and ``--profile`` then profiles that side; ``--prefill-triton`` adds
 one with the defaults but ``prefill_attention=triton``, which ``--profile`` then profiles,
 and ``--packed-prefill`` one with the defaults but ``packed_prefill=true`` (the same).

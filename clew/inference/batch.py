@@ -253,10 +253,10 @@ class CacheBatch:
         rows = None if (part.lo, part.hi) == (0, len(self.rows)) else slice(part.lo, part.hi)
         if rows is not None:
             extra["rows"] = rows
-        ids, pos = torch.from_numpy(part.ids), torch.from_numpy(part.pos)
         lengths = self.kv.fill_dev[part.lo : part.hi] if by_length else None
         if packed:
             return self._packed_forward(part, lengths, extra)
+        ids, pos = torch.from_numpy(part.ids), torch.from_numpy(part.pos)
         with (
             prefill_lengths(lengths, self.engine.prefill_attention)
             if by_length

@@ -58,9 +58,9 @@ def prefill_triton(
     ``lengths[r] - T + j``. Returns [B, T, H, D] in the query's dtype. With ``starts``
     [B + 1] the chunks are packed instead: ``query`` [1, H, N, D] holds row ``r``'s
     ``starts[r + 1] - starts[r]`` queries from position ``starts[r]``, at most ``max_new``
-    a row, and the result is [1, N, H, D]. ``block_m``,
-    ``block_n``, ``num_warps`` and ``num_stages``: the kernel's settings (the module's
-    defaults; ``benchmarks/prefill_attention.py`` tries others)."""
+    a row, and the result is [1, N, H, D]. ``block_m``, ``block_n``, ``num_warps`` and
+    ``num_stages``: the kernel's settings (the module's defaults;
+    ``benchmarks/prefill_attention.py`` tries others)."""
     b, heads, t, d = query.shape
     kv_heads = key.shape[1]
     rows = b if starts is None else lengths.shape[0]
