@@ -25,7 +25,7 @@ The sides other than ``--defaults`` prefill with masked SDPA unless ``--prefill-
 (the engine's default prefill is ``auto``: clew's Triton kernel on CUDA); ``--defaults`` adds a side with every engine
 switch at its default, and ``--profile`` then profiles that side; ``--prefill-triton`` adds
 one with the defaults but ``prefill_attention=triton``, which ``--profile`` then profiles,
-and ``--packed-prefill`` one with the defaults but ``packed_prefill=true`` (the same).
+and ``--padded-prefill`` one with the defaults but ``packed_prefill=false`` (the same).
 ``--env-workers 1,0`` profiles once per ``generator.env_workers`` value: the env steps and
 the encoding of the next observations in the loop's own thread, then on one thread per core.
 ``--frame-cache-mb 0,64`` profiles each of those with every frame resized, then with resized
@@ -56,6 +56,7 @@ from clew.envs.base import text_corpus
 from clew.inference.engine import (
     EngineOptions,
     resolve_decode_attention,
+    resolve_packed_prefill,
     resolve_prefill_attention,
 )
 from clew.inference.runtime import open_policy
@@ -217,7 +218,9 @@ def defaults_side(policy, prefill: str | None = None, packed: bool | None = None
     d = EngineOptions()
     attention = resolve_decode_attention(d.decode_attention, policy.engine.device)
     prefill = resolve_prefill_attention(prefill or d.prefill_attention, policy.engine.device)
-    packed = d.packed_prefill if packed is None else packed
+    packed = (
+        resolve_packed_prefill(d.packed_prefill, policy.engine.device) if packed is None else packed
+    )
     return attention_side(attention, d.fused_pointwise, prefill, d.merged_projections, packed)
 
 
@@ -295,10 +298,11 @@ def main() -> None:
         "(prefill_attention=triton); --profile then profiles that side",
     )
     p.add_argument(
-        "--packed-prefill",
+        "--padded-prefill",
         action="store_true",
-        help="add a side with the engine's defaults but each prefill's real tokens alone "
-        "(packed_prefill=true), run before the defaults; --profile then profiles that side",
+        help="add a side with the engine's defaults but each prefill's chunks left-padded to "
+        "the longest (packed_prefill=false), run before the defaults; --profile then "
+        "profiles that side",
     )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument(
@@ -365,8 +369,8 @@ def main() -> None:
         # Before the defaults' side: a side run second must win against that order too.
         triton_prefill_side = defaults_side(policy, "triton") if args.prefill_triton else None
         sides += [("clew triton prefill", triton_prefill_side)] if triton_prefill_side else []
-        packed_side = defaults_side(policy, packed=True) if args.packed_prefill else None
-        sides += [("clew packed prefill", packed_side)] if packed_side else []
+        padded_side = defaults_side(policy, packed=False) if args.padded_prefill else None
+        sides += [("clew padded prefill", padded_side)] if padded_side else []
         sides += [("clew defaults", default_side)] if default_side else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
@@ -417,7 +421,7 @@ def main() -> None:
             side = triton_side if args.triton else side
             side = default_side or side
             side = triton_prefill_side or side
-            side = packed_side or side
+            side = padded_side or side
             with prof.installed(policy.engine.model):
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)

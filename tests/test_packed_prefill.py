@@ -11,10 +11,9 @@ from test_prefill_attention import _chunk_case, policy  # noqa: F401
 
 from clew.config import load_config
 from clew.config.settings import engine_options
-from clew.errors import ConfigError
 from clew.inference import batch as batch_module
 from clew.inference.attention import gqa_sdpa_attention
-from clew.inference.engine import InferenceEngine
+from clew.inference.engine import InferenceEngine, resolve_packed_prefill
 from clew.inference.prefill_attention import varlen_prefill
 from clew.inference.prefill_triton import prefill_triton
 from clew.inference.sampling import SamplingParams
@@ -145,17 +144,33 @@ def test_rows_joining_a_running_batch_are_packed_on_their_own_slots(policy):  # 
         assert max(abs(x - y) for x, y in zip(a_lp, b_lp, strict=True)) < 1e-5
 
 
-def test_the_key_reaches_the_engine_and_is_refused_where_nothing_reads_lengths():
-    cfg = load_config(None, ["generator.inference_engine.packed_prefill=true"])
-    assert engine_options(cfg).packed_prefill
-    assert not engine_options(load_config(None, [])).packed_prefill
-    for other, says in (
-        ("prefill_attention=sdpa", "prefill_attention=sdpa has none"),
-        ("kv_cache=dynamic", "kv_cache=dynamic has none"),
-    ):
+def test_the_key_is_on_by_default_on_cuda_and_the_prefill_stays_padded_where_nothing_reads_lengths(
+    policy,  # noqa: F811
+    monkeypatch,
+):
+    options = engine_options(load_config(None, []))
+    assert options.packed_prefill
+    assert resolve_packed_prefill(True, torch.device("cuda"))
+    assert not resolve_packed_prefill(True, torch.device("cpu"))
+    assert not resolve_packed_prefill(False, torch.device("cuda"))
+    off = engine_options(load_config(None, ["generator.inference_engine.packed_prefill=false"]))
+    assert not off.packed_prefill
+    # With an attention that does not read rows by their lengths the key is accepted and the
+    # prefill stays padded.
+    for other in ("prefill_attention=sdpa", "kv_cache=dynamic"):
         keys = ["packed_prefill=true", other]
-        with pytest.raises(ConfigError, match=r"\[engine-switch\].*" + says):
-            load_config(None, [f"generator.inference_engine.{k}" for k in keys])
+        load_config(None, [f"generator.inference_engine.{k}" for k in keys])
+    model, chat, rows = policy
+    calls: list[int] = []
+    inner = batch_module.CacheBatch._packed_forward
+
+    def packed_forward(self, part, lengths, extra):
+        calls.append(1)
+        return inner(self, part, lengths, extra)
+
+    monkeypatch.setattr(batch_module.CacheBatch, "_packed_forward", packed_forward)
+    _play(model, chat, rows, "sdpa", packed=True)
+    assert not calls
 
 
 @pytest.mark.gpu

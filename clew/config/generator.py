@@ -93,13 +93,14 @@ class InferenceEngineConfig(Section):
         "With kv_cache=dynamic, which has no slots, the default is 'sdpa'.",
     )
     packed_prefill: bool = Field(
-        False,
-        description="A turn's prefill runs the rows' new tokens alone, one row after another "
-        "in one sequence, instead of left-padded to the longest chunk, so no padding passes "
-        "through the products, norms and element-wise kernels (a 15-turn Qwen3-VL-8B rollout's "
-        "prefill forwards held 4.8% padding columns: BENCHMARKS.md). Needs prefill_attention "
-        "auto, varlen or triton and the static cache; forwards with per-row adapters, or "
-        "while images are hidden, stay padded. Off until measured on a GPU.",
+        True,
+        description="On a GPU, a turn's prefill runs the rows' new tokens alone, one row after "
+        "another in one sequence, instead of left-padded to the longest chunk, so no padding "
+        "passes through the products, norms and element-wise kernels: on an H100 a 15-turn "
+        "Qwen3-VL-8B rollout's prefill forwards took 188 against 197 ms of device time each, "
+        "and a GRPO step generated in 26.3 against 27.2 s (BENCHMARKS.md). Forwards stay "
+        "padded where the attention does not read rows by their lengths (prefill_attention="
+        "sdpa, kv_cache=dynamic), with per-row adapters, while images are hidden, and on a CPU.",
     )
     fused_pointwise: bool = Field(
         True,

@@ -354,14 +354,6 @@ def _engine_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
             f"over its {workers} workers: set merged_projections=false, trainer.strategy=ddp, "
             "or train a LoRA adapter (trainer.policy.model.lora.rank > 0)",
         )
-    if ie.packed_prefill and (ie.prefill_attention == "sdpa" or ie.kv_cache == "dynamic"):
-        why = "kv_cache=dynamic" if ie.kv_cache == "dynamic" else "prefill_attention=sdpa"
-        fail(
-            "engine-switch",
-            f"{key}.packed_prefill=true needs an attention that reads each row by its length "
-            f"over the static cache, and {key}.{why} has none: set prefill_attention=auto, "
-            "varlen or triton with kv_cache=static, or packed_prefill=false",
-        )
     off = "enforce_eager=true" if ie.enforce_eager else "kv_cache=dynamic"
     if ie.decode_attention in ("flex", "flash", "triton") and (
         ie.enforce_eager or ie.kv_cache == "dynamic"

@@ -101,6 +101,13 @@ def resolve_prefill_attention(name: str, device: torch.device) -> str:
     return _resolve_attention("prefill_attention", name, device)
 
 
+def resolve_packed_prefill(packed: bool, device: torch.device) -> bool:
+    """``packed_prefill`` as the engine runs it on ``device``: on CUDA only. On a CPU the
+    packed attention is the masked reference, and a tiny-model rollout (``benchmarks/
+    rollout.py --padded-prefill``) was no faster packed."""
+    return packed and device.type == "cuda"
+
+
 class InferenceEngine:
     """Samples replies for many sequences at once from a (possibly LoRA-wrapped) Qwen-VL model."""
 
@@ -234,7 +241,7 @@ class EngineOptions:
     cuda_graphs: bool = True  # on a CUDA device only
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
-    packed_prefill: bool = False
+    packed_prefill: bool = True  # on a CUDA device only
     fused_pointwise: bool = True
     merged_projections: bool = False
     gpu_memory_utilization: float = 0.45  # of a GPU, for the KV cache budget
@@ -263,7 +270,7 @@ class EngineOptions:
             cuda_graphs=self.cuda_graphs and device.type == "cuda",
             decode_attention=self.decode_attention,
             prefill_attention=self.prefill_attention,
-            packed_prefill=self.packed_prefill,
+            packed_prefill=resolve_packed_prefill(self.packed_prefill, device),
             fused_pointwise=self.fused_pointwise,
             merged_projections=self.merged_projections,
         )
