@@ -25,7 +25,9 @@ The sides other than ``--defaults`` prefill with masked SDPA unless ``--prefill-
 (the engine's default prefill is ``auto``: clew's Triton kernel on CUDA); ``--defaults`` adds a side with every engine
 switch at its default, and ``--profile`` then profiles that side; ``--prefill-triton`` adds
 one with the defaults but ``prefill_attention=triton``, which ``--profile`` then profiles,
-and ``--padded-prefill`` one with the defaults but ``packed_prefill=false`` (the same).
+``--padded-prefill`` one with the defaults but ``packed_prefill=false`` and
+``--every-image`` one with the defaults but ``dedup_images=false`` (the same); ``--profile``
+prints how many images the vision tower ran on of those the prefill forwards held.
 ``--env-workers 1,0`` profiles once per ``generator.env_workers`` value: the env steps and
 the encoding of the next observations in the loop's own thread, then on one thread per core.
 ``--frame-cache-mb 0,64`` profiles each of those with every frame resized, then with resized
@@ -62,6 +64,7 @@ from clew.inference.engine import (
 from clew.inference.runtime import open_policy
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model
+from clew.models.distinct_images import IMAGES
 from clew.models.frame_cache import frame_cache
 from clew.models.fused_pointwise import fuse_pointwise
 from clew.models.merged_projections import merge_projections
@@ -178,12 +181,14 @@ def attention_side(
     prefill: str = "sdpa",
     merged: bool = False,
     packed: bool = False,
+    dedup: bool = True,
 ):
     """``graphs_side`` with ``decode_attention=attention`` (sdpa, flex, varlen, triton), with
     ``fused`` the engine's fused rotary and gate (``fused_pointwise``),
     ``prefill_attention=prefill`` and, with ``merged``, the q/k/v and gate/up products
     merged (``merged_projections``: the weights stay views of one buffer after the side) and,
-    with ``packed``, the prefill's real tokens alone (``packed_prefill``)."""
+    with ``packed``, the prefill's real tokens alone (``packed_prefill``), and with
+    ``dedup`` each distinct image encoded once (``dedup_images``)."""
 
     def side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict:
         engine = policy.engine
@@ -193,9 +198,10 @@ def attention_side(
             "prefill_attention",
             "merged_projections",
             "packed_prefill",
+            "dedup_images",
         )
         before = [getattr(engine, k) for k in keys]
-        for k, v in zip(keys, (attention, fused, prefill, merged, packed), strict=True):
+        for k, v in zip(keys, (attention, fused, prefill, merged, packed, dedup), strict=True):
             setattr(engine, k, v)
         if fused:
             fuse_pointwise(engine.model)
@@ -210,18 +216,23 @@ def attention_side(
     return side
 
 
-def defaults_side(policy, prefill: str | None = None, packed: bool | None = None):
+def defaults_side(
+    policy, prefill: str | None = None, packed: bool | None = None, dedup: bool | None = None
+):
     """``attention_side`` with the engine's defaults (``EngineOptions``: what ``clew train``
     runs), ``decode_attention=auto`` resolved as the engine resolves it on this device;
     ``prefill`` instead of the default prefill attention and ``packed`` instead of the
-    default ``packed_prefill`` if given."""
+    default ``packed_prefill`` and ``dedup`` instead of the default ``dedup_images`` if given."""
     d = EngineOptions()
     attention = resolve_decode_attention(d.decode_attention, policy.engine.device)
     prefill = resolve_prefill_attention(prefill or d.prefill_attention, policy.engine.device)
     packed = (
         resolve_packed_prefill(d.packed_prefill, policy.engine.device) if packed is None else packed
     )
-    return attention_side(attention, d.fused_pointwise, prefill, d.merged_projections, packed)
+    dedup = d.dedup_images if dedup is None else dedup
+    return attention_side(
+        attention, d.fused_pointwise, prefill, d.merged_projections, packed, dedup
+    )
 
 
 def main() -> None:
@@ -304,6 +315,13 @@ def main() -> None:
         "the longest (packed_prefill=false), run before the defaults; --profile then "
         "profiles that side",
     )
+    p.add_argument(
+        "--every-image",
+        action="store_true",
+        help="add a side with the engine's defaults but every image through the vision tower, "
+        "copies too (dedup_images=false), run before the defaults; --profile then profiles "
+        "that side",
+    )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument(
         "--prefill-kernels",
@@ -371,6 +389,8 @@ def main() -> None:
         sides += [("clew triton prefill", triton_prefill_side)] if triton_prefill_side else []
         padded_side = defaults_side(policy, packed=False) if args.padded_prefill else None
         sides += [("clew padded prefill", padded_side)] if padded_side else []
+        every_side = defaults_side(policy, dedup=False) if args.every_image else None
+        sides += [("clew every image", every_side)] if every_side else []
         sides += [("clew defaults", default_side)] if default_side else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
@@ -411,6 +431,7 @@ def main() -> None:
             frame_cache.capacity_bytes = mb << 20
             frame_cache.clear()
             frame_cache.hits = frame_cache.misses = 0
+            IMAGES.reset()
             print(f"env_workers={w} ({env_threads(w)} threads), frame cache {mb} MB:")
             prof = EngineProfile(policy.engine.device, policy.engine.chat.pad_id)
             side = attention_side("sdpa") if args.cuda_graphs else clew_side
@@ -421,6 +442,7 @@ def main() -> None:
             side = triton_side if args.triton else side
             side = default_side or side
             side = triton_prefill_side or side
+            side = every_side or side
             side = padded_side or side
             with prof.installed(policy.engine.model):
                 t0 = time.perf_counter()
@@ -429,6 +451,8 @@ def main() -> None:
                 total = time.perf_counter() - t0
             prof.report(total, sizes, hardware(args))
             print(f"frames resized: {frame_cache.misses}, from the cache: {frame_cache.hits}")
+            if IMAGES.seen:
+                print(f"images through the vision tower: {IMAGES.encoded} of {IMAGES.seen}")
         ENV_WORKERS[0] = workers[-1]
         frame_cache.capacity_bytes = caches[-1] << 20
         if args.prefill_kernels:

@@ -42,10 +42,12 @@ RUNS = {
         ["rollout.py", "--preset", "tiny", "--env-id", "maze_2d/easy", "--prompts", "2"]
         + ["--samples", "2", "--max-turns", "2", "--skip-baseline", "--cuda-graphs"]
         + ["--varlen", "--fused", "--prefill-varlen", "--merged", "--triton", "--defaults"]
-        + ["--prefill-triton", "--padded-prefill", "--profile", "--prefill-kernels"]
+        + ["--prefill-triton", "--padded-prefill", "--every-image", "--profile"]
+        + ["--prefill-kernels"]
         + ["--device", "cpu"],
         ["clew merged", "clew triton", "clew defaults", "clew triton prefill", "prefill forwards"]
-        + ["clew packed prefill", "whole rollout", "vision tower", "prefill kernels", "matmul"],
+        + ["clew padded prefill", "clew every image", "whole rollout", "vision tower"]
+        + ["images through the vision tower", "prefill kernels", "matmul"],
     ),
     "grpo_step": (
         ["grpo_step.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]

@@ -102,6 +102,14 @@ class InferenceEngineConfig(Section):
         "padded where the attention does not read rows by their lengths (prefill_attention="
         "sdpa, kv_cache=dynamic), with per-row adapters, while images are hidden, and on a CPU.",
     )
+    dedup_images: bool = Field(
+        True,
+        description="In the engine's forwards, images of one size that are equal pixel for "
+        "pixel (the samples of a prompt start from one frame; refused moves and shared paths "
+        "show a frame again) go through the vision tower once, their outputs copied to each "
+        "(clew.models.distinct_images): the same values for the tower's work on the distinct "
+        "images only.",
+    )
     fused_pointwise: bool = Field(
         True,
         description="The rotary embeddings (language model and vision tower) and the SwiGLU "

@@ -50,6 +50,7 @@ def engine_options(cfg: ClewConfig) -> EngineOptions:
         decode_attention=ie.decode_attention,
         prefill_attention=ie.prefill_attention,
         packed_prefill=ie.packed_prefill,
+        dedup_images=ie.dedup_images,
         fused_pointwise=ie.fused_pointwise,
         merged_projections=ie.merged_projections,
         gpu_memory_utilization=ie.gpu_memory_utilization,

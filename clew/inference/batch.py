@@ -47,6 +47,7 @@ from clew.inference.kv_cache import SlotCache
 from clew.inference.sampling import SamplingParams
 from clew.inference.slot_views import prefill_lengths
 from clew.models.chat import Chunk
+from clew.models.distinct_images import images_deduplicated
 from clew.models.fused_pointwise import pointwise_fused
 from clew.models.logit_masks import keep_allowed, mask_banned
 from clew.models.merged_projections import projections_merged
@@ -412,6 +413,7 @@ class CacheBatch:
             engine_attention(eng.model) if static else contextlib.nullcontext(),
             pointwise_fused(eng.fused_pointwise and fused),
             projections_merged(eng.merged_projections),
+            images_deduplicated(eng.dedup_images),
             eng.lora.rows(adapters),
         ):
             out = eng.model(

@@ -124,6 +124,7 @@ class InferenceEngine:
         decode_attention: str = "auto",
         prefill_attention: str = "auto",
         packed_prefill: bool = False,
+        dedup_images: bool = True,
         fused_pointwise: bool | None = None,
         merged_projections: bool = False,
     ) -> None:
@@ -160,6 +161,9 @@ class InferenceEngine:
         # A prefill's real tokens alone, row after row (clew.inference.batch), where the
         # attention reads rows by their lengths.
         self.packed_prefill = packed_prefill
+        # Each distinct image of a forward through the vision tower once
+        # (clew.models.distinct_images).
+        self.dedup_images = dedup_images
         # The rotary embedding and the SwiGLU gate as one compiled kernel each, in the
         # engine's forwards on CUDA (clew.models.fused_pointwise); None: on a CUDA device.
         on_cuda = device.type == "cuda"
@@ -242,6 +246,7 @@ class EngineOptions:
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     packed_prefill: bool = True  # on a CUDA device only
+    dedup_images: bool = True
     fused_pointwise: bool = True
     merged_projections: bool = False
     gpu_memory_utilization: float = 0.45  # of a GPU, for the KV cache budget
@@ -271,6 +276,7 @@ class EngineOptions:
             decode_attention=self.decode_attention,
             prefill_attention=self.prefill_attention,
             packed_prefill=resolve_packed_prefill(self.packed_prefill, device),
+            dedup_images=self.dedup_images,
             fused_pointwise=self.fused_pointwise,
             merged_projections=self.merged_projections,
         )

@@ -31,6 +31,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, PreTrainedM
 from transformers.processing_utils import ProcessorMixin
 
 from clew.errors import CheckpointError, ConfigError, ModelError
+from clew.models.distinct_images import dedup_vision_images
 from clew.models.fused_norm import fused_rms_norm
 from clew.models.patch_embed import linear_patch_embed
 from clew.models.processor import ClewVLProcessor
@@ -184,7 +185,8 @@ def load_policy(
     "cuda:N" or a ``torch.device``. ``attn_implementation`` is passed to transformers
     ("sdpa", "eager", "flex_attention", ...); None keeps its default. The model is returned
     in eval mode, its vision attention batched over same-size images
-    (``clew.models.vision_attention``), its patch embedding a matrix product
+    (``clew.models.vision_attention``), each distinct image encoded once in the engine's
+    forwards (``clew.models.distinct_images``), its patch embedding a matrix product
     (``clew.models.patch_embed``) and its RMSNorms one fused kernel
     (``clew.models.fused_norm``); on CUDA, float32 matmuls use TF32. Raises
     ``CheckpointError`` for a missing or incomplete directory, ``ModelError`` for a config
@@ -212,6 +214,7 @@ def load_policy(
         torch.backends.cudnn.allow_tf32 = True
     batch_vision_attention(model)
     share_vision_positions(model)
+    dedup_vision_images(model)  # after the positions' wrapper, which it calls
     linear_patch_embed(model)
     fused_rms_norm(model)
     processor = load_processor(path)
