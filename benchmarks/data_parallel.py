@@ -5,7 +5,9 @@ Runs the same short GRPO job once per worker count (``--workers 1 2``), each a r
 no Ray), more as Ray actors, one per GPU (``trainer.placement.policy_num_gpus_per_node``)
 or, with ``--device cpu``, per CPU (``num_cpu_workers``). Prints each run's median step
 time and phases after a warm-up step, generated tokens/s, the peak device memory of a
-worker, and the speed-up and scaling efficiency against 1 worker.
+worker, the speed-up and scaling efficiency against 1 worker, and each step against its floor:
+the FLOPs and bytes of a worker's share of the episodes at the card's rates
+(``benchmarks/bounds.py``, measured on CUDA unless ``--peak-tflops``/``--bandwidth-tbs``).
 
 ``--scaling strong`` keeps the batch (``--prompts`` x ``--samples``) whatever the worker
 count; ``weak`` gives each worker ``--prompts`` prompts (the batch grows with the count).
@@ -21,11 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from clew.config import load_config
+sys.path.insert(0, str(Path(__file__).parent))
+from bounds import add_hardware_flags, grpo_step_floor, hardware, model_sizes  # noqa: E402
+
+from clew.config import load_config  # noqa: E402
 from clew.data.rows import generate_rows, write_rows
 from clew.envs.base import text_corpus
 from clew.launch import run_dir_of, run_grpo
@@ -87,6 +93,14 @@ def run(args: argparse.Namespace, model: Path, data: Path, out: Path, workers: i
         return statistics.median(values) if values else float("nan")
 
     memory = [v for h in steps for k, v in h.items() if k.startswith("perf/peak_memory_gb")]
+    # Each worker generates and trains on its share of the episodes, in parallel.
+    floor = grpo_step_floor(
+        model_sizes(model),
+        hardware(args),
+        episodes=prompts * args.samples / workers,
+        episode_tokens=median("train/episode_tokens_mean"),
+        generated_tokens=median("train/generated_tokens_mean"),
+    )
     return {
         "workers": workers,
         "episodes": prompts * args.samples,
@@ -94,6 +108,7 @@ def run(args: argparse.Namespace, model: Path, data: Path, out: Path, workers: i
         **{ph: median(f"timing/{ph}") for ph in PHASES},
         "tokens_per_s": median("throughput/generated_tokens_per_s"),
         "peak_gb": max(memory) if memory else float("nan"),
+        "floor": floor.step,
     }
 
 
@@ -116,7 +131,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--vocab-size", type=int, default=None, help="pad the tokenizer to this")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides")
+    add_hardware_flags(p)
     args = p.parse_args()
+    hw = hardware(args)
     if 1 not in args.workers:
         args.workers = [1, *args.workers]  # the baseline
     opts = {"cell_px": 28, "action_format": "keyword"}
@@ -145,10 +162,11 @@ def main() -> None:
         f"{args.env_id}, {args.prompts} prompts x {args.samples} samples"
         f"{' per worker' if args.scaling == 'weak' else ''}, up to {args.max_turns} turns of "
         f"{args.max_tokens} tokens, LoRA rank {args.lora_rank}, strategy {args.strategy}; "
-        f"medians of steps 2-{args.steps}"
+        f"medians of steps 2-{args.steps}; floors at {hw.tflops:g} TFLOP/s, {hw.tbs:g} TB/s"
     )
     print(
-        "workers  episodes  step_s  generate_s  update_s  gen_tok/s  peak_GB  speed-up  efficiency"
+        "workers  episodes  step_s  generate_s  update_s  gen_tok/s  peak_GB  speed-up  "
+        "efficiency  floor_s  of_floor"
     )
     for r in results:
         # Speed-up in episodes per second of step, so weak and strong read alike.
@@ -157,7 +175,8 @@ def main() -> None:
         print(
             f"{r['workers']:>7}  {r['episodes']:>8}  {r['step']:>6.2f}  {r['generate']:>10.2f}  "
             f"{r['update']:>8.2f}  {r['tokens_per_s']:>9.0f}  {r['peak_gb']:>7.2f}  "
-            f"{speedup:>7.2f}x  {speedup / r['workers']:>9.0%}"
+            f"{speedup:>7.2f}x  {speedup / r['workers']:>9.0%}  {r['floor']:>7.2f}  "
+            f"{r['step'] / r['floor']:>7.1f}x"
         )
 
 
