@@ -101,6 +101,14 @@ def test_the_tower_runs_on_the_distinct_images_and_gives_every_copy_its_output(
     assert IMAGES.encoded == 3
     torch.testing.assert_close(got, _features(built.model, mixed, mixed_grid)[0])
 
+    # A deep copy (the KL reference) runs its own weights, not the wrapped original's.
+    twin = copy.deepcopy(wrapped)
+    with torch.no_grad():
+        for p in wrapped.model.visual.parameters():
+            p.add_(0.5)
+    with images_deduplicated():
+        torch.testing.assert_close(_features(twin, pixels, grid)[0], reference)
+
 
 def _play(model, chat, rows, dedup: bool):
     settings = RolloutSettings(

@@ -116,10 +116,13 @@ def _gathered(out: Any, copies: int, index: torch.Tensor) -> Any:
 
 
 def _dedup_forward(inner: Callable) -> Callable:
+    """``inner``: the tower's forward before this wrapper, a plain function of ``self``, so a
+    deep copy of the model (the KL reference) runs its own weights."""
+
     def forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
         grid = args[0] if args else kwargs.get("grid_thw")
         if not _SWITCH.on or not isinstance(grid, torch.Tensor) or grid.dim() != 2:
-            return inner(hidden_states, *args, **kwargs)
+            return inner(self, hidden_states, *args, **kwargs)
         n = len(grid)
         IMAGES.seen += n
         extra = [k for k, v in kwargs.items() if k != "grid_thw" and isinstance(v, torch.Tensor)]
@@ -129,7 +132,7 @@ def _dedup_forward(inner: Callable) -> Callable:
             found = distinct_rows(hidden_states.reshape(n, -1))
         if found is None:
             IMAGES.encoded += n
-            return inner(hidden_states, *args, **kwargs)
+            return inner(self, hidden_states, *args, **kwargs)
         firsts, index = found
         IMAGES.encoded += len(firsts)
         per = hidden_states.reshape(n, hidden_states.shape[0] // n, *hidden_states.shape[1:])
@@ -138,7 +141,7 @@ def _dedup_forward(inner: Callable) -> Callable:
             args = (grid[firsts], *args[1:])
         else:
             kwargs["grid_thw"] = grid[firsts]
-        return _gathered(inner(states, *args, **kwargs), len(firsts), index)
+        return _gathered(inner(self, states, *args, **kwargs), len(firsts), index)
 
     return forward
 
@@ -148,7 +151,7 @@ def dedup_vision_images(model: torch.nn.Module) -> bool:
     visual = getattr(getattr(model, "model", model), "visual", None)
     if visual is None or hasattr(visual, "_clew_distinct"):
         return False
-    inner = visual.forward  # the class's, or another wrapper's (share_vision_positions)
+    inner = visual.forward.__func__  # the class's, or another wrapper's (share_vision_positions)
     visual.forward = types.MethodType(_dedup_forward(inner), visual)
     visual._clew_distinct = True
     return True
