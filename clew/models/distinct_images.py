@@ -5,7 +5,8 @@ the same frame, a refused move shows the same frame again, and samples that made
 moves see the same maze. A Qwen-VL vision tower's output for an image depends on that image
 alone (its attention stays within each image's patches, ``cu_seqlens``), so for images of
 one size the tower can run on one copy of each and its per-token outputs be gathered back to
-every copy: the same values, for the tower's work on the distinct images only. vLLM keeps
+every copy: the same values (up to the rounding of kernels sized by the batch), for the
+tower's work on the distinct images only. vLLM keeps
 an encoder cache by image hash for the same reason.
 
 ``dedup_vision_images(model)`` wraps the vision tower's ``forward``. Within
@@ -34,7 +35,7 @@ from transformers.utils import ModelOutput
 
 from clew.models.thread_switch import ThreadSwitch
 
-__all__ = ["IMAGES", "dedup_vision_images", "images_deduplicated"]
+__all__ = ["IMAGES", "dedup_vision_images", "distinct_rows", "images_deduplicated"]
 
 _SWITCH = ThreadSwitch()  # on inside images_deduplicated() in this thread
 _CHUNK = 1 << 16  # columns of the signature's product at a time (a float32 copy of them)
