@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bounds import add_hardware_flags, grpo_step_floor, hardware, model_sizes  # noqa: E402
-from rollout import baseline  # noqa: E402
+from rollout_sides import baseline  # noqa: E402
 
 from clew.config import load_config  # noqa: E402
 from clew.data.rows import generate_rows, write_rows  # noqa: E402
