@@ -4,9 +4,17 @@
 format reward enters it. With n > 1 samples a maze (``eval_n_samples_per_prompt``) it is
 the mean over all samples, the unbiased estimate of one attempt's success, and
 ``eval/all/pass_at_<n>`` is the share of mazes that at least one of their n samples solved.
+``eval/all/solve_rate`` is the same share under a name that says what it counts.
 The solvable ceiling (the share of rows whose expert play fits in the turn budget; rows
 of an env without an expert count as solvable) is reported beside it so a solve rate can
 be read against its limit.
+
+SkyRL's ``eval/all/pass_at_1`` (the number the SkyRL + VisGym walkthrough reports) counts
+a trajectory whose *reward* is above 0 (``clew.envs.rewards.passes``), which under its
+reward rule includes format credit alone; clew reports that share as
+``eval/all/reward_pass_at_1``, always beside the solve rate (``headline``), so the two
+can be read together. Under clew's own reward rule they are equal.
+
 Every trajectory is dumped as JSONL and a few as GIFs.
 """
 
@@ -20,6 +28,7 @@ from tqdm import tqdm
 
 from clew.data.rows import Row
 from clew.envs.media import replay, write_episode
+from clew.envs.rewards import passes
 from clew.inference.engine import InferenceEngine
 from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.metrics import event_shares
@@ -32,8 +41,11 @@ def eval_metrics(
     n = max(len(trajs), 1)
     turns = max(sum(t.turns for t in trajs), 1)
     ceiling = sum(r.solvable_within(max_turns) for r in rows) / max(len(rows), 1)
+    solve_rate = sum(t.success for t in trajs) / n
     return {
-        "eval/all/pass_at_1": sum(t.success for t in trajs) / n,
+        "eval/all/pass_at_1": solve_rate,
+        "eval/all/solve_rate": solve_rate,
+        "eval/all/reward_pass_at_1": sum(passes(t.reward) for t in trajs) / n,
         **pass_at_n(trajs),
         "eval/all/mean_reward": sum(t.reward for t in trajs) / n,
         "eval/all/mean_turns": sum(t.turns for t in trajs) / n,
@@ -41,6 +53,18 @@ def eval_metrics(
         "eval/all/solvable_ceiling": ceiling,
         "eval/all/episodes": float(len(trajs)),
     } | event_shares(trajs, "eval/all")
+
+
+def headline(metrics: dict[str, float]) -> str:
+    """One line with the walkthrough's pass rule and clew's solve rate side by side (and
+    the ceiling the turn budget sets), for the printed summary of an evaluation."""
+    parts = [
+        f"pass_at_1 (reward > 0, SkyRL's rule): {metrics['eval/all/reward_pass_at_1']:.4f}",
+        f"solve rate (stopped on the goal): {metrics['eval/all/solve_rate']:.4f}",
+    ]
+    if "eval/all/solvable_ceiling" in metrics:
+        parts.append(f"solvable ceiling: {metrics['eval/all/solvable_ceiling']:.4f}")
+    return " | ".join(parts)
 
 
 def pass_at_n(trajs: Sequence[Trajectory]) -> dict[str, float]:

@@ -22,7 +22,7 @@ from clew.cluster.placement import check_gpus, connect_ray, local_gpus, worker_p
 from clew.cluster.ray_calls import WorkerLost
 from clew.config import ClewConfig, save_config
 from clew.config.settings import engine_options, optimizer_steps, worker_settings
-from clew.data.rows import read_rows
+from clew.data.rows import read_rows, with_env_option
 from clew.envs.plugins import import_env_modules, modules_env
 from clew.errors import ClewError, ConfigError
 from clew.evaluation import eval_metrics
@@ -188,8 +188,7 @@ def run_grpo(cfg: ClewConfig) -> dict[str, float]:
         )
     import_env_modules(cfg.environment.modules)
     with_ray_metrics(cfg.trainer.logger, cfg.trainer.placement.num_workers)  # fails before loading
-    train_rows = [r for p in cfg.data.train_data for r in read_rows(p)]
-    eval_rows = [r for p in cfg.data.val_data for r in read_rows(p)]
+    train_rows, eval_rows = run_rows(cfg)
     run_dir = run_dir_of(cfg)
     save_config(cfg, run_dir)
     attempt_cfg, restarts = cfg, 0
@@ -256,6 +255,16 @@ def _restart_config(cfg: ClewConfig, run_dir: Path) -> tuple[ClewConfig, int | N
     return cfg.model_copy(update={"trainer": trainer}), step
 
 
+def run_rows(cfg: ClewConfig) -> tuple[list, list]:
+    """The run's training and evaluation rows, under the run's prompt format if it sets one."""
+    train = [r for p in cfg.data.train_data for r in read_rows(p)]
+    evals = [r for p in cfg.data.val_data for r in read_rows(p)]
+    if (fmt := cfg.environment.prompt_format) is not None:
+        train = with_env_option(train, "prompt_format", fmt)
+        evals = with_env_option(evals, "prompt_format", fmt)
+    return train, evals
+
+
 def sft_run_dir(cfg: ClewConfig) -> Path:
     return Path(cfg.trainer.log_path) / cfg.sft.run_name
 
@@ -311,8 +320,7 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
         if on and not evaluated:
             raise ConfigError(f"{key} needs an evaluation: set data.val_data")
     import_env_modules(cfg.environment.modules)
-    train_rows = [r for p in cfg.data.train_data for r in read_rows(p)]
-    eval_rows = [r for p in cfg.data.val_data for r in read_rows(p)]
+    train_rows, eval_rows = run_rows(cfg)
     run_dir = sft_run_dir(cfg)
     checkpointer = Checkpointer(cfg, run_dir, stage="sft")
     checkpointer.resume_point()  # another run's checkpoint fails here, before any write

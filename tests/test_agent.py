@@ -138,3 +138,16 @@ def test_a_missing_or_wrong_api_key_is_a_one_line_error_naming_the_flag(served, 
         code = main(["play", "--endpoint", url, "--model", MODEL_ID, "--api-key", "secret",
                      "--env-id", ENV, "--max-turns", "1", "--max-generate-length", "2"])  # fmt: skip
         assert code == 0 and "in 1 turns" in capsys.readouterr().out
+
+
+def test_an_observation_is_sent_in_its_layout_after_the_episodes_system_prompt():
+    conv = Conversation(system="Solve the maze.")
+    frame = Image.new("RGB", (8, 8), "white")
+    conv.add_observation("text first", [frame], text_first=True)
+    conv.add_reply("<action>up</action>")
+    conv.add_observation("image first", [frame])
+    messages = conv.messages()
+    assert messages[0] == {"role": "system", "content": "Solve the maze."}
+    users = [[p["type"] for p in m["content"]] for m in messages if m["role"] == "user"]
+    assert users == [["text", "image_url"], ["image_url", "text"]]
+    assert Conversation().messages()[:1] == []  # no system prompt: no system message

@@ -32,7 +32,11 @@ def test_eval_writes_the_reply_prefix_and_suffix_around_each_sampled_reply(tmp_p
     code = main([*args, *forced, "--max-generate-length", "1", "--keep-last-k-images", "1",
                  "--num-gifs", "0", "--device", "cpu"])  # fmt: skip
     assert code == 0
-    assert "eval/all/pass_at_1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "eval/all/pass_at_1" in printed and "eval/all/reward_pass_at_1" in printed
+    # The walkthrough's pass rule and clew's solve rate, side by side on one line.
+    both = [line for line in printed.splitlines() if "pass_at_1 (reward > 0" in line]
+    assert len(both) == 1 and "solve rate (stopped on the goal)" in both[0]
     trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert len(trajs) == 2 and all(t["turns"] >= 1 for t in trajs)
     for t in trajs:

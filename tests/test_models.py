@@ -384,7 +384,7 @@ def test_frames_patched_later_equal_the_processor_and_stay_bytes_when_joined(
 def test_fast_patches_leave_mixed_sizes_and_modes_to_the_processor(tiny: BuiltModel) -> None:
     ip = tiny.processor.image_processor
     assert fast_patches([_image(252), _image(224)], ip) is None  # mixed sizes
-    assert fast_patches([_image(252).convert("L")], ip) is None  # not RGB
+    assert fast_patches([_image(252).convert("CMYK")], ip) is None  # a mode it does not convert
     assert fast_patches([], ip) is None
 
 
@@ -408,7 +408,7 @@ def test_fast_patches_resize_as_the_processor_does_bit_for_bit(
 
 
 class _OtherResize:
-    """An image processor whose resize Pillow's does not reproduce (a torchvision one)."""
+    """An image processor whose resize Pillow's does not reproduce."""
 
     def __init__(self, ip) -> None:
         self.ip = ip

@@ -73,12 +73,15 @@ class EpisodeTurns:
             return
         self.traj = self._episode.traj
         self.traj.image_window = settings.keep_last_k_images
-        self.conversation = Conversation()
+        # The system prompt of the env's prompt format, as the rollouts open the episode.
+        self.conversation = Conversation(system=getattr(obs, "system", None))
         self._ask(obs)
 
     def _ask(self, obs: Any) -> None:
         s = self.settings
-        self.conversation.add_observation(obs.text, obs.images)
+        # The env's prompt format may put the text before the images (Observation).
+        text_first = bool(getattr(obs, "text_first", False))
+        self.conversation.add_observation(obs.text, obs.images, text_first=text_first)
         messages = self.conversation.messages(
             reply_prefix=s.reply_prefix, keep_last_k_images=s.keep_last_k_images
         )

@@ -21,7 +21,7 @@ from clew.agent.episode import play_episode
 from clew.data.rows import Row
 from clew.evaluation import dump_eval, eval_metrics
 from clew.rollout.loop import RolloutSettings
-from clew.rollout.trajectory import Trajectory
+from clew.rollout.trajectory import Trajectory, apply_reward_rule
 
 
 def evaluate_endpoint(
@@ -68,6 +68,7 @@ def evaluate_endpoint(
             for f in futures:  # one failure (the server gone) ends the run, not each episode
                 f.cancel()
             raise
+    apply_reward_rule(trajs, settings.reward_rule)
     metrics = eval_metrics(trajs, rows, settings.max_turns)
     if output_dir is not None:
         dump_eval(trajs, metrics, Path(output_dir), num_gifs)

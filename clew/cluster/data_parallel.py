@@ -42,6 +42,7 @@ from clew.data.rows import Row
 from clew.errors import ModelError
 from clew.inference.engine import EngineOptions
 from clew.inference.runtime import limit_host_threads
+from clew.models.hf_export import write_companion_files
 from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
 from clew.train.lora import merged_for_rollouts
@@ -256,12 +257,13 @@ class DataParallelWorker:
             return fn(self.worker.model, self.worker.chat, *args)
 
     def write_policy(self, path: str | Path) -> None:
-        """Rank 0 writes the policy with LoRA merged in, and its processor."""
+        """Rank 0 writes the policy with LoRA merged in, and its processor: a standard
+        Hugging Face directory (``clew.models.hf_export``)."""
         if self.rank and not self.sharded:
             return
         self.worker.save_pretrained(path, merged=True)
         if self.rank == 0:
-            self.worker.chat.processor.save_pretrained(path)
+            write_companion_files(self.worker.model, self.worker.chat.processor, path)
 
     def close(self) -> None:
         self.sync.close()

@@ -50,6 +50,12 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="sampling temperature (as generator.eval_sampling_params.temperature); 0: greedy",
     )
+    p.add_argument(
+        "--reward-rule",
+        default="task",
+        help="as environment.reward_rule: 'task' (the env's reward) or 'skyrl_visgym' (the "
+        "SkyRL + VisGym walkthrough's, with format credit)",
+    )
 
 
 def add_endpoint_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -83,7 +89,11 @@ def rollout_settings(args: argparse.Namespace, max_turns: int, n_samples: int = 
 
     if args.temperature < 0:
         raise ClewError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    from clew.envs.rewards import reward_rule
+
+    reward_rule(args.reward_rule)  # an unknown name fails here, listing the rules
     return RolloutSettings(
+        reward_rule=args.reward_rule,
         n_samples_per_prompt=n_samples,
         max_turns=args.max_turns or max_turns,
         max_input_length=args.max_input_length,

@@ -29,7 +29,13 @@ def _envs(p: argparse.ArgumentParser) -> Handler:
 @command("dataset", "write a parquet dataset of seeded episodes, or print a dataset's statistics")
 def _dataset(p: argparse.ArgumentParser) -> Handler:
     _add_env_args(p)
-    p.add_argument("--num-rows", type=positive_int, default=256, help="rows (episodes) to write")
+    p.add_argument(
+        "--num-rows",
+        type=positive_int,
+        default=None,
+        help="rows (episodes) to write; default 256, or all of a recorded set's (the maze's "
+        "--option layout=visgym_easy_eval: VisGym's 64 eval mazes, seeds 0-63)",
+    )
     p.add_argument("--output-dir", help="folder for SPLIT.parquet")
     p.add_argument("--split", choices=["train", "eval"], default="train")
     p.add_argument("--seed-start", type=int, default=None, help="first seed to try")
@@ -43,7 +49,14 @@ def _dataset(p: argparse.ArgumentParser) -> Handler:
     def run(args: argparse.Namespace) -> int:
         from pathlib import Path
 
-        from clew.data.rows import dataset_stats, format_stats, generate_rows, read_rows, write_rows
+        from clew.data.rows import (
+            dataset_stats,
+            format_stats,
+            generate_rows,
+            read_rows,
+            task_seeds,
+            write_rows,
+        )
 
         if args.input:
             if not args.stats:
@@ -54,9 +67,16 @@ def _dataset(p: argparse.ArgumentParser) -> Handler:
                 raise ClewError(
                     "--output-dir is required to write a dataset (or give --stats --input FILE)"
                 )
-            rows = generate_rows(
-                args.env_id, args.num_rows, args.split, args.seed_start, _env_options(args)
-            )
+            options = _env_options(args)
+            num_rows = args.num_rows
+            if num_rows is None:
+                # Every task of a recorded set from the first seed on, else 256 rows.
+                fixed = task_seeds(args.env_id, options)
+                num_rows = 256
+                if fixed is not None:
+                    start = fixed.start if args.seed_start is None else args.seed_start
+                    num_rows = max(len(range(start, fixed.stop)), 1)
+            rows = generate_rows(args.env_id, num_rows, args.split, args.seed_start, options)
             path = write_rows(rows, Path(args.output_dir) / f"{args.split}.parquet")
             print(f"wrote {len(rows)} {args.split} rows of {args.env_id} to {path}")
         if args.stats:

@@ -205,6 +205,11 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument(
+        "--prompt-format",
+        help="as environment.prompt_format: play the rows under this format (a name: clew, "
+        "visgym, skyrl-visgym) instead of the one they were made with",
+    )
+    p.add_argument(
         "--enforce-eager",
         action="store_true",
         help="step every decode eagerly (by default a GPU replays decode steps from CUDA graphs)",
@@ -228,12 +233,16 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
         from clew.inference.runtime import open_policy
 
         rows = read_rows(args.data)
+        if args.prompt_format is not None:
+            from clew.data.rows import with_env_option
+            from clew.envs.prompt_format import resolve_format
+
+            resolve_format(args.prompt_format)  # an unknown name fails here, listing them
+            rows = with_env_option(rows, "prompt_format", args.prompt_format)
         settings = rollout_settings(args, max(r.max_turns for r in rows), args.n_samples_per_prompt)
         if args.endpoint:
             metrics = eval_through_endpoint(args, rows, settings)
-            for k, v in metrics.items():
-                print(f"{k}: {v:.4f}")
-            print(f"trajectories and GIFs in {args.output_dir}")
+            _print_eval(metrics, args.output_dir)
             return 0
         policy = open_policy(
             args.model, args.adapter, device=args.device, cuda_graphs=not args.enforce_eager
@@ -249,16 +258,27 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
             num_gifs=args.num_gifs,
             seed=args.seed,
         )
-        for k, v in metrics.items():
-            print(f"{k}: {v:.4f}")
-        print(f"trajectories and GIFs in {args.output_dir}")
+        _print_eval(metrics, args.output_dir)
         return 0
 
     return run
 
 
+def _print_eval(metrics: dict[str, float], output_dir: str) -> None:
+    """Every metric on its own line, then the walkthrough's pass rule and clew's solve rate
+    together on one line."""
+    from clew.evaluation import headline
+
+    for k, v in metrics.items():
+        print(f"{k}: {v:.4f}")
+    print(headline(metrics))
+    print(f"trajectories and GIFs in {output_dir}")
+
+
 @command(
-    "export", "write a run's policy as a standalone checkpoint (adapter, or merged full weights)"
+    "export",
+    "merge a run's LoRA adapter into its base: a standard Hugging Face checkpoint that plain "
+    "transformers and vLLM load",
 )
 def _export(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--model", required=True, help="the base checkpoint the adapter was trained on")
@@ -268,21 +288,46 @@ def _export(p: argparse.ArgumentParser) -> Handler:
         help="an exported adapter folder (export_path/global_step_N/policy)",
     )
     p.add_argument("--output", required=True)
-    p.add_argument("--merge", action="store_true", help="merge the adapter into full weights")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="merge the adapter into full weights (required: the adapter folder itself is "
+        "already the adapter export, loadable with peft and vLLM)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default=None,
+        metavar="SIZE",
+        help="largest weight file; bigger models are split into model-0000N-of-0000M.safetensors "
+        "with model.safetensors.index.json (bytes, or a number with KB/MB/GB/TB; default 5GB)",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from clew.models import load_policy
         from clew.models.adapters import load_adapter
+        from clew.models.hf_export import DEFAULT_MAX_SHARD_SIZE, parse_shard_size, write_export
 
         if not args.merge:
             raise ClewError(
                 "only --merge is supported: an adapter folder is already an adapter export"
             )
+        shard_size = args.max_shard_size or DEFAULT_MAX_SHARD_SIZE
+        try:
+            parse_shard_size(shard_size)
+        except ClewError as error:
+            raise ClewError(f"--max-shard-size: {error}") from None
         model, processor = load_policy(args.model)
         merged = load_adapter(model, args.adapter).merge_and_unload()
-        merged.save_pretrained(args.output)
-        processor.save_pretrained(args.output)
-        print(f"wrote merged weights to {args.output}")
+        out = write_export(
+            merged,
+            processor,
+            args.output,
+            base_dir=args.model,
+            owned=True,
+            max_shard_size=shard_size,
+        )
+        dtype = str(next(merged.parameters()).dtype).removeprefix("torch.")
+        print(f"wrote merged weights ({dtype}) to {out}")
         return 0
 
     return run

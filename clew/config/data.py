@@ -37,6 +37,24 @@ class EnvironmentConfig(Section):
         default_factory=dict,
         description="Keyword options passed to every environment constructor.",
     )
+    prompt_format: str | dict[str, Any] | None = Field(
+        None,
+        description="What the policy sees of an episode and how its reply is read: a "
+        "format name ('clew', 'visgym': VisGym's own conversation, 'skyrl-visgym': the SkyRL + "
+        "VisGym walkthrough's) or a mapping of clew.envs.prompt_format.PromptFormat's fields "
+        "over a named base ({name: visgym, system_prompt: ...}); docs/prompt-formats.md. It "
+        "replaces the env option prompt_format of every dataset row; null keeps the rows' own "
+        "(clew's unless the dataset was made with another).",
+    )
+    reward_rule: str = Field(
+        "task",
+        description="How an episode's reward is computed: 'task', the env's own (the maze: 1 "
+        "for stopping on the goal); 'skyrl_visgym', the SkyRL + VisGym walkthrough's (0.8 x "
+        "the task reward + 0.2 x the share of replies with non-empty <observation>, "
+        "<justification> and <action> tags), paid at the episode's end; rules registered in "
+        "clew.envs.rewards. Evaluation reports the walkthrough's pass rule (reward > 0) "
+        "beside the solve rate whatever the rule.",
+    )
     modules: list[str] = Field(
         default_factory=list,
         description="Python modules that register environments (clew.envs.register), "

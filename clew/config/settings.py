@@ -29,6 +29,7 @@ def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
         reply_prefix=g.reply_prefix,
         reply_suffix=g.reply_suffix,
         env_workers=g.env_workers,
+        reward_rule=cfg.environment.reward_rule,
         state_keys=not evaluation
         and "state_keys" in get_estimator(cfg.trainer.algorithm.advantage_estimator).needs,
         sampling=SamplingParams(

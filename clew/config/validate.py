@@ -152,6 +152,24 @@ def _named_functions(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
         _registered(LOGGERS, "trainer.logger", name, "logger", "clew.metrics.register_logger", fail)
 
 
+def _check_prompt_format(env_id: str, fmt: Any, fail: Callable[[str, str], None]) -> None:
+    """The format must resolve and render for the run's env (its templates, its parser)."""
+    from clew.envs import make, spec
+    from clew.errors import EnvError
+
+    try:
+        if "prompt_format" not in spec(env_id).accepted_options:
+            fail(
+                "prompt-format",
+                f"environment.prompt_format is set but {env_id!r} (environment.env_id) has no "
+                "prompt formats",
+            )
+            return
+        make(env_id, prompt_format=fmt)
+    except EnvError as exc:
+        fail("prompt-format", f"environment.prompt_format: {exc}")
+
+
 def _rules(cfg: ClewConfig) -> list[str]:
     """Every failed rule, as ``[rule] message naming the keys and values``."""
     bad: list[str] = []
@@ -172,6 +190,18 @@ def _rules(cfg: ClewConfig) -> list[str]:
             fail("positive-count", f"{key} must be >= 1, got {value}")
     if (k := gen.keep_last_k_images) is not None and k < 1:
         fail("positive-count", f"generator.keep_last_k_images must be >= 1 or null, got {k}")
+    from clew.envs.rewards import REWARD_RULES
+
+    if (rule := cfg.environment.reward_rule) not in REWARD_RULES:
+        near = difflib.get_close_matches(rule, sorted(REWARD_RULES), n=1)
+        fail(
+            "reward-rule",
+            f"environment.reward_rule {rule!r} is not a reward rule"
+            + (f" (did you mean {near[0]!r}?)" if near else "")
+            + f"; rules: {', '.join(sorted(REWARD_RULES))}",
+        )
+    if (fmt := cfg.environment.prompt_format) is not None:
+        _check_prompt_format(cfg.environment.env_id, fmt, fail)
     if (budget := tr.max_tokens_per_microbatch) < 1 and budget != -1:
         fail(
             "positive-count",

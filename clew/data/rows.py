@@ -14,6 +14,11 @@ records ``turns_needed`` (the expert's turns from the start) and ``solvable`` (t
 the turn budget), whatever the env. The maze registers hooks that split by layout digest,
 so train and eval never share a maze, and record the path length and the digest.
 
+An env whose options give tasks for a fixed range of seeds only (a recorded set, such as
+the maze's ``layout=visgym_easy_eval``: VisGym's 64 eval mazes) says so through a
+``seeds(env)`` hook beside its dataset hooks; the walk then starts at the range's first
+seed and never leaves it, and ``task_seeds`` tells ``clew dataset`` how many rows it holds.
+
 Files written before rows were generic held the maze's facts as columns
 (``optimal_path_length``, ``turns_needed``, ``solvable``, ``layout_key``); ``read_rows``
 reads them into metadata, so those datasets keep working.
@@ -21,6 +26,7 @@ reads them into metadata, so those datasets keep working.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -115,11 +121,20 @@ def generate_rows(
     env = make(env_id, **options)
     row_facts = env_spec.dataset.row_facts
     expert = env_spec.expert
-    seed = DEFAULT_SEED_START[split] if seed_start is None else int(seed_start)
+    fixed = _fixed_seeds(env_spec, env)
+    first = DEFAULT_SEED_START[split] if fixed is None else fixed.start
+    seed = first if seed_start is None else int(seed_start)
     seen: set[str] = set()
     rows: list[Row] = []
     tried = 0
     while len(rows) < num_rows:
+        if fixed is not None and seed not in fixed:
+            raise DataError(
+                f"{env_id} with options {options_json} has tasks for seeds "
+                f"{fixed.start}-{fixed.stop - 1} only; of those from seed "
+                f"{first if seed_start is None else seed_start} on, {len(rows)} are {split} "
+                f"rows, fewer than the {num_rows} asked"
+            )
         obs = env.reset(seed)
         facts = row_facts(env) if row_facts is not None else RowFacts()
         key = str(seed) if facts.key is None else facts.key
@@ -140,6 +155,21 @@ def generate_rows(
                 "have more)"
             )
     return rows
+
+
+def _fixed_seeds(env_spec: Any, env: Any) -> range | None:
+    """The seeds ``env`` (as its options made it) has tasks for, when they are a fixed
+    range (the env's ``seeds`` dataset hook); None when every seed has one."""
+    seeds = getattr(env_spec.dataset, "seeds", None)
+    return None if seeds is None else seeds(env)
+
+
+def task_seeds(env_id: str, env_options: dict[str, Any] | None = None) -> range | None:
+    """The fixed range of seeds ``env_id`` with ``env_options`` has tasks for (a recorded
+    set), or None when every seed has a task."""
+    env_spec = spec(env_id)
+    options = env_spec.resolve_options(dict(env_options or {}))
+    return _fixed_seeds(env_spec, make(env_id, **options))
 
 
 def write_rows(rows: list[Row], path: str | os.PathLike) -> Path:
@@ -234,3 +264,21 @@ def format_stats(stats: dict[str, Any]) -> str:
     if hooks is not None and hooks.describe is not None and hooks.stats is not None:
         lines += hooks.describe(stats)
     return "\n".join(lines)
+
+
+def with_env_option(rows: list[Row], key: str, value: Any) -> list[Row]:
+    """``rows`` with the env option ``key`` set to ``value`` (a run's override of what the
+    rows were made with, e.g. ``environment.prompt_format``); each env must accept it."""
+    out, checked = [], set()
+    for row in rows:
+        if key not in spec(row.env_id).accepted_options:
+            raise DataError(
+                f"environment {row.env_id!r} has no option {key!r}, so it cannot be set for "
+                "its rows"
+            )
+        options = {**row.options(), key: value}
+        if row.env_id not in checked:  # a value the env refuses fails here, not per episode
+            make(row.env_id, **options)
+            checked.add(row.env_id)
+        out.append(dataclasses.replace(row, env_options=options))
+    return out

@@ -38,10 +38,17 @@ from clew.errors import EnvError
 
 @dataclass
 class Observation:
-    """What the agent sees after a reset or a step: new images and a text message."""
+    """What the agent sees after a reset or a step: new images and a text message.
+
+    ``text_first``: the text comes before the images in the user turn (else after them);
+    ``system``: the system prompt that opens the episode (read from the first observation;
+    None: none). Both come from the env's prompt format (``clew.envs.prompt_format``).
+    """
 
     images: list[Image.Image]
     text: str
+    text_first: bool = False
+    system: str | None = None
 
 
 @runtime_checkable

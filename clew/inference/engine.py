@@ -15,6 +15,10 @@ row's last real token is the last column and one logit row per sequence comes ou
 positions are given explicitly per sequence (``clew.models.positions``), so padding never
 shifts a position. Finished sequences leave the batch. It is token in, token out: the
 engine returns sampled ids and their logprobs, and nothing is re-tokenized from text.
+A reply ends on any of ``stop_token_ids``: ``<|im_end|>``, the tokenizer's eos and the
+eos ids of the model's ``generation_config`` (its generation_config.json), unless the
+caller names its own; the stop id is the reply's last token, and ``ChatFormat.decode``
+leaves it out of the text.
 
 Two caches (``generator.inference_engine.kv_cache``): ``static`` (the default,
 ``clew.inference.kv_cache``) writes every row's keys in place into preallocated per-layer
@@ -72,6 +76,13 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
 def _text_config(model: torch.nn.Module):
     cfg = model.config
     return getattr(cfg, "text_config", cfg)
+
+
+def generation_eos_ids(model: torch.nn.Module) -> int | list[int] | None:
+    """The eos id(s) of ``model``'s ``generation_config`` (an int or a list, as its
+    generation_config.json gives them; ``from_pretrained`` loads that file), None if none."""
+    config = getattr(model, "generation_config", None)
+    return getattr(config, "eos_token_id", None)
 
 
 def _resolve_attention(key: str, name: str, device: torch.device) -> str:
@@ -182,7 +193,13 @@ class InferenceEngine:
         self.bytes_per_token = kv_bytes_per_token(model)
         self.num_layers = _text_config(model).num_hidden_layers
         self.max_cache_bytes = max_cache_bytes
-        self.stop_token_ids = stop_token_ids or (chat.im_end_id,)
+        # A reply ends on <|im_end|>, the tokenizer's eos or any of the model's
+        # generation_config eos ids (as transformers' generate and vLLM stop); the chat
+        # format learns them too, so its decode leaves a closing one out of the text.
+        if not stop_token_ids:
+            chat.add_stop_ids(generation_eos_ids(model))
+            stop_token_ids = chat.stop_token_ids
+        self.stop_token_ids = tuple(stop_token_ids)
         # On the device once: a per-step upload would be a host transfer every decode step.
         self.banned_token_ids = banned_token_ids(chat).to(self.device)
         self._stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)

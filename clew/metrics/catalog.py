@@ -190,8 +190,23 @@ CATALOG: tuple[MetricSpec, ...] = (
     # eval/: held-out evaluation, on the steps it runs.
     MetricSpec(
         "eval/all/pass_at_1",
-        "Eval solve rate: fraction of eval tasks solved in one attempt.",
+        "Eval solve rate: fraction of eval tasks solved in one attempt (the maze: stopped on "
+        "the goal). SkyRL's key of this name counts reward > 0 instead: "
+        "eval/all/reward_pass_at_1.",
         "eval",
+    ),
+    MetricSpec(
+        "eval/all/solve_rate",
+        "The same share as eval/all/pass_at_1, named for what it counts: eval episodes that "
+        "earned the env's task reward.",
+    ),
+    MetricSpec(
+        "eval/all/reward_pass_at_1",
+        "SkyRL's eval/all/pass_at_1 (what the SkyRL + VisGym walkthrough reports): fraction "
+        "of eval episodes whose reward is above 0. Under the skyrl_visgym reward rule format "
+        "credit alone passes, so it can exceed the solve rate; under clew's task rule the two "
+        "are equal.",
+        "eval_pass_r>0",
     ),
     MetricSpec(
         "eval/all/pass_at_<n>",
@@ -240,6 +255,7 @@ _HEADLINE_ORDER = (
     "train/reward_mean",
     "train/solve_rate",
     "eval/all/pass_at_1",
+    "eval/all/reward_pass_at_1",
     "train/zero_spread_fraction",
     "train/turns_mean",
     "policy/loss",

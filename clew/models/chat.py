@@ -11,11 +11,14 @@ re-rendering the template over the whole history is what keeps sampled tokens ex
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from PIL import Image
 
+from clew.models.chat_template import check_special_tokens, template_system_prompt
 from clew.models.pixels import Pixels, cat_pixels, fast_frames, fast_grid, fast_patches
 
 _TOKEN_CACHE_SIZE = 4096
@@ -50,14 +53,20 @@ class ChatFormat:
         self.tokenizer = processor.tokenizer
         self.image_processor = processor.image_processor
         tok = self.tokenizer
-        self.im_start_id = tok.convert_tokens_to_ids("<|im_start|>")
-        self.im_end_id = tok.convert_tokens_to_ids("<|im_end|>")
-        self.image_token_id = tok.convert_tokens_to_ids("<|image_pad|>")
-        self.vision_start_id = tok.convert_tokens_to_ids("<|vision_start|>")
-        self.vision_end_id = tok.convert_tokens_to_ids("<|vision_end|>")
+        ids = check_special_tokens(tok)
+        self.im_start_id = ids["<|im_start|>"]
+        self.im_end_id = ids["<|im_end|>"]
+        self.image_token_id = ids["<|image_pad|>"]
+        self.vision_start_id = ids["<|vision_start|>"]
+        self.vision_end_id = ids["<|vision_end|>"]
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.im_end_id
+        # The ids that end a reply: <|im_end|> and the tokenizer's eos; the engine adds the
+        # model's generation_config eos ids (``add_stop_ids``).
+        self.stop_token_ids: tuple[int, ...] = ()
+        self.add_stop_ids([self.im_end_id, tok.eos_token_id])
         self.merge_size = int(getattr(self.image_processor, "merge_size", 2))
-        self.system_prompt = system_prompt
+        # None: the chat template's own default, as apply_chat_template gives it; "": none.
+        self.system_prompt = template_system_prompt(tok) if system_prompt is None else system_prompt
         self._token_cache: dict[str, tuple[int, ...]] = {}
         self._newline = self._encode("\n")
         self._assistant_header = self._encode("<|im_start|>assistant\n")
@@ -100,31 +109,78 @@ class ChatFormat:
         first: bool,
         after_reply_end: bool = True,
         pixels: bool = True,
+        text_first: bool = False,
+        system: str | None = None,
     ) -> Chunk:
         """The tokens of a user turn followed by the assistant header.
 
-        ``first``: the episode's opening turn (with the system prompt, if any).
+        ``first``: the episode's opening turn (with the system prompt, if any: ``system``
+        where given, else the one this format was made with).
         ``after_reply_end``: the previous reply ended with ``<|im_end|>`` (else it is closed here).
+        ``text_first``: the text before the images (VisGym's SFT data puts the image first,
+        SkyRL's VisGym env the text first); by default the images come first.
         ``pixels=False``: the caller keeps the images and needs only the tokens; the chunk
         then carries the grids but no pixel values where that saves encoding them. Pixel
         values come as ``Frames`` where the fast path covers the images (``as_patches``).
         """
+        parts: list[str | Image.Image] = [text, *images] if text_first else [*images, text]
+        return self.user_parts(
+            parts, first=first, after_reply_end=after_reply_end, pixels=pixels, system=system
+        )
+
+    def observation_turn(
+        self, obs: Any, *, first: bool, after_reply_end: bool = True, pixels: bool = True
+    ) -> Chunk:
+        """``user_turn`` for an env's ``Observation``, in the order and with the system
+        prompt its prompt format gives (``text_first``, ``system``)."""
+        return self.user_turn(
+            obs.text,
+            obs.images,
+            first=first,
+            after_reply_end=after_reply_end,
+            pixels=pixels,
+            text_first=getattr(obs, "text_first", False),
+            system=getattr(obs, "system", None),
+        )
+
+    def user_parts(
+        self,
+        parts: Sequence[str | Image.Image],
+        *,
+        first: bool,
+        after_reply_end: bool = True,
+        pixels: bool = True,
+        system: str | None = None,
+    ) -> Chunk:
+        """A user turn of text and images in the order given, as the chat template renders
+        it: each image as ``<|vision_start|><|image_pad|>*N<|vision_end|>``, text parts
+        written as they are with nothing between them (adjacent text parts are tokenized
+        together, as the template's rendered string is). Arguments as ``user_turn``."""
         ids: list[int] = []
         if not first:
             ids += self._newline if after_reply_end else [self.im_end_id, *self._newline]
-        elif self.system_prompt:
-            ids += self._encode(f"<|im_start|>system\n{self.system_prompt}<|im_end|>\n")
+        else:
+            prompt = self.system_prompt if system is None else system
+            if prompt:
+                ids += self._encode(f"<|im_start|>system\n{prompt}<|im_end|>\n")
         ids += self._encode("<|im_start|>user\n")
+        images = [p for p in parts if not isinstance(p, str)]
         pixel_values = grid = None
         if images:
             grid = None if pixels else fast_grid(images, self.image_processor)
             if grid is None:
                 pixel_values, grid = self.encode_frames(images)
-            for g in grid:
-                ids += [self.vision_start_id]
-                ids += [self.image_token_id] * self.image_token_count(g)
-                ids += [self.vision_end_id]
-        ids += self._encode(text) + [self.im_end_id] + self._newline + self._assistant_header
+        counts = iter([self.image_token_count(g) for g in grid] if grid is not None else [])
+        text = ""
+        for part in parts:
+            if isinstance(part, str):
+                text += part
+                continue
+            ids += self._encode(text) if text else []
+            text = ""
+            ids += [self.vision_start_id, *[self.image_token_id] * next(counts), self.vision_end_id]
+        ids += self._encode(text) if text else []
+        ids += [self.im_end_id, *self._newline, *self._assistant_header]
         return Chunk(ids, pixel_values, grid)
 
     def reply_tokens(self, text: str) -> list[int]:
@@ -135,5 +191,17 @@ class ChatFormat:
         """Token ids of plain ``text`` (no special tokens added); ``[]`` for ``""``."""
         return list(self._encode(text)) if text else []
 
+    def add_stop_ids(self, ids: int | Sequence[int | None] | None) -> None:
+        """Also end replies on ``ids`` (an id, a list of them, as ``generation_config``'s
+        ``eos_token_id`` is either; None entries are skipped)."""
+        more = [ids] if isinstance(ids, int) else list(ids or ())
+        for i in more:
+            if i is not None and int(i) >= 0 and int(i) not in self.stop_token_ids:
+                self.stop_token_ids += (int(i),)
+
     def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` without special tokens; a reply's closing stop id (one
+        of ``stop_token_ids``) is left out even where it is not a special token."""
+        if token_ids and token_ids[-1] in self.stop_token_ids:
+            token_ids = token_ids[:-1]
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

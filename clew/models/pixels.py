@@ -1,25 +1,36 @@
 """Qwen-VL pixel patches for a batch of same-size images, in one vectorised pass.
 
-The Qwen2-VL image processor (the PIL one: clew runs without torchvision) encodes image by
-image in Python: about 0.6 ms per 126 px image, which made image encoding the largest
-host-side cost of an SFT step on the GPU (0.58 s of a 2.6 s step at 64 demonstrations,
-profiled on an H200) and capped demonstration building at 40 per second. Maze frames
-are all the same size, so what the processor does (resize to a multiple of patch x merge,
-rescale, normalise, cut into patches, repeat each patch over the temporal axis) is one
-resize per frame, a table lookup and one copy over the whole stack. This module does
-exactly those, in the processor's own order and layout; for anything it does not cover
-(mixed sizes, a non-RGB image, a processor without these settings) it returns ``None`` and
-the caller uses the processor. ``tests/test_models.py`` checks the output against the
+transformers' Qwen2-VL image processors encode image by image in Python: the PIL one about
+0.6 ms per 126 px image, which made image encoding the largest host-side cost of an SFT step
+on the GPU (0.58 s of a 2.6 s step at 64 demonstrations, profiled on an H200) and capped
+demonstration building at 40 per second; the torchvision-backed one 29.5 ms per maze frame.
+Maze frames are all the same size, so what the processor does (resize to a multiple of
+patch x merge, rescale, normalise, cut into patches, repeat each patch over the temporal
+axis) is one resize per frame, a table lookup and one copy over the whole stack. This module
+does exactly those, in the processor's own order and layout; for anything it does not cover
+(mixed sizes, an image mode it does not convert, a processor without these settings, a
+resize it cannot reproduce) it returns ``None`` and the caller uses the processor.
+``tests/test_models.py`` and ``tests/test_pixels.py`` check the output against the
 processor's, value for value.
 
-The resize matters for Qwen3-VL: its patch 16 x merge 2 does not divide the 252 px frames
-of ``maze_2d/easy`` (cells of 28 px), so the processor resizes each to 256 px, and that
-path through the processor took 3 ms a frame, 36% of an 8B rollout's wall time on an H100
-(``benchmarks/rollout.py --profile``: "outside the engine"). The processor resizes the
-uint8 frame with Pillow (``transformers.image_transforms.resize``) to ``smart_resize``'s
-size before rescaling; this module calls the same two. Whether they give the processor's
-values is checked once per processor and size on a random probe image (``_resize_agrees``);
-a processor that resizes any other way (a torchvision one) is left to itself.
+Both of transformers' Qwen2-VL image processor classes are covered (Qwen2.5-VL, Qwen3-VL and
+Qwen3.5 use the same two), each with its own arithmetic:
+
+- The PIL one (``Qwen2VLImageProcessorPil``, which clew loads everywhere) resizes the uint8
+  frame with Pillow (``transformers.image_transforms.resize``) to ``smart_resize``'s size and
+  rescales then normalises (``_byte_table``); this module calls the same Pillow resize.
+- The torchvision-backed one (``Qwen2VLImageProcessor`` where torchvision is installed)
+  resizes with ``torch.nn.functional.interpolate`` and normalises fused
+  (``clew.models.torchvision_pixels``, which says how); this module reproduces both without
+  importing torchvision.
+
+Whether a reproduced resize (and, for the torchvision one, every path) gives the processor's
+values is checked once per processor and frame size on a random probe image (``_agrees``);
+where it does not, those frames are left to the processor. The resize matters for Qwen3-VL:
+its patch 16 x merge 2 does not divide the 252 px frames of ``maze_2d/easy`` (cells of
+28 px), so the processor resizes each to 256 px, and that path through the processor took
+3 ms a frame, 36% of an 8B rollout's wall time on an H100 (``benchmarks/rollout.py
+--profile``: "outside the engine"); Qwen2-VL's patch 14 takes 225 px frames to 224 px.
 
 A frame shown again (the samples of a prompt start alike, a refused move shows the same
 frame) is resized once: ``clew.models.frame_cache`` keeps resized frames by content.
@@ -33,7 +44,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -41,7 +52,9 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from transformers.image_transforms import convert_to_rgb
 
+from clew.models import torchvision_pixels as tv
 from clew.models.frame_cache import frame_cache
 
 __all__ = [
@@ -53,6 +66,13 @@ __all__ = [
     "fast_grid",
     "fast_patches",
 ]
+
+# Modes the processor converts to RGB (with ``do_convert_rgb``) that this module converts
+# the same way, by transformers' own ``convert_to_rgb``.
+_CONVERTIBLE = frozenset({"1", "L", "LA", "P", "PA", "RGBA"})
+# frame_cache keys a resize by an int filter: torchvision resizes go under 256 * (1 + how)
+# plus their mode's number, apart from Pillow's filters (0-5).
+_TV_CACHE_KEYS = {"nearest-exact": 0, "bilinear": 2, "bicubic": 3}
 
 
 def _pixel_bounds(ip: Any) -> tuple[int, int] | None:
@@ -80,33 +100,39 @@ def _resized(
     return (height, width) if keeps else None
 
 
-# Per image processor: {(height, width): whether Pillow's resize gives its values}.
-_RESIZE_CHECKS: weakref.WeakKeyDictionary[Any, dict[tuple[int, int], bool]] = (
-    weakref.WeakKeyDictionary()
-)
+@dataclass(frozen=True)
+class _Plan:
+    """How the fast path gives ``ip``'s values for frames of one size."""
+
+    size: tuple[int, int]  # (height, width) after the processor's resize
+    patch: int
+    merge: int
+    temporal: int
+    convert_rgb: bool
+    table: torch.Tensor  # float32 [C, 256]: the processor's value of each byte, per channel
+    how: str  # "pil" (Pillow's resize) or one of torchvision_pixels.RESIZES
+    resample: int  # Pillow's filter, or (torchvision) the frame cache's key for the resize
+    mode: str  # the interpolate mode (torchvision) or ""
 
 
-def _resize_agrees(ip: Any, height: int, width: int, size: tuple[int, int]) -> bool:
-    """Whether ``_resize`` to ``size`` then the byte table give ``ip``'s own pixel values
-    for a ``height`` x ``width`` frame, checked once on a random probe image."""
+# Per image processor: {frame size and settings: the plan for it, or None if not covered}.
+_PLANS: weakref.WeakKeyDictionary[Any, dict[Hashable, _Plan | None]] = weakref.WeakKeyDictionary()
+
+
+def _agrees(ip: Any, height: int, width: int, plan: _Plan) -> bool:
+    """Whether ``plan`` gives ``ip``'s own pixel values and grid for a ``height`` x ``width``
+    frame, on a random probe image."""
+    rng = np.random.default_rng(0)
+    probe = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+    raw = np.asarray(_resize_image(probe, plan), dtype=np.uint8)[None]
+    ours = _patch_numpy(raw, plan.table.numpy(), plan.patch, plan.merge, plan.temporal)
     try:
-        checks = _RESIZE_CHECKS.setdefault(ip, {})
-    except TypeError:  # not weakly referable: check every time rather than never
-        checks = {}
-    if (height, width) not in checks:
-        rng = np.random.default_rng(0)
-        probe = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-        patch, merge, temporal, scale, mean, std = _settings(ip)  # type: ignore[misc]
-        table = _byte_table(scale, tuple(mean.tolist()), tuple(std.tolist()))
-        raw = np.asarray(_resize(probe, size, ip), dtype=np.uint8)[None]
-        ours = _patch_numpy(raw, table.numpy(), patch, merge, temporal)
-        try:
-            theirs = ip(images=[probe], return_tensors="pt")["pixel_values"]
-        except Exception:  # noqa: BLE001 - a processor that cannot run the probe is not covered
-            checks[(height, width)] = False
-        else:
-            checks[(height, width)] = torch.equal(torch.from_numpy(ours), theirs)
-    return checks[(height, width)]
+        theirs = ip(images=[probe], return_tensors="pt")
+    except Exception:  # noqa: BLE001 - a processor that cannot run the probe is not covered
+        return False
+    return torch.equal(torch.from_numpy(ours), theirs["pixel_values"]) and torch.equal(
+        _grid(1, plan.size, plan.patch), theirs["image_grid_thw"]
+    )
 
 
 def _resample(ip: Any) -> int:
@@ -114,19 +140,34 @@ def _resample(ip: Any) -> int:
     return 3 if resample is None else int(resample)  # 3: bicubic, the processor's default
 
 
-def _resize(image: Image.Image, size: tuple[int, int], ip: Any) -> Image.Image:
-    """``image`` at ``size`` (height, width) as the PIL image processor resizes it."""
-    if image.size == (size[1], size[0]):
+def _resize_image(image: Image.Image, plan: _Plan) -> Image.Image:
+    """``image`` (RGB) at ``plan.size`` (height, width), as the processor resizes it."""
+    height, width = plan.size
+    if image.size == (width, height):
         return image
-    return image.resize((size[1], size[0]), resample=_resample(ip))
+    if plan.how == "pil":
+        return image.resize((width, height), resample=plan.resample)
+    return Image.fromarray(tv.resize(np.asarray(image), plan.size, plan.mode, plan.how))
 
 
-def _frame(image: Image.Image, size: tuple[int, int], ip: Any) -> np.ndarray:
-    """``_resize``'s pixels as uint8, resized once per distinct frame
+def _frame(image: Image.Image, plan: _Plan) -> np.ndarray:
+    """``_resize_image``'s pixels as uint8 ``[H, W, C]``, resized once per distinct frame
     (``clew.models.frame_cache``)."""
-    if image.size == (size[1], size[0]):
+    if image.size == (plan.size[1], plan.size[0]):
         return np.asarray(image, dtype=np.uint8)
-    return frame_cache.resized(image, size, _resample(ip), lambda: _resize(image, size, ip))
+    return frame_cache.resized(image, plan.size, plan.resample, lambda: _resize_image(image, plan))
+
+
+def _rgb(image: Image.Image, plan: _Plan) -> Image.Image:
+    """``image`` as the processor takes it in: converted to RGB as transformers converts it
+    (``do_convert_rgb``: transparency composited on white, in transformers versions that do)."""
+    if not plan.convert_rgb or (image.mode == "RGB" and "transparency" not in image.info):
+        return image
+    try:
+        rgb = convert_to_rgb(image, return_numpy=True)
+    except TypeError:  # transformers without return_numpy: returns a PIL image
+        rgb = convert_to_rgb(image)
+    return rgb if isinstance(rgb, Image.Image) else Image.fromarray(np.asarray(rgb))
 
 
 def _settings(ip: Any) -> tuple[int, int, int, float, np.ndarray, np.ndarray] | None:
@@ -143,25 +184,68 @@ def _settings(ip: Any) -> tuple[int, int, int, float, np.ndarray, np.ndarray] | 
     return (patch, merge, temporal, scale, mean, std) if flags == (True, True) else None
 
 
-def _covered(images: list[Image.Image], ip: Any) -> tuple[tuple[Any, ...], tuple[int, int]] | None:
-    """The processor's settings and the (height, width) it resizes ``images`` to, when the
-    fast path covers them, else ``None``."""
+def _takes(image: Image.Image, convert_rgb: bool) -> bool:
+    return image.mode == "RGB" or (convert_rgb and image.mode in _CONVERTIBLE)
+
+
+def _covered(images: list[Image.Image], ip: Any) -> _Plan | None:
+    """How to give the processor's values for ``images`` when the fast path covers them,
+    else ``None``."""
     settings, bounds = _settings(ip), _pixel_bounds(ip)
     if not images or settings is None or bounds is None:
         return None
     width, height = images[0].size
-    if any(im.mode != "RGB" or im.size != (width, height) for im in images):
+    convert_rgb = bool(getattr(ip, "do_convert_rgb", False))
+    if any(im.size != (width, height) or not _takes(im, convert_rgb) for im in images):
         return None
-    patch, merge = settings[0], settings[1]
+    patch, merge, temporal, scale, mean, std = settings
+    torchvision = tv.is_torchvision_processor(ip)
+    resample = getattr(ip, "resample", None)
+    do_resize = bool(getattr(ip, "do_resize", True))
+    key = (height, width, *settings[:4], tuple(mean), tuple(std), bounds, convert_rgb)
+    key += (do_resize, torchvision, resample)
     try:
-        size = _resized(ip, height, width, patch * merge, *bounds)
-    except ValueError:  # a frame the processor itself refuses (aspect ratio, too small)
+        plans = _PLANS.setdefault(ip, {})
+    except TypeError:  # not weakly referable: work it out every time rather than never
+        plans = {}
+    if key not in plans:
+        factor = patch * merge
+        if not do_resize:
+            keeps = height % factor == 0 and width % factor == 0
+            size = (height, width) if keeps else None
+        else:
+            try:
+                size = _resized(ip, height, width, factor, *bounds)
+            except ValueError:  # a frame the processor itself refuses (aspect ratio, too small)
+                size = None
+        plans[key] = None if size is None else _plan(ip, height, width, size, torchvision)
+    return plans[key]
+
+
+def _plan(
+    ip: Any, height: int, width: int, size: tuple[int, int], torchvision: bool
+) -> _Plan | None:
+    """The plan for ``ip``'s ``height`` x ``width`` frames resized to ``size``, checked on a
+    probe where it is not exact by construction (a resize, any torchvision path)."""
+    patch, merge, temporal, scale, mean, std = _settings(ip)  # type: ignore[misc]
+    convert_rgb = bool(getattr(ip, "do_convert_rgb", False))
+    geometry = (size, patch, merge, temporal, convert_rgb)
+    if not torchvision:
+        table = _byte_table(scale, tuple(mean.tolist()), tuple(std.tolist()))
+        plan = _Plan(*geometry, table, "pil", _resample(ip), "")
+        return plan if size == (height, width) or _agrees(ip, height, width, plan) else None
+    table = tv.byte_table(ip, len(mean))
+    mode = tv.interpolation(getattr(ip, "resample", None))
+    if table is None or (mode is None and size != (height, width)):
         return None
-    if size is None:
-        return None
-    if size != (height, width) and not _resize_agrees(ip, height, width, size):
-        return None
-    return settings, size
+    for number, how in enumerate(tv.RESIZES):  # whichever way this torchvision resizes
+        key = 256 * (1 + number) + _TV_CACHE_KEYS.get(mode or "", 255)
+        plan = _Plan(*geometry, table, how, key, mode or "")
+        if _agrees(ip, height, width, plan):
+            return plan
+        if size == (height, width):
+            return None  # no resize: the ways do not differ
+    return None
 
 
 def _grid(count: int, size: tuple[int, int], patch: int) -> torch.Tensor:
@@ -174,28 +258,27 @@ def fast_grid(images: list[Image.Image], ip: Any) -> torch.Tensor | None:
 
     What a caller needs that only counts image tokens (building SFT demonstrations).
     """
-    covered = _covered(images, ip)
-    return None if covered is None else _grid(len(images), covered[1], covered[0][0])
+    plan = _covered(images, ip)
+    return None if plan is None else _grid(len(images), plan.size, plan.patch)
 
 
 def fast_frames(images: list[Image.Image], ip: Any) -> Frames | None:
     """The images as ``Frames`` (bytes, patched where they are used), or ``None`` if not covered."""
-    covered = _covered(images, ip)
-    if covered is None:
+    plan = _covered(images, ip)
+    if plan is None:
         return None
-    (patch, merge, temporal, scale, mean, std), size = covered
-    table = _byte_table(scale, tuple(mean.tolist()), tuple(std.tolist()))
-    raw = np.stack([_frame(im, size, ip) for im in images])
-    return Frames(torch.from_numpy(raw), table, patch, merge, temporal)  # raw: [N, H, W, C]
+    raw = np.stack([_frame(_rgb(im, plan), plan) for im in images])  # [N, H, W, C]
+    return Frames(torch.from_numpy(raw), plan.table, plan.patch, plan.merge, plan.temporal)
 
 
 @lru_cache(maxsize=8)
 def _byte_table(scale: float, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
-    """float32 ``[C, 256]``: the processor's value of each byte, per channel (read only).
+    """float32 ``[C, 256]``: the PIL processor's value of each byte, per channel (read only).
 
-    The processor's arithmetic (rescale in float64, cast to float32, normalise in float32)
-    has one result per channel and byte value: the table gives the same floats, bit for
-    bit, with one lookup per pixel. Built once per setting: rollouts encode one frame a turn.
+    The PIL processor's arithmetic (rescale in float64, cast to float32, normalise in
+    float32) has one result per channel and byte value: the table gives the same floats, bit
+    for bit, with one lookup per pixel. Built once per setting: rollouts encode one frame a
+    turn.
     """
     levels = (np.arange(256, dtype=np.float64) * scale).astype(np.float32)
     m, sd = np.asarray(mean, dtype=np.float32), np.asarray(std, dtype=np.float32)

@@ -51,7 +51,7 @@ from clew.errors import ConfigError
 from clew.inference.engine import EngineOptions, InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
-from clew.rollout.trajectory import Trajectory, state_key
+from clew.rollout.trajectory import Trajectory, apply_reward_rule, state_key
 
 # Episodes started together ahead of the wave that admits them (their envs reset and first
 # observations encoded on the env threads).
@@ -97,6 +97,9 @@ class RolloutSettings:
     # Threads that step the envs and encode their observations (module docstring); 0: one
     # per CPU core, at most ENV_WORKERS_MAX.
     env_workers: int = 0
+    # How a finished episode's reward is computed from the env's and the replies
+    # (clew.envs.rewards: "task", the env's own; "skyrl_visgym", the walkthrough's).
+    reward_rule: str = "task"
 
     def reply_text(self, sampled: str, stopped: bool) -> str:
         """What the env reads for a reply: the prefix, the sampled text and, unless the
@@ -210,6 +213,7 @@ def play(
             )
             play_wave(cached, episodes, chunks, settings, pool.map, step, done, progress)
     done.sort(key=lambda t: (t.group_id, t.sample_index))
+    apply_reward_rule(done, settings.reward_rule)
     return done
 
 
@@ -277,7 +281,7 @@ def first_turn(
         traj = Trajectory(row.env_id, row.options(), int(row.seed), g, s)
         fail_episode(traj, exc)
         return traj
-    chunk = _framed(chat.user_turn(obs.text, obs.images, first=True), [], framing[0])
+    chunk = _framed(chat.observation_turn(obs, first=True), [], framing[0])
     reply = settings.sampling.max_tokens
     if len(chunk.token_ids) + reply > settings.max_input_length:
         raise ConfigError(
@@ -308,7 +312,7 @@ def next_turn(
     obs = take_turn(ep, text, settings.max_turns)
     if obs is None:
         return None
-    chunk = chat.user_turn(obs.text, obs.images, first=False, after_reply_end=stopped)
+    chunk = chat.observation_turn(obs, first=False, after_reply_end=stopped)
     chunk = _framed(chunk, [] if stopped else suffix, prefix)
     if length + len(chunk.token_ids) + settings.sampling.max_tokens > settings.max_input_length:
         traj.end_reason = "context_full"

@@ -42,6 +42,9 @@ class Trajectory:
     state_keys: list[str] = field(default_factory=list)
     infos: list[dict[str, Any]] = field(default_factory=list)
     reward: float = 0.0
+    # The env's own reward at the end when a reward rule (clew.envs.rewards) reshaped
+    # ``reward``; None when ``reward`` is the env's own. ``success`` reads it.
+    task_reward: float | None = None
     turns: int = 0
     end_reason: str = ""
     error: str | None = None
@@ -68,7 +71,10 @@ class Trajectory:
 
     @property
     def success(self) -> bool:
-        return self.reward > 0
+        """Whether the env paid its task reward (the maze: stopped on the goal), whatever a
+        reward rule added on top (format credit earns reward without success)."""
+        task = self.reward if self.task_reward is None else self.task_reward
+        return task > 0
 
     @property
     def generated_tokens(self) -> int:
@@ -94,6 +100,7 @@ class Trajectory:
             "sample_index": self.sample_index,
             "actions": self.actions,
             "reward": self.reward,
+            "task_reward": self.reward if self.task_reward is None else self.task_reward,
             "success": self.success,
             "turns": self.turns,
             "end_reason": self.end_reason,
@@ -121,3 +128,21 @@ def state_key(images: list[Image.Image], text: str) -> str:
     else:
         h.update(text.encode())
     return h.hexdigest()
+
+
+def apply_reward_rule(trajs: list[Trajectory], rule: str) -> None:
+    """Score finished ``trajs`` by the reward rule ``rule`` (``clew.envs.rewards``): each
+    keeps the env's reward as ``task_reward`` and gets the rule's as ``reward`` and as its
+    last turn's reward (the rule pays once, at the end). ``task`` changes nothing; an
+    episode with no reply (its env failed at reset) keeps its reward."""
+    if rule == "task":
+        return
+    from clew.envs.rewards import trajectory_reward
+
+    for traj in trajs:
+        if not traj.actions or traj.task_reward is not None:
+            continue
+        traj.task_reward = traj.reward
+        traj.reward = trajectory_reward(rule, traj.reward, traj.actions)
+        if traj.turn_rewards:
+            traj.turn_rewards[-1] = traj.reward

@@ -1,13 +1,21 @@
-"""Chat messages to the prompt's tokens and pixels, the way clew's rollouts build them.
+"""Chat messages to the prompt's tokens and pixels, as the model's chat template lays them out.
 
-A conversation is encoded turn by turn with ``ChatFormat`` exactly as an episode is: the
-first user turn (after an optional system message), then each assistant reply as its text
-and ``<|im_end|>``, then each later user turn opening with the newline that follows a
-closed reply, and the assistant header last. An agent that sends its episode as messages
-(the frame as an image part, the feedback as text) therefore gets the tokens its policy was
-trained on. Within one user message the images come first and its text parts follow,
-joined by newlines, which is the layout of ``ChatFormat.user_turn``. Consecutive messages of
-one role are merged into one turn.
+A conversation is encoded message by message with ``ChatFormat`` exactly as an episode is,
+so an agent that sends its episode as messages (the frame as an image part, the feedback as
+text) gets the tokens its policy was trained on, and any other client gets what the Qwen-VL
+chat templates render (and vLLM serves) for the same messages:
+
+* each system (or developer) message before the first user message as a system turn, its
+  text parts written one after another; a system message later is refused. (Of several
+  leading system messages Qwen3-VL's template renders only the first, clew's and
+  Qwen2-VL's each: a client that wants one system turn sends one.)
+* each user message as a turn of its own, its text and image parts in the order sent (an
+  image as ``<|vision_start|><|image_pad|>*N<|vision_end|>``, text parts written with
+  nothing between them: ``ChatFormat.user_parts``); a string content is its text;
+* each assistant message as its text and ``<|im_end|>`` (the last one left open with
+  ``continue_final_message``); images only in user messages;
+* consecutive messages of one role stay separate turns, each closed and the next opened
+  with its own header, as the templates write them; the assistant header comes last.
 
 Images come as data URLs (``data:image/png;base64,...``). Remote ``http(s)`` URLs are
 refused unless the server allows them (``--allow-remote-images``: the server then fetches
@@ -29,7 +37,7 @@ from PIL import Image
 
 from clew.models.chat import ChatFormat, Chunk, join_chunks
 from clew.serve.errors import BadRequest
-from clew.serve.protocol import ImagePart, Message
+from clew.serve.protocol import ImagePart, Message, TextPart
 
 _DATA_URL = re.compile(
     r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^,;]*)*),(?P<data>.*)", re.S
@@ -51,26 +59,30 @@ def build_prompt(
     messages: list[Message], chat: ChatFormat, limits: PromptLimits, *, continue_final: bool
 ) -> Chunk:
     """The tokens (and pixels) that make the model write the next assistant reply."""
-    system: list[str] = []
-    rest = list(messages)
-    while rest and rest[0].role in ("system", "developer"):
-        system.append(_text(rest.pop(0), 0))
-    turns = _merged(rest, offset=len(system))
-    if not turns or turns[0][0] != "user":
+    n_system = 0
+    while n_system < len(messages) and messages[n_system].role in ("system", "developer"):
+        n_system += 1
+    rest = messages[n_system:]
+    for i, m in enumerate(rest, start=n_system):
+        if m.role in ("system", "developer"):
+            raise BadRequest(
+                f"messages.{i}: a system message is only accepted before the first user message",
+                param=f"messages.{i}",
+            )
+    if not rest or rest[0].role != "user":
         raise BadRequest(
             "the messages must hold a user message, first after any system messages",
             param="messages",
         )
-    last_role = turns[-1][0]
-    if continue_final and last_role != "assistant":
+    if continue_final and rest[-1].role != "assistant":
         raise BadRequest("continue_final_message needs an assistant message last", param="messages")
-    if not continue_final and last_role != "user":
+    if not continue_final and rest[-1].role != "user":
         raise BadRequest(
             "the last message must be a user message (or set continue_final_message to "
             "continue a last assistant message)",
             param="messages",
         )
-    n_images = sum(isinstance(p, ImagePart) for _, ms in turns for m, _ in ms for p in _parts(m))
+    n_images = sum(isinstance(p, ImagePart) for m in messages for p in _parts(m))
     if n_images > limits.max_images:
         raise BadRequest(
             f"the request holds {n_images} images; this server accepts at most "
@@ -78,64 +90,70 @@ def build_prompt(
             param="messages",
             code="too_many_images",
         )
-    pieces: list[Chunk] = []
-    if system:
-        header = "\n".join(system)
-        pieces.append(Chunk(chat.encode_text(f"<|im_start|>system\n{header}<|im_end|>\n")))
-    for t, (role, group) in enumerate(turns):
-        if role == "user":
-            texts, images = [], []
-            for m, i in group:
-                for p in _parts(m):
-                    if isinstance(p, ImagePart):
-                        images.append(load_image(p.image_url.url, limits, f"messages.{i}"))
-                    else:
-                        texts.append(p.text)
-            pieces.append(_user_turn(chat, "\n".join(texts), images, first=t == 0))
+    # A user turn's chunk ends with the assistant header; a turn that another turn follows
+    # instead of a reply ends at its <|im_end|> (``_ended``), and the next turn opens with
+    # the newline and its own header, as the chat template writes each message.
+    newline = chat.encode_text("\n")
+    header = chat.encode_text("<|im_start|>assistant\n")
+    pieces: list[Chunk] = [
+        Chunk(chat.encode_text(f"<|im_start|>system\n{_text(m, i)}<|im_end|>\n"))
+        for i, m in enumerate(messages[:n_system])
+    ]
+    previous: str | None = None
+    for i, m in enumerate(rest, start=n_system):
+        if m.role == "user":
+            if previous == "user":
+                pieces[-1] = _ended(pieces[-1], newline + header)
+            parts = _user_parts(m, i, limits)
+            pieces.append(_user_turn(chat, parts, first=previous is None))
         else:
-            text = "\n".join(_text(m, i) for m, i in group)
-            final = continue_final and t == len(turns) - 1
+            if previous == "assistant":
+                pieces.append(Chunk(newline + header))
+            text = _text(m, i)
+            final = continue_final and i == len(messages) - 1
             pieces.append(Chunk(chat.encode_text(text) if final else chat.reply_tokens(text)))
+        previous = m.role
     return join_chunks(pieces)
 
 
-def _user_turn(chat: ChatFormat, text: str, images: list[Image.Image], first: bool) -> Chunk:
+def _user_parts(m: Message, i: int, limits: PromptLimits) -> list[str | Image.Image]:
+    """A user message's text and images, in the order it gives them (no content: an empty
+    turn, as vLLM reads a missing content)."""
+    where = f"messages.{i}"
+    return [
+        load_image(p.image_url.url, limits, where) if isinstance(p, ImagePart) else p.text
+        for p in _parts(m)
+    ]
+
+
+def _user_turn(chat: ChatFormat, parts: list[str | Image.Image], first: bool) -> Chunk:
+    # system="": the request's own system messages are the prompt's whole system turn.
     try:
-        return chat.user_turn(text, images, first=first)
+        return chat.user_parts(parts, first=first, system="")
     except ValueError as exc:  # the processor refusing an image's size or shape
         raise BadRequest(f"an image cannot be encoded for this model: {exc}") from exc
 
 
-def _merged(messages: list[Message], offset: int) -> list[tuple[str, list[tuple[Message, int]]]]:
-    turns: list[tuple[str, list[tuple[Message, int]]]] = []
-    for i, m in enumerate(messages, start=offset):
-        if m.role in ("system", "developer"):
-            raise BadRequest(
-                f"messages.{i}: a system message is only accepted before the first user message",
-                param=f"messages.{i}",
-            )
-        if turns and turns[-1][0] == m.role:
-            turns[-1][1].append((m, i))
-        else:
-            turns.append((m.role, [(m, i)]))
-    return turns
+def _ended(chunk: Chunk, tail: list[int]) -> Chunk:
+    """A user turn's ``chunk`` without the ``tail`` (newline and assistant header) after its
+    ``<|im_end|>``."""
+    ids = chunk.token_ids
+    if ids[len(ids) - len(tail) :] != tail:
+        raise AssertionError("a user turn does not end with the assistant header")
+    return Chunk(ids[: len(ids) - len(tail)], chunk.pixel_values, chunk.image_grid_thw)
 
 
-def _parts(m: Message) -> list:
+def _parts(m: Message) -> list[TextPart | ImagePart]:
     if m.content is None:
         return []
     if isinstance(m.content, str):
-        return [_TextLike(m.content)]
+        return [TextPart(type="text", text=m.content)]
     return list(m.content)
 
 
-@dataclass(frozen=True)
-class _TextLike:
-    text: str
-
-
 def _text(m: Message, i: int) -> str:
-    """The text of a system or assistant message (images are for user messages only)."""
+    """The text of a system or assistant message: its text parts written one after another,
+    as the chat template writes them (images are for user messages only)."""
     texts = []
     for p in _parts(m):
         if isinstance(p, ImagePart):
@@ -145,7 +163,7 @@ def _text(m: Message, i: int) -> str:
                 param=f"messages.{i}",
             )
         texts.append(p.text)
-    return "\n".join(texts)
+    return "".join(texts)
 
 
 def load_image(url: str, limits: PromptLimits, where: str = "messages") -> Image.Image:

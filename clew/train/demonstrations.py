@@ -105,9 +105,7 @@ def play_demonstration(
     demo = Demonstration([], [], [], row_seed=int(row.seed))
     turn = 0
     while True:
-        chunk = chat.user_turn(
-            obs.text, obs.images, first=turn == 0, after_reply_end=True, pixels=False
-        )
+        chunk = chat.observation_turn(obs, first=turn == 0, after_reply_end=True, pixels=False)
         demo.chunk_starts.append(len(demo.token_ids))
         demo.token_ids += chunk.token_ids
         demo.loss_mask += [0] * len(chunk.token_ids)

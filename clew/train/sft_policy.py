@@ -19,6 +19,7 @@ import torch
 from clew.data.rows import Row
 from clew.inference.engine import EngineOptions
 from clew.models.chat import ChatFormat
+from clew.models.hf_export import write_companion_files
 from clew.train.demonstrations import Demonstration
 from clew.train.worker import PolicyWorker
 
@@ -38,7 +39,9 @@ class SFTPolicy(Protocol):
         ...
 
     def write_policy(self, directory: Path) -> None:
-        """Full weights (LoRA merged in) and the processor, loadable by ``load_policy``."""
+        """Full weights (LoRA merged in) and the processor: a standard Hugging Face
+        directory (``clew.models.hf_export``), loadable by ``load_policy`` and by plain
+        transformers."""
         ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -61,7 +64,7 @@ class LocalSFTPolicy:
 
     def write_policy(self, directory: Path) -> None:
         self.worker.save_pretrained(directory, merged=True)
-        self.worker.chat.processor.save_pretrained(directory)
+        write_companion_files(self.worker.model, self.worker.chat.processor, directory)
 
     def state_dict(self) -> dict[str, Any]:
         return self.worker.state_dict()

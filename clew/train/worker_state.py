@@ -18,6 +18,7 @@ import torch
 
 from clew.cluster import fsdp
 from clew.errors import ClewError
+from clew.models.hf_export import base_dir_of, export_dtype, read_base_files, save_weights
 from clew.models.merged_projections import saveable_state_dict
 from clew.train.optim import to_cpu
 
@@ -82,28 +83,38 @@ def load_worker_state(worker: PolicyWorker, state: dict[str, Any]) -> None:
 def save_policy(worker: PolicyWorker, directory: str | Path, merged: bool = False) -> Path:
     """Save the adapter (LoRA) or the full model; ``merged`` writes LoRA merged into full weights.
 
-    Merging works on a copy (the worker keeps training its adapter), so it briefly needs
-    a second model's memory (the copy's merged projections, if any, are apart:
-    ``clew.models.merged_projections``). A sharded policy's workers must all call this;
-    worker 0 writes the whole weights.
+    Full weights are written in the dtype of the checkpoint the policy was loaded from and
+    sharded above 5 GB (``clew.models.hf_export``): a float32-trained policy over a bfloat16
+    base exports as bfloat16, as the base loads. The adapter keeps its own tensors as peft
+    writes them. Merging works on a copy (the worker keeps training its adapter), so it
+    briefly needs a second model's memory (the copy's merged projections, if any, are
+    apart: ``clew.models.merged_projections``). A sharded policy's workers must all call
+    this; worker 0 writes the whole weights. The processor files are the caller's
+    (``clew.models.hf_export.write_companion_files`` for a full-weight export).
     """
     directory = Path(directory)
+    base = read_base_files(base_dir_of(worker.model))
     if fsdp.is_sharded(worker.model):
         whole = fsdp.full_model_state(worker.model, keep=_rank() == 0)
         if whole:
-            directory.mkdir(parents=True, exist_ok=True)
-            worker.model.save_pretrained(directory, state_dict=whole)
+            dtype = export_dtype(worker.model, base)
+            save_weights(worker.model, directory, dtype, state_dict=whole)
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     if worker.lora and merged:
         full = copy.deepcopy(worker.model).merge_and_unload()
-        full.save_pretrained(directory)
+        save_weights(full, directory, export_dtype(full, base), owned=True)
         del full
     elif worker.lora:
         worker.model.save_pretrained(directory)  # the adapter's own tensors
     else:
         # An engine's merged projections share one buffer, which safetensors refuses.
-        worker.model.save_pretrained(directory, state_dict=saveable_state_dict(worker.model))
+        save_weights(
+            worker.model,
+            directory,
+            export_dtype(worker.model, base),
+            state_dict=saveable_state_dict(worker.model),
+        )
     return directory
 
 

@@ -5,16 +5,22 @@ one split by a digest of the layout itself, so the two sets stay disjoint whatev
 ranges or row counts are asked for, and the layout's digest is the key of a set of
 distinct mazes. A row keeps the digest and the shortest path's length in its metadata
 (the expert adds ``turns_needed`` and ``solvable``, as for any env with one).
+
+A recorded layout (``visgym_easy_eval``: VisGym's own mazes of seeds 0-63) is a fixed eval
+set instead: all its mazes are eval rows, and ``seeds`` tells ``clew.data.rows`` that its
+seeds are those and no others, so an eval set of it is exactly the recorded mazes.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from clew.envs.base import DatasetHooks, RowFacts
 from clew.envs.maze.env import MazeEnv
+from clew.envs.maze.generate import layout_seeds
 
 EVAL_BUCKETS = 8  # one layout in eight belongs to eval
 
@@ -27,8 +33,9 @@ def maze_row_facts(env: MazeEnv) -> RowFacts:
     """The split, key and metadata of the maze ``env`` was just reset to."""
     assert env.maze is not None, "call reset() first"
     key = env.maze.layout_key()
+    recorded = layout_seeds(env.layout) is not None
     return RowFacts(
-        split=split_of_layout(key),
+        split="eval" if recorded else split_of_layout(key),
         key=key,
         metadata={"optimal_path_length": env.optimal_path_length(), "layout_key": key},
     )
@@ -59,6 +66,20 @@ def describe_maze_stats(stats: dict[str, Any]) -> list[str]:
     return lines
 
 
-MAZE_DATASET = DatasetHooks(
-    row_facts=maze_row_facts, stats=maze_stats, describe=describe_maze_stats
+def maze_seeds(env: MazeEnv) -> range | None:
+    """The seeds ``env``'s layout has mazes for (a recorded set's), None for any seed."""
+    return layout_seeds(env.layout)
+
+
+@dataclass(frozen=True)
+class MazeDatasetHooks(DatasetHooks):
+    """The maze's dataset hooks, with ``seeds(env)``: the only seeds the env's options
+    have tasks for (None: every seed), which ``clew.data.rows`` walks instead of the
+    split's default seeds."""
+
+    seeds: Callable[[Any], range | None] | None = None
+
+
+MAZE_DATASET = MazeDatasetHooks(
+    row_facts=maze_row_facts, stats=maze_stats, describe=describe_maze_stats, seeds=maze_seeds
 )

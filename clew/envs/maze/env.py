@@ -14,13 +14,8 @@ from typing import Any
 import numpy as np
 
 from clew.envs.base import Observation
-from clew.envs.maze.actions import (
-    ACTION_FORMATS,
-    Action,
-    format_action,
-    format_help,
-    parse_action,
-)
+from clew.envs.maze.actions import ACTION_FORMATS, Action, format_action, format_help
+from clew.envs.maze.formats import maze_format
 from clew.envs.maze.generate import (
     DIRECTION_NAMES,
     DIRECTIONS,
@@ -31,6 +26,7 @@ from clew.envs.maze.generate import (
     generate_layout,
 )
 from clew.envs.maze.render import render_background, stamp_agent
+from clew.envs.maze.replies import Invalid, read_reply
 from clew.envs.maze.solver import distances_to
 from clew.errors import EnvError
 
@@ -44,21 +40,27 @@ MAZE_OPTIONS = frozenset(
         "success_on_reach",
         "layout",
         "start_anywhere",
+        "prompt_format",
     }
 )
 
 
-def task_prompt(grid_size: int, max_turns: int, action_format: str, success_on_reach: bool) -> str:
-    """The first message of an episode: the task, the action format and the turn budget."""
-    success = (
+def success_sentence(success_on_reach: bool) -> str:
+    return (
         "You succeed the moment you reach the red square."
         if success_on_reach
         else "You succeed only if you stop while standing on the red square."
     )
+
+
+def task_prompt(grid_size: int, max_turns: int, action_format: str, success_on_reach: bool) -> str:
+    """clew's own first message of an episode: the task, the action format and the turn
+    budget (the ``clew`` prompt format)."""
     return (
         f"You are in a {grid_size}x{grid_size} maze seen from above. Gray cells are walls and "
         "white cells are open floor. You are the blue circle; the goal is the red square. "
-        f"Each turn, make one move. {format_help(action_format)} {success} "
+        f"Each turn, make one move. {format_help(action_format)} "
+        f"{success_sentence(success_on_reach)} "
         f"You have {max_turns} turns in all, and stopping uses one."
     )
 
@@ -76,6 +78,7 @@ class MazeEnv:
         layout: str = "maze",
         border_px: int = 0,
         start_anywhere: float = 0.0,
+        prompt_format: str | dict[str, Any] | None = None,
     ) -> None:
         try:
             check_size(grid_size)
@@ -116,7 +119,14 @@ class MazeEnv:
         self.action_format = action_format
         self.success_on_reach = success_on_reach
         self.start_anywhere = float(start_anywhere)
-        self.prompt = task_prompt(grid_size, max_turns, action_format, success_on_reach)
+        self.format = maze_format(prompt_format, action_format)
+        self.prompt = self.format.task_prompt.format(
+            env_prompt=task_prompt(grid_size, max_turns, action_format, success_on_reach),
+            grid_size=grid_size,
+            max_turns=max_turns,
+            action_help=format_help(action_format),
+            success=success_sentence(success_on_reach),
+        )
         self.maze: Maze | None = None
         self.agent: Cell = (0, 0)
         self.start: Cell = (0, 0)  # where this episode began
@@ -146,7 +156,22 @@ class MazeEnv:
         self.turn = 0
         self.done = False
         self._background = render_background(self.maze, self.cell_px, self.border_px)
-        return Observation([self.render()], self.prompt)
+        text = self.format.first_turn.format(task=self.prompt, **self._turn_fields())
+        return self._observation(text)
+
+    def _observation(self, text: str) -> Observation:
+        return Observation([self.render()], text, self.format.text_first, self.format.system_prompt)
+
+    def _turn_fields(self) -> dict[str, Any]:
+        remaining = self.max_turns - self.turn
+        return {
+            "step": self.turn + 1,
+            "turn": self.turn,
+            "steps_left": remaining - 1,
+            "remaining": remaining,
+            "max_turns": self.max_turns,
+            "turns_left": ("The episode is over." if self.done else f"{remaining} turns remain."),
+        }
 
     def start_cells(self) -> list[Cell]:
         """Open cells other than the goal from which the goal fits the turn budget, row-major
@@ -197,8 +222,9 @@ class MazeEnv:
         if self.done or self.maze is None:
             raise RuntimeError("step() called on a finished episode; call reset(seed) first")
         self.turn += 1
-        parsed = parse_action(action_text, self.action_format)
+        parsed = read_reply(action_text, self.format.reply_parser, self.action_format)
         reward, event, note = 0.0, "", ""
+        fields: dict[str, Any] = {}
         if isinstance(parsed, Action) and parsed.kind == "stop":
             self.done = True
             on_goal = self.agent == self.maze.goal
@@ -209,6 +235,7 @@ class MazeEnv:
             dr, dc = DIRECTIONS[parsed.direction or 0]
             target = (self.agent[0] + dr, self.agent[1] + dc)
             name = DIRECTION_NAMES[parsed.direction or 0]
+            fields["direction"] = name
             if self.maze.is_open(target):
                 self.agent = target
                 event, note = "moved", f"moved {name}"
@@ -218,17 +245,19 @@ class MazeEnv:
             else:
                 event, note = "wall", f"hit a wall moving {name}; you did not move"
         else:
-            event, note = "parse_error", f"{parsed.reason}; you did not move"
+            event = "invalid" if isinstance(parsed, Invalid) else "parse_error"
+            note = f"{parsed.reason}; you did not move"
+            fields["reason"] = parsed.reason
         remaining = self.max_turns - self.turn
         if not self.done and remaining <= 0:
             self.done = True
         info = self._info(event, remaining, reward)
         info["note"] = note
-        if self.done:
-            text = f"Turn {self.turn}: {note}. The episode is over."
-        else:
-            text = f"Turn {self.turn}: {note}. {remaining} turns remain."
-        return Observation([self.render()], text), reward, self.done, info
+        feedback = self.format.feedback.get(event, "{note}").format(note=note, **fields)
+        text = self.format.later_turn.format(
+            feedback=feedback, task=self.prompt, **self._turn_fields()
+        )
+        return self._observation(text), reward, self.done, info
 
     def _info(self, event: str, remaining: int, reward: float) -> dict[str, Any]:
         assert self.maze is not None and self._dist is not None
@@ -246,7 +275,7 @@ class MazeEnv:
             "agent": self.agent,
             "goal": self.maze.goal,
             "event": event,
-            "parse_error": event == "parse_error",
+            "parse_error": event in ("parse_error", "invalid"),
             "turns_used": self.turn,
             "turns_remaining": remaining,
             "shortest_path_length": dist,

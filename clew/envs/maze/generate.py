@@ -8,6 +8,10 @@ which keeps the maze distribution unbiased (a DFS backtracker favours long corri
 Start and goal sit at opposite interior corners, the pair and the direction chosen by the
 seed. Everything draws from ``numpy.random.default_rng(seed)``, so a seed gives the same
 maze in every process and on every platform.
+
+VisGym follows the same law but draws from other random streams, so clew's seed i is not
+VisGym's maze i; the layout ``visgym_easy_eval`` plays VisGym's own recorded mazes of seeds
+0-63 (``clew.envs.maze.visgym_eval``).
 """
 
 from __future__ import annotations
@@ -99,7 +103,9 @@ def generate_maze(size: int, seed: int) -> Maze:
     return Maze(walls=walls, start=a, goal=b)
 
 
-LAYOUTS = ("maze", "room")
+# "visgym_easy_eval": VisGym's own maze_2d/easy mazes of seeds 0-63, recorded
+# (clew.envs.maze.visgym_eval); the other seeds have no maze.
+LAYOUTS = ("maze", "room", "visgym_easy_eval")
 
 
 def generate_room(size: int, seed: int) -> Maze:
@@ -120,6 +126,24 @@ def generate_room(size: int, seed: int) -> Maze:
 
 
 def generate_layout(layout: str, size: int, seed: int) -> Maze:
+    """The maze of ``seed`` under ``layout`` (one of ``LAYOUTS``)."""
+    if layout == "maze":
+        return generate_maze(size, seed)
     if layout == "room":
         return generate_room(size, seed)
-    return generate_maze(size, seed)
+    if layout == "visgym_easy_eval":
+        from clew.envs.maze.visgym_eval import recorded_maze
+
+        return recorded_maze(size, seed)
+    raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+
+
+def layout_seeds(layout: str) -> range | None:
+    """The seeds ``layout`` has a maze for: a range for a recorded set, None for any seed."""
+    if layout == "visgym_easy_eval":
+        from clew.envs.maze.visgym_eval import recorded_set
+
+        return recorded_set().seeds
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return None
