@@ -184,7 +184,8 @@ def _dataset(cfg: ClewConfig, out: Path) -> ClewConfig:
         )
     else:
         for split, n in counts.items():
-            rows = generate_rows(d.env_id, n, split, env_options=dict(d.env_options))
+            options = dict(d.env_options) | (dict(d.eval_env_options) if split == "eval" else {})
+            rows = generate_rows(d.env_id, n, split, env_options=options)
             write_rows(rows, paths[split])
             say(f"{split} set: {paths[split]}\n{format_stats(dataset_stats(rows))}")
         _record(out, "dataset", settings, files={s: str(p) for s, p in paths.items()})

@@ -14,6 +14,11 @@ class PipelineDatasetConfig(Section):
     env_options: dict[str, Any] = Field(
         default_factory=dict, description="Options of the environment (as `clew dataset --option`)."
     )
+    eval_env_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the evaluation rows' environment, over env_options (e.g. "
+        "{layout: visgym_easy_eval}: VisGym's own 64 eval mazes, the walkthrough's eval set).",
+    )
     train_rows: int = Field(2048, description="Training rows generated.")
     eval_rows: int = Field(64, description="Evaluation rows generated (distinct layouts).")
 

@@ -312,7 +312,10 @@ def next_turn(
     obs = take_turn(ep, text, settings.max_turns)
     if obs is None:
         return None
-    chunk = chat.observation_turn(obs, first=False, after_reply_end=stopped)
+    # A reply that stopped on another stop id (a generation_config eos such as
+    # <|endoftext|>) is closed with <|im_end|> here, as the chat template closes every turn.
+    closed = stopped and bool(gen.token_ids) and gen.token_ids[-1] == chat.im_end_id
+    chunk = chat.observation_turn(obs, first=False, after_reply_end=closed)
     chunk = _framed(chunk, [] if stopped else suffix, prefix)
     if length + len(chunk.token_ids) + settings.sampling.max_tokens > settings.max_input_length:
         traj.end_reason = "context_full"
