@@ -239,3 +239,20 @@ def test_a_runs_format_replaces_the_rows_own_and_a_bad_one_fails_at_once():
     assert env.reset(moved[0].seed).text.startswith("You are navigating a 9x9 maze.")
     with pytest.raises(EnvError, match="unknown prompt format"):
         with_env_option(rows, "prompt_format", "visgim")
+
+
+def test_visgym_frames_pass_through_a_jpeg_as_visgym_sends_them():
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    raw = make("maze_2d/easy").reset(4).images[0]
+    buf = io.BytesIO()
+    raw.save(buf, format="JPEG")
+    jpeg = np.asarray(Image.open(io.BytesIO(buf.getvalue())).convert("RGB"))
+    seen = make("maze_2d/easy", prompt_format="visgym").reset(4).images[0]
+    assert np.array_equal(np.asarray(seen), jpeg)
+    assert not np.array_equal(np.asarray(raw), jpeg)
+    lossless = make("maze_2d/easy", prompt_format="skyrl-visgym").reset(4).images[0]
+    assert np.array_equal(np.asarray(lossless), np.asarray(raw))

@@ -25,14 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from PIL import Image
+
 from clew.errors import EnvError
 
 DEFAULT_FORMAT = "clew"
+IMAGE_CODECS = ("png", "jpeg")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,11 @@ class PromptFormat:
     text_first: bool = False
     """Within a user turn, the text before the image (SkyRL's VisGym env) instead of the
     image before the text (clew's and VisGym's own layout)."""
+
+    image_codec: str = "png"
+    """How a frame reaches the policy: ``png``, exactly as rendered; ``jpeg``, through a JPEG
+    at Pillow's default quality (75) and back, as VisGym's evaluation sends frames and its
+    SFT data store them."""
 
     reply_parser: str = "last"
     """How an action is read from a reply: the env's parsers by name (the maze: ``last``,
@@ -142,6 +151,8 @@ def _check_types(values: Mapping[str, Any]) -> None:
             ok = isinstance(value, str)
         elif key == "system_prompt":
             ok = value is None or isinstance(value, str)
+        elif key == "image_codec":
+            ok = value in IMAGE_CODECS
         elif key == "text_first":
             ok = isinstance(value, bool)
         else:  # feedback
@@ -152,6 +163,7 @@ def _check_types(values: Mapping[str, Any]) -> None:
             expected = {
                 "system_prompt": "a string or null",
                 "text_first": "true or false",
+                "image_codec": f"one of {', '.join(IMAGE_CODECS)}",
                 "feedback": "a mapping of outcome names to strings",
             }.get(key, "a string")
             raise EnvError(f"prompt_format.{key} must be {expected}, got {value!r}")
@@ -195,3 +207,14 @@ def check_templates(
                 f"outcomes: {', '.join(sorted(outcomes))}"
             )
         check(f"feedback.{outcome}", template, outcomes[outcome] | turn_fields)
+
+
+def encode_frame(image: Image.Image, codec: str) -> Image.Image:
+    """``image`` as the policy receives it under ``codec`` (``PromptFormat.image_codec``)."""
+    if codec == "png":
+        return image
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="JPEG")
+    buf.seek(0)
+    with Image.open(buf) as decoded:
+        return decoded.convert("RGB")

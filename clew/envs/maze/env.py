@@ -28,6 +28,7 @@ from clew.envs.maze.generate import (
 from clew.envs.maze.render import render_background, stamp_agent
 from clew.envs.maze.replies import Invalid, read_reply
 from clew.envs.maze.solver import distances_to
+from clew.envs.prompt_format import encode_frame
 from clew.errors import EnvError
 
 MAZE_OPTIONS = frozenset(
@@ -160,7 +161,8 @@ class MazeEnv:
         return self._observation(text)
 
     def _observation(self, text: str) -> Observation:
-        return Observation([self.render()], text, self.format.text_first, self.format.system_prompt)
+        frame = encode_frame(self.render(), self.format.image_codec)
+        return Observation([frame], text, self.format.text_first, self.format.system_prompt)
 
     def _turn_fields(self) -> dict[str, Any]:
         remaining = self.max_turns - self.turn

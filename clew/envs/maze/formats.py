@@ -86,6 +86,7 @@ VISGYM = PromptFormat(
     first_turn="{task}\n" + VISGYM_STEP,
     later_turn="Environment feedback: {feedback}\n\n" + VISGYM_STEP,
     feedback=VISGYM_FEEDBACK,
+    image_codec="jpeg",
     reply_parser="visgym",
 )
 SKYRL_VISGYM = PromptFormat(
