@@ -1,10 +1,10 @@
 """A maze frame's pixel patches: each Qwen-VL image processor against clew's fast path for it.
 
 For ``maze_2d/easy``'s first frame (225 px, ``make("maze_2d/easy").reset(0).images[0]``) and
-each geometry (Qwen2-VL's patch 14 with CLIP's mean and std, which resizes the frame to
-224 px; Qwen3-VL's patch 16 with 0.5 / 0.5, which resizes it to 256 px), times both of
-transformers' image processors, the baseline, beside ``clew.models.pixels`` for the same
-processor in the same run:
+each geometry (Qwen2-VL's patch 14 with CLIP's mean and std; Qwen3-VL's patch 16 with
+0.5 / 0.5; both resize the frame to 224 px, 8 x 28 and 7 x 32), times both of transformers'
+image processors, the baseline, beside ``clew.models.pixels`` for the same processor in the
+same run:
 
 - ``Qwen2VLImageProcessorPil``, the PIL one clew loads everywhere;
 - ``Qwen2VLImageProcessor``, the torchvision-backed one that transformers builds and loads

@@ -55,8 +55,8 @@ _TORCHVISION_BASES = frozenset({"TorchvisionBackend", "BaseImageProcessorFast"})
 def is_torchvision_processor(ip: Any) -> bool:
     """Whether ``ip`` is a torchvision-backed transformers image processor.
 
-    transformers 5 names the backend (``ip.backend``); the class names cover processors that
-    wrap one. Recognised by base class, not by model: every Qwen-VL generation's processor
+    transformers 5 names the backend (``ip.backend``); the base class names cover a class that
+    does not. Recognised by backend, not by model: every Qwen-VL generation's processor
     (``Qwen2VLImageProcessor``, also Qwen2.5-VL's, Qwen3-VL's and Qwen3.5's) is one class.
     """
     try:
