@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 
@@ -151,3 +152,170 @@ def test_an_observation_is_sent_in_its_layout_after_the_episodes_system_prompt()
     users = [[p["type"] for p in m["content"]] for m in messages if m["role"] == "user"]
     assert users == [["text", "image_url"], ["image_url", "text"]]
     assert Conversation().messages()[:1] == []  # no system prompt: no system message
+
+
+# An episode that outlasts the server's 8 images a request: keyword actions without "stop",
+# and a goal that must be stopped on, so every episode plays all its turns.
+LONG = {"cell_px": 14, "action_format": "keyword", "success_on_reach": False, "max_turns": 11}
+NO_STOP = [*KEYWORD[:-1], "up,down,left,right"]
+
+
+def _play(url, options, *extra):
+    return main(["play", "--endpoint", url, "--model", MODEL_ID, "--env-id", ENV,
+                 *(f"--option={k}={json.dumps(v)}" for k, v in options.items()),
+                 *extra])  # fmt: skip
+
+
+def test_play_outlasting_the_servers_image_limit_plays_every_turn_and_writes_its_gif(
+    served, tmp_path, capsys
+):
+    url, *_ = served  # a server with clew serve's default of 8 images a request
+    gif = tmp_path / "long.gif"
+    assert _play(url, LONG, "--seed", "2", "--gif", str(gif), *NO_STOP) == 0
+    captured = capsys.readouterr()
+    assert "in 11 turns" in captured.out and "ended by max_turns" in captured.out
+    assert gif.is_file() and f"wrote {gif}" in captured.out
+    assert "at most 8 images per request" in captured.err  # said once, after the episode
+
+
+def test_the_image_limit_is_learnt_from_the_servers_refusal(served, tmp_path, capsys):
+    from clew.agent import Endpoint, play_episode
+    from clew.agent.episode import count_images
+    from clew.commands.agent import add_generation_args, rollout_settings
+    from clew.serve.prompt import PromptLimits
+
+    _, base, *_ = served
+    with serving(open_server(base, limits=PromptLimits(max_images=3))) as url:
+        gif = tmp_path / "three.gif"
+        options = {**LONG, "max_turns": 5}
+        assert _play(url, options, "--gif", str(gif), *NO_STOP) == 0
+        out = capsys.readouterr()
+        assert "in 5 turns" in out.out and gif.is_file()
+        assert "at most 3 images per request" in out.err
+        # Each request held at most 3 images, the turns past them as their text alone.
+        sent = []
+        endpoint = Endpoint(url, MODEL_ID)
+        real = endpoint.reply
+
+        def record(messages, *args, **kwargs):
+            sent.append(messages)
+            return real(messages, *args, **kwargs)
+
+        endpoint.reply = record
+        parser = argparse.ArgumentParser()
+        add_generation_args(parser)
+        settings = rollout_settings(parser.parse_args(NO_STOP), 5)
+        traj = play_episode(endpoint, ENV, options, 0, settings)
+    assert traj.turns == 5 and traj.end_reason == "max_turns" and endpoint.max_images == 3
+    images = [count_images(m) for m in sent]
+    assert images == [1, 2, 3, 4, 3, 3]  # turn 4's request refused, sent again with 3
+    assert [m["content"][0]["type"] for m in sent[-1] if m["role"] == "user"] == [
+        "text", "text", "image_url", "image_url", "image_url"
+    ]  # fmt: skip
+
+
+def test_eval_through_the_endpoint_outlasting_the_image_limit_writes_its_metrics(served, tmp_path):
+    url, *_ = served
+    data = write_rows(generate_rows(ENV, 2, "eval", env_options=LONG), tmp_path / "long.parquet")
+    out = tmp_path / "long-eval"
+    code = main(["eval", "--endpoint", url, "--model", MODEL_ID, "--data", str(data),
+                 "--output-dir", str(out), "--num-gifs", "1", *NO_STOP])  # fmt: skip
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["eval/all/episodes"] == 2 and metrics["eval/all/mean_turns"] == 11
+    trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert [t["end_reason"] for t in trajs] == ["max_turns", "max_turns"]
+
+
+def _refuse_from_the_third_request(monkeypatch):
+    """Endpoint.reply answering as the server does, but refusing (HTTP 500) each episode's
+    requests from its turn 3 on."""
+    from clew.agent import endpoint as module
+
+    real = module.Endpoint.reply
+
+    def reply(self, messages, *args, **kwargs):
+        replies = sum(m["role"] == "assistant" for m in messages) - 1  # less the reply prefix
+        if replies >= 2:
+            raise module.RequestRefused(self.url, 500, "generation failed")
+        return real(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(module.Endpoint, "reply", reply)
+
+
+def test_play_cut_short_by_the_server_writes_its_gif_with_the_reason(
+    served, tmp_path, capsys, monkeypatch
+):
+    url, *_ = served
+    _refuse_from_the_third_request(monkeypatch)
+    gif = tmp_path / "cut.gif"
+    assert _play(url, LONG, "--gif", str(gif), *NO_STOP) == 1
+    captured = capsys.readouterr()
+    assert "in 2 turns" in captured.out and "ended by server_error" in captured.out
+    assert "the server refused the request of turn 3: HTTP 500: generation failed" in captured.out
+    assert gif.is_file() and "cut short by the server" in captured.err
+
+
+def test_eval_cut_short_by_the_server_writes_what_it_played(served, tmp_path, capsys, monkeypatch):
+    url, *_ = served
+    data = write_rows(generate_rows(ENV, 2, "eval", env_options=LONG), tmp_path / "cut.parquet")
+    _refuse_from_the_third_request(monkeypatch)
+    out = tmp_path / "cut-eval"
+    code = main(["eval", "--endpoint", url, "--model", MODEL_ID, "--data", str(data),
+                 "--output-dir", str(out), "--num-gifs", "1", *NO_STOP])  # fmt: skip
+    assert code == 1
+    trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert [(t["turns"], t["end_reason"]) for t in trajs] == [(2, "server_error")] * 2
+    assert "HTTP 500: generation failed" in trajs[0]["error"]
+    assert json.loads((out / "metrics.json").read_text())["eval/all/episodes"] == 2
+    assert "2 of 2 episodes were cut short by the server" in capsys.readouterr().err
+
+
+def test_a_refused_first_request_is_still_a_one_line_error(served, capsys):
+    url, *_ = served
+    code = _play(url, {"max_turns": 2}, "--allowed-tokens", "not-a-token")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "answered HTTP 400" in err
+
+
+def test_keyword_replies_to_a_tuple_env_get_a_hint_naming_the_option(served, tmp_path, capsys):
+    url, *_ = served
+    assert _play(url, {"cell_px": 14, "max_turns": 3}, *KEYWORD) == 0
+    err = capsys.readouterr().err
+    assert "3 of 3 replies could not be read as maze_2d/room actions" in err
+    assert "look like keyword actions" in err and "add --option action_format=keyword" in err
+    # clew eval's rows carry their env options: the hint says how to make them.
+    rows = generate_rows(ENV, 2, "eval", env_options={"cell_px": 14, "max_turns": 2})
+    data = write_rows(rows, tmp_path / "tuple.parquet")
+    code = main(["eval", "--endpoint", url, "--model", MODEL_ID, "--data", str(data),
+                 "--output-dir", str(tmp_path / "hint"), *KEYWORD])  # fmt: skip
+    assert code == 0
+    assert "`clew dataset --split eval --option action_format=keyword`" in capsys.readouterr().err
+    # Replies the env reads get no hint.
+    assert _play(url, MAZE, *KEYWORD) == 0
+    assert "hint" not in capsys.readouterr().err
+
+
+def test_the_parse_hint_names_the_format_the_replies_are_in():
+    from clew.agent.hints import dataset_advice, parse_hint
+    from clew.rollout.trajectory import Trajectory
+
+    def played(options, replies):
+        traj = Trajectory("maze_2d/easy", options, 0, 0, 0)
+        traj.actions = list(replies)
+        traj.infos = [{"parse_error": True, "note": "could not parse"} for _ in replies]
+        return traj
+
+    tuples = played({"action_format": "keyword"}, ["('move', 1)", "('stop', 'stop')"])
+    assert "add --option action_format=tuple " in parse_hint([tuples])
+    # VisGym's and SkyRL's prompt formats read tuples only: keywords need clew's too.
+    skyrl = played({"prompt_format": "skyrl-visgym"}, ["<action>up</action>"] * 2)
+    assert "--option action_format=keyword --option prompt_format=clew" in parse_hint([skyrl])
+    through_eval = parse_hint([skyrl], dataset_advice)
+    assert "--option action_format=keyword`" in through_eval
+    assert "--prompt-format clew" in through_eval
+    neither = parse_hint([played({}, ["hello", "world"])])
+    assert "look like neither format" in neither
+    most_read = played({}, ["x", "y", "z"])
+    most_read.infos[0]["parse_error"] = most_read.infos[1]["parse_error"] = False
+    assert parse_hint([most_read]) is None

@@ -1,4 +1,9 @@
+import argparse
+import contextlib
+import io
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 from clew.docs import config_page, metrics_page
 
@@ -15,3 +20,123 @@ def test_every_benchmark_script_is_listed_in_the_benchmarks_index():
     index = (folder / "README.md").read_text()
     missing = [p.name for p in sorted(folder.glob("*.py")) if f"`{p.name}`" not in index]
     assert not missing, f"list them in benchmarks/README.md: {missing}"
+
+
+# README's serving examples: every command parses with clew's own flags, the keyword
+# flags come with the env option that reads keyword replies, and the adapter names are the
+# ones a LoRA GRPO run exports.
+README = Path(__file__).parent.parent / "README.md"
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def _commands(section: str) -> list[list[str]]:
+    """Each command of the section's bash blocks as its argv (continued lines joined)."""
+    import shlex
+
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", section, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            argv = shlex.split(line, comments=True)
+            if argv and argv[-1] == "&":
+                argv.pop()
+            if argv:
+                out.append(argv)
+    return out
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    from clew.cli import build_parser
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return build_parser().parse_args(argv[1:])
+    except SystemExit:
+        raise AssertionError(
+            f"README: `{' '.join(argv)}` does not parse: {err.getvalue()}"
+        ) from None
+
+
+def test_every_clew_command_of_the_serving_section_parses_and_reads_its_replies():
+    from clew.commands.registry import _env_options
+    from clew.envs import make
+
+    section = _section("Serving")
+    for paragraph in section.split("\n\n"):
+        if "--reply-prefix '<action>'" in paragraph:  # keyword replies: the env must read them
+            assert "action_format=keyword" in paragraph, paragraph
+    clew = [argv for argv in _commands(section) if argv[0] == "clew"]
+    assert {argv[1] for argv in clew} >= {"serve", "play", "eval"}
+    for argv in clew:
+        args = _parse(argv)
+        if args.command != "play" or not args.reply_prefix:
+            continue
+        # A one-token reply between the prefix and the suffix, as --max-generate-length 1
+        # writes it, is an action of the env these options make.
+        env = make(args.env_id, **_env_options(args))
+        env.reset(args.seed)
+        _, _, _, info = env.step(args.reply_prefix + "up" + args.reply_suffix)
+        assert not info["parse_error"], f"README: `{' '.join(argv)}` cannot read its replies"
+
+
+def test_the_serving_sections_adapter_names_are_the_ones_a_grpo_run_exports(tmp_path):
+    from clew.checkpoint.state import Checkpointer
+    from clew.serve.adapters import AdapterStore
+
+    # What a LoRA GRPO run writes (clew/grpo.py: export every hf_save_interval steps and
+    # at the end, export_best), listed as the server lists an adapter prefix.
+    cfg = SimpleNamespace(trainer=SimpleNamespace(ckpt_path=None, export_path=None))
+    exports = Checkpointer(cfg, tmp_path / "run")
+
+    def write(folder: Path) -> None:
+        (folder / "adapter_config.json").write_text("{}")
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+
+    exports.export(write, 20)
+    exports.export_best(write, 20, 0.5)
+    exported = {re.sub(r"\d+", "N", n) for n in AdapterStore(exports.export_path).names()}
+    assert exported == {"best", "global_step_N"}
+
+    section = _section("Serving")
+    commands = _commands(section)
+    model_ids = {_parse(a).model_id for a in commands if a[:2] == ["clew", "serve"]}
+    model_ids |= set(re.findall(r"model_id=([\w.-]+)", section))
+    # Adapters the section makes itself: a run's export copied under an adapter prefix.
+    copied = {}
+    for argv in commands:
+        if "cp" in argv:
+            source, dest = argv[-2:]
+            copied[Path(dest).name] = source
+    for source in copied.values():
+        name = re.search(r"exports/([^/]+)/policy", source)
+        assert name and re.sub(r"\d+", "N", name.group(1)) in exported, source
+    names = {
+        name
+        for model_id in model_ids
+        for name in re.findall(rf"{re.escape(model_id)}:([A-Za-z0-9][\w.-]*)", section)
+        if not name.isupper()  # a placeholder: NAME, ADAPTER
+    }
+    assert names, "the section names no adapter"
+    for name in names - set(copied):
+        assert re.sub(r"\d+", "N", name) in exported, (
+            f"README serves {name!r}, which a GRPO run does not export (it exports "
+            f"{sorted(exported)}; an SFT run's final policy is full weights, served as --model)"
+        )
+
+
+def test_the_commands_tables_flags_exist():
+    from clew.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    rows = re.findall(r"^\| `clew ([a-z][a-z-]*)(.*)$", _section("Commands"), re.M)
+    assert rows
+    for command, rest in rows:
+        flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", rest))
+        missing = flags - set(sub.choices[command]._option_string_actions)
+        assert not missing, f"README's Commands table gives `clew {command}` {sorted(missing)}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,12 +200,79 @@ def test_a_tampered_state_is_refused_rather_than_replayed_as_another_episode(url
         ({"options": {"cell_px": 10**6}}, "options.cell_px", "magnitude up to 64"),
         ({"generation": {"temperature": -1}}, "generation.temperature", "greater than or equal"),
         ({"generation": {"allowed_tokens": ","}}, "generation", "names no token"),
+        (
+            {"options": {"grid_size": 63, "cell_px": 64}},
+            "options",
+            "4032 x 4032 pixels, over the playground's limit",
+        ),
+        (
+            {"options": {"grid_size": 31, "cell_px": 32, "max_turns": 40}},
+            "generation.max_turns",
+            "lower generation.max_turns (to 17 or fewer)",
+        ),
+        (
+            {"generation": {"keep_last_k_images": 9}},
+            "generation.keep_last_k_images",
+            "over this server's limit of 8 images per request",
+        ),
+        ({"generation": {"reply_prefix": "\ud800"}}, "generation.reply_prefix", "unicode string"),
     ],
 )
 def test_a_bad_env_id_seed_or_option_is_a_400_naming_what_is_accepted(url, change, param, says):
     status, body = post(f"{url}/playground/api/episodes", {**EPISODE, **change})
     assert status == 400, body
     assert body["error"]["param"] == param and says in body["error"]["message"], body
+
+
+def test_an_episode_longer_than_the_servers_image_limit_plays_to_its_end(tiny):
+    """The server takes 2 images a request; an episode of 6 frames keeps within it by
+    default (keep_last_k_images: the limit), the older turns sent as their text alone."""
+    base, _ = tiny
+    from clew.serve.prompt import PromptLimits
+
+    server = open_server(base, limits=PromptLimits(max_images=2))
+    options = {**OPTIONS, "max_turns": 6}
+    body = {"env_id": ENV, "seed": 3, "options": options, "generation": {"max_generate_length": 1}}
+    with serving(server) as small:
+        config = json.loads(get(f"{small}/playground/api/config")[1])
+        assert config["max_images"] == config["generation"]["keep_last_k_images"] == 2
+        status, episode = post(f"{small}/playground/api/episodes", body)
+        assert status == 200, episode
+        assert episode["state"]["generation"]["keep_last_k_images"] == 2
+        last, answers = step_through([small], MODEL_ID, episode)
+    assert last["done"] and last["turn"] == 6 and last["why"], last
+    for answer in answers[2:-1]:
+        images = [
+            p
+            for m in answer["request"]["messages"]
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if p["type"] == "image_url"
+        ]
+        users = [m for m in answer["request"]["messages"] if m["role"] == "user"]
+        assert len(images) == 2 and len(users) == answer["turn"] + 1
+
+
+def test_an_ended_episode_says_why_it_ended(url):
+    _, episode = post(f"{url}/playground/api/episodes", EPISODE)
+    last, _ = step_through([url], MODEL_ID, episode)
+    assert last["why"].startswith(("solved in", "out of turns", "failed after")), last["why"]
+    status, body = step(url, episode, {"context_full": True})
+    assert status == 200 and "would not fit the context" in body["why"]
+
+
+def test_a_step_on_the_replica_that_answered_does_not_replay_the_episode(url, monkeypatch):
+    import clew.serve.playground as playground
+
+    replays = []
+    original = playground.resume
+    monkeypatch.setattr(playground, "resume", lambda *a: replays.append(1) or original(*a))
+    _, episode = post(f"{url}/playground/api/episodes", EPISODE)
+    _, answers = step_through([url], f"{MODEL_ID}:alpha", episode)
+    assert len(answers) > 2 and not replays
+    # A state this replica did not answer last (an earlier one, sent again) is replayed.
+    status, _ = step(url, answers[1], {"reply": "up"})
+    assert status == 200 and replays == [1]
 
 
 def test_a_step_without_a_reply_or_a_whole_state_is_a_400(url):
@@ -341,6 +409,31 @@ def test_the_page_asks_for_the_api_key_and_plays_once_it_is_given(keyed_url, bro
     shown = columns(page)[MODEL_ID]
     assert shown["error"] == "" and shown["turns"] == len(shown["replies"]) >= 1
     assert shown["outcome"] in ("solved", "failed", "out of turns")
+    page.close()
+
+
+@pytest.mark.browser
+def test_the_page_shows_why_an_episode_stopped_beside_its_outcome(url, browser):
+    from playwright.sync_api import expect
+
+    page = browser.new_page()
+    page.goto(f"{url}/playground")
+    page.wait_for_selector("#play:enabled")
+    choose(page, MODEL_ID, "", 3, {**GENERATION, "max_turns": 2})
+    expect(page.locator(".column[data-done=true]")).to_have_count(1, timeout=60_000)
+    why = page.locator(".column .why")
+    expect(why).to_be_visible()
+    expect(why).to_contain_text(re.compile(r"^(solved in|out of turns|failed after)"))
+    # A turn the server refuses: the reason is shown under "stopped", with the panel closed.
+    page.fill("#max_input_length", "5")
+    page.click("#settings summary")
+    assert page.locator("#settings").get_attribute("open") is None
+    page.click("#play")
+    expect(page.locator(".column[data-done=true]")).to_have_count(1, timeout=60_000)
+    error = page.locator(".column .error")
+    expect(error).to_be_visible()
+    expect(error).to_contain_text("max_input_length=5 cannot hold one turn")
+    expect(page.locator(".column .outcome")).to_have_text("stopped")
     page.close()
 
 

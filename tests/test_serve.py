@@ -53,10 +53,11 @@ def sample(server, name, labels=None):
     return server.metrics.registry.get_sample_value(name, labels or {}) or 0.0
 
 
-def test_models_lists_the_base_and_every_adapter_under_the_prefix(local):
+def test_models_lists_the_base_and_every_loadable_adapter_under_the_prefix(local):
     _, url = local
     ids = [m.id for m in client(url).models.list()]
-    assert ids == [MODEL_ID] + [f"{MODEL_ID}:{n}" for n in ("alpha", "beta", "broken", "gamma")]
+    # `broken` has a config but weights that are not safetensors: not listed.
+    assert ids == [MODEL_ID] + [f"{MODEL_ID}:{n}" for n in ("alpha", "beta", "gamma")]
     assert client(url).models.retrieve(f"{MODEL_ID}:beta").id == f"{MODEL_ID}:beta"
 
 

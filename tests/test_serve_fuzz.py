@@ -1,5 +1,8 @@
 """A property-based fuzz of `clew serve`'s HTTP API: schemathesis generates requests from the
-server's own OpenAPI schema, valid ones and ones that break it, and no answer may be a 5xx.
+server's own OpenAPI schema, valid ones and ones that break it; no answer may be a 5xx, and
+every status and error body must be one the schema documents for that route. The number of
+examples is bounded (``MAX_EXAMPLES`` per route and mode, the same ones every run), so the
+file runs in CI in well under a minute.
 
 The schema is read from the live server inside the test and each operation's strategy is run
 with hypothesis directly (schemathesis' pytest loader, ``from_fixture``, does not run under
@@ -15,8 +18,13 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 MAX_EXAMPLES = 60  # per operation and mode: about 25 s for the file on 2 CPUs
+CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +61,25 @@ def test_the_fuzz_covers_every_route_of_the_api(live_url):
     } <= labels
 
 
+def test_the_schema_documents_the_errors_each_route_sends_and_no_422(live_url):
+    import json
+
+    from serve_support import get
+
+    paths = json.loads(get(f"{live_url}/openapi.json")[1])["paths"]
+    codes = {
+        (path, method): set(op["responses"])
+        for path, ops in paths.items()
+        for method, op in ops.items()
+    }
+    assert not any("422" in c for c in codes.values()), codes
+    assert {"400", "401", "404", "413", "500", "503"} <= codes[("/v1/chat/completions", "post")]
+    assert {"400", "409", "413"} <= codes[("/playground/api/episodes/step", "post")]
+    assert {"404"} <= codes[("/v1/models/{model_id}", "get")]
+    error = paths["/v1/chat/completions"]["post"]["responses"]["400"]["content"]
+    assert "ErrorBody" in json.dumps(error)
+
+
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_no_request_the_schema_allows_or_breaks_gets_a_server_error(live_url, mode):
     generation = schemathesis.GenerationMode(mode)
@@ -75,7 +102,10 @@ def test_no_request_the_schema_allows_or_breaks_gets_a_server_error(live_url, mo
                 case.body["model"] = model
             response = case.call(base_url=live_url, timeout=30)
             seen.setdefault(case.operation.label, set()).add(response.status_code)
-            case.validate_response(response, checks=[not_a_server_error])
+            if response.status_code >= 400:  # an error body as the schema documents it
+                case.validate_response(response, checks=CHECKS)
+            else:
+                case.validate_response(response, checks=CHECKS[:2])
 
         try:
             no_server_error()

@@ -65,7 +65,11 @@ def test_grpo_raises_the_training_reward(tmp_path):
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
     assert last > first + 0.2, f"reward went from {first:.3f} to {last:.3f}"
     assert (tmp_path / "runs" / "digits" / "config.yaml").is_file()
-    assert (tmp_path / "runs" / "digits" / "exports" / "global_step_64" / "policy").is_dir()
+    policy = tmp_path / "runs" / "digits" / "exports" / "global_step_64" / "policy"
+    # a standard Hugging Face directory: the architecture's own processor class
+    processor = json.loads((policy / "processor_config.json").read_text())
+    assert processor["processor_class"] in ("Qwen2VLProcessor", "Qwen3VLProcessor")
+    assert (policy / "preprocessor_config.json").is_file()
 
 
 def test_gigpo_updates_each_turn_with_its_own_advantage_end_to_end(tmp_path):

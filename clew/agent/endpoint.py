@@ -5,20 +5,55 @@
 ``allowed_tokens`` and ``continue_final_message``, the two request fields ``clew serve``
 adds to OpenAI's). Whatever goes wrong on the way is a ``ClewError`` of one line: an
 endpoint that cannot be reached, a refused API key, an unknown model (with the names the
-server lists), any other error the server answers with its own message.
+server lists). A request the server refuses or fails on its own (any other HTTP error) is a
+``RequestRefused`` carrying the server's message, so that an episode can end there with its
+reason while the run goes on.
+
+The server's image limit: ``clew serve`` refuses a request holding more than ``--max-images``
+images (8 unless started otherwise) with a 400 whose code is ``too_many_images`` and whose
+message names the limit ("at most N"), as vLLM's does ("At most N image(s) ...").
+``Endpoint.max_images`` is the most images the client sends (None: as many as the episode
+has): ``--max-images-per-request`` where given, lowered to the server's own limit when a
+refusal names a smaller one (``TooManyImages``), so that every later request of the run
+keeps within it. Learning it from the refusal rather than assuming 8 serves a server started
+with a larger ``--max-images`` every frame, at the cost of one refused request.
 """
 
 from __future__ import annotations
 
+import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from clew.errors import ClewError
 from clew.inference.sampling import SamplingParams
 
+_LIMIT = re.compile(r"at most (\d+)", re.IGNORECASE)
+_IMAGE_LIMIT = re.compile(r"at most \d+ image", re.IGNORECASE)  # vLLM's wording
+
 
 class ContextFull(Exception):
     """The server refused a request as longer than the model's context."""
+
+
+class RequestRefused(ClewError):
+    """The server refused this request or failed on it (an HTTP error other than a refused
+    key or an unknown model); ``reason`` is its status and its own message, without the URL."""
+
+    def __init__(self, url: str, status: int, message: str) -> None:
+        self.status, self.reason = status, f"HTTP {status}: {message}"
+        super().__init__(f"{url} answered {self.reason}")
+
+
+class TooManyImages(RequestRefused):
+    """A refusal for holding more images than the server takes; ``limit`` is the most it
+    takes, as its message names it (None where the message names no number)."""
+
+    def __init__(self, url: str, status: int, message: str) -> None:
+        super().__init__(url, status, message)
+        found = _LIMIT.search(message)
+        self.limit = int(found.group(1)) if found else None
 
 
 @dataclass(frozen=True)
@@ -40,11 +75,22 @@ class Endpoint:
         api_key: str | None = None,
         timeout_s: float = 300.0,
         max_retries: int = 2,
+        max_images: int | None = None,
     ) -> None:
         import openai
 
         if not url.startswith(("http://", "https://")):
             raise ClewError(f"--endpoint must be an http(s) URL (http://HOST:PORT), got {url!r}")
+        if max_images is not None and max_images < 1:
+            raise ClewError(
+                f"--max-images-per-request must be a positive number of images, got {max_images}"
+            )
+        self.max_images = max_images
+        # Whether a request of this run left frames out to keep within ``max_images`` (more
+        # than --keep-last-k-images would have): the policy then saw fewer frames than it
+        # would in-process, which the commands say once.
+        self.images_left_out = False
+        self._lock = threading.Lock()
         base = url.rstrip("/")
         self.url = base if base.endswith("/v1") else base + "/v1"
         self.model = model
@@ -95,6 +141,11 @@ class Endpoint:
         except openai.BadRequestError as err:
             if err.code == "context_length_exceeded":
                 raise ContextFull(_message(err)) from None
+            if err.code == "too_many_images" or _IMAGE_LIMIT.search(_message(err)):
+                refused = TooManyImages(self.url, err.status_code, _message(err))
+                if refused.limit is not None:
+                    self.lower_image_limit(refused.limit)
+                raise refused from None
             raise self._error(err) from None
         except openai.OpenAIError as err:
             raise self._error(err) from None
@@ -106,6 +157,13 @@ class Endpoint:
             prompt_tokens=usage.prompt_tokens if usage else 0,
             completion_tokens=usage.completion_tokens if usage else 0,
         )
+
+    def lower_image_limit(self, limit: int) -> None:
+        """Send at most ``limit`` images from now on (never raised: episodes run on threads,
+        and a refusal seen by one holds for all)."""
+        with self._lock:
+            held = self.max_images
+            self.max_images = max(1, limit if held is None else min(held, limit))
 
     def _error(self, err: Exception) -> ClewError:
         import openai
@@ -121,8 +179,10 @@ class Endpoint:
             )
         if isinstance(err, openai.NotFoundError):
             return ClewError(f"{self.url}: {_message(err)}")
+        if isinstance(err, openai.PermissionDeniedError):
+            return ClewError(f"{self.url} answered HTTP 403: {_message(err)}")
         if isinstance(err, openai.APIStatusError):
-            return ClewError(f"{self.url} answered HTTP {err.status_code}: {_message(err)}")
+            return RequestRefused(self.url, err.status_code, _message(err))
         return ClewError(f"{self.url}: {type(err).__name__}: {err}")
 
 

@@ -5,7 +5,9 @@ at a time; the server batches the requests in flight together. The metrics and t
 (``metrics.json``, ``trajectories.jsonl``, GIFs) are ``clew.evaluation``'s, so a policy
 evaluated through its server reads as one evaluated in-process: with greedy decoding the
 same episodes, actions and pass@1 (replies that re-encode to their sampled tokens, see
-``clew.agent.messages``).
+``clew.agent.messages``). An episode the server cuts short ends as ``server_error`` and is
+counted and written with the others; a refused first request, an unreachable server or a
+refused key ends the run (``clew.agent.episode``).
 """
 
 from __future__ import annotations

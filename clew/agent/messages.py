@@ -61,6 +61,10 @@ class Conversation:
         """An observation as a user turn: its images then its text, or the text first."""
         self.turns.append(("user", (text, [data_url(im) for im in images], text_first)))
 
+    def n_images(self) -> int:
+        """The frames of every observation so far."""
+        return sum(len(content[1]) for role, content in self.turns if role == "user")
+
     def add_reply(self, text: str) -> None:
         """The reply as the env read it (reply prefix and suffix included)."""
         self.turns.append(("assistant", text))

@@ -1,11 +1,19 @@
 """``clew play`` (one episode through an endpoint, as a GIF) and what ``clew eval`` shares
 with it: the generation flags, read into the rollouts' ``RolloutSettings``, and
-``clew eval --endpoint``."""
+``clew eval --endpoint``.
+
+Both write what they played even when the server cut episodes short (a later turn's
+request refused or failed: ``server_error``), and then exit 1 rather than 0; after the
+episodes they say, on stderr, why most replies did not parse where they did not
+(``clew.agent.hints``) and whether the server's image limit left frames out.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from clew.commands.registry import Handler, _add_env_args, _env_options, command, positive_int
@@ -68,6 +76,17 @@ def add_endpoint_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument(
         "--api-key", default=None, help=f"the server's API key (default: ${API_KEY_ENV})"
     )
+    p.add_argument(
+        "--max-images-per-request",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="the most images one request to the endpoint holds; beyond it older turns are "
+        "sent with their text alone, as --keep-last-k-images does. Default: every frame, until "
+        "the server refuses a request for its image limit (clew serve --max-images, 8 unless "
+        "set), which its answer names and later requests keep within; set it for a server "
+        "whose refusal names no limit",
+    )
 
 
 def allowed_tokens(args: argparse.Namespace) -> tuple[str, ...]:
@@ -111,15 +130,29 @@ def rollout_settings(args: argparse.Namespace, max_turns: int, n_samples: int = 
 def endpoint(args: argparse.Namespace) -> Any:
     from clew.agent import Endpoint
 
-    return Endpoint(args.endpoint, args.model, api_key=args.api_key or os.environ.get(API_KEY_ENV))
+    return Endpoint(
+        args.endpoint,
+        args.model,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV),
+        max_images=args.max_images_per_request,
+    )
 
 
-def eval_through_endpoint(args: argparse.Namespace, rows: list, settings: Any) -> dict:
-    """``clew eval --endpoint``: the eval set's episodes as requests, ``--concurrency`` at once."""
+def eval_through_endpoint(
+    args: argparse.Namespace,
+    rows: list,
+    settings: Any,
+    show: Callable[[dict[str, float], str], None],
+) -> int:
+    """``clew eval --endpoint``: the eval set's episodes as requests, ``--concurrency`` at
+    once; ``show`` prints the metrics. The exit status: 1 when the server cut episodes
+    short (what was played is written all the same), else 0."""
     from clew.agent import evaluate_endpoint
+    from clew.agent.hints import dataset_advice
 
-    metrics, _ = evaluate_endpoint(
-        endpoint(args),
+    served = endpoint(args)
+    metrics, trajs = evaluate_endpoint(
+        served,
         rows,
         settings,
         concurrency=args.concurrency,
@@ -127,7 +160,25 @@ def eval_through_endpoint(args: argparse.Namespace, rows: list, settings: Any) -
         num_gifs=args.num_gifs,
         seed=args.seed,
     )
-    return metrics
+    show(metrics, args.output_dir)
+    return _after_episodes("eval", served, trajs, dataset_advice)
+
+
+def _after_episodes(
+    command: str, served: Any, trajs: Sequence[Any], advice: Callable[[dict[str, str]], str]
+) -> int:
+    """Say on stderr what the episodes' outcome leaves unsaid; the exit status."""
+    from clew.agent.hints import cut_short_note, image_limit_note, parse_hint
+
+    notes = [
+        ("hint", parse_hint(trajs, advice)),
+        ("note", image_limit_note(served.max_images) if served.images_left_out else None),
+        ("warning", cut_short_note(trajs)),
+    ]
+    for kind, text in notes:
+        if text:
+            print(f"clew {command}: {kind}: {text}", file=sys.stderr)
+    return 1 if any(t.end_reason == "server_error" for t in trajs) else 0
 
 
 @command("play", "play one episode with a served policy (clew serve) and write it as a GIF")
@@ -142,6 +193,7 @@ def _play(p: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         from clew.agent import play_episode
+        from clew.agent.hints import play_advice
         from clew.envs import make
         from clew.envs.media import replay, write_gif
 
@@ -174,6 +226,6 @@ def _play(p: argparse.ArgumentParser) -> Handler:
         if args.gif:
             frames = replay(args.env_id, args.seed, traj.actions, options).frames
             print(f"wrote {write_gif(frames, args.gif)}")
-        return 0
+        return _after_episodes("play", served, [traj], play_advice)
 
     return run

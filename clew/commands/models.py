@@ -241,9 +241,7 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
             rows = with_env_option(rows, "prompt_format", args.prompt_format)
         settings = rollout_settings(args, max(r.max_turns for r in rows), args.n_samples_per_prompt)
         if args.endpoint:
-            metrics = eval_through_endpoint(args, rows, settings)
-            _print_eval(metrics, args.output_dir)
-            return 0
+            return eval_through_endpoint(args, rows, settings, _print_eval)
         policy = open_policy(
             args.model, args.adapter, device=args.device, cuda_graphs=not args.enforce_eager
         )

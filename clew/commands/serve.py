@@ -20,7 +20,8 @@ def _serve(p: argparse.ArgumentParser) -> Handler:
         "Models: ID is the base, ID:NAME the adapter in PREFIX/NAME (or PREFIX/NAME/policy). "
         f"The API key may also come from ${API_KEY_ENV} (a flag's value shows in the process "
         "list). Health: GET /health, /ready; metrics: GET /metrics; a page that plays envs "
-        "with the served models: GET /playground."
+        "with the served models: GET /playground. docs/serving.md lists the limits and what "
+        "each refusal means."
     )
     p.add_argument("--model", required=True, help="base policy directory")
     p.add_argument(
@@ -65,6 +66,12 @@ def _serve(p: argparse.ArgumentParser) -> Handler:
         help="tokens each batch samples between scheduling rounds (1: stream token by token)",
     )
     p.add_argument("--max-n", type=positive_int, default=16, help="largest n a request may ask")
+    p.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=1024,
+        help="requests that may wait for room; more are refused with a 503 (overloaded)",
+    )
     p.add_argument("--max-images", type=positive_int, default=8, help="images per request")
     p.add_argument(
         "--max-image-bytes", type=positive_int, default=8 << 20, help="encoded size of one image"
@@ -82,9 +89,12 @@ def _serve(p: argparse.ArgumentParser) -> Handler:
     )
     p.add_argument(
         "--shutdown-timeout",
-        type=float,
+        type=_seconds,
         default=60.0,
-        help="seconds to finish requests in flight after SIGTERM",
+        metavar="SECONDS",
+        help="after SIGTERM/SIGINT: seconds the requests in flight may take to finish; those "
+        "still running then get a 503 (shutting_down), and the process exits a few seconds "
+        "later whatever still runs",
     )
 
     def run(args: argparse.Namespace) -> int:
@@ -99,9 +109,11 @@ def _serve(p: argparse.ArgumentParser) -> Handler:
             max_model_len=args.max_model_len,
             default_max_tokens=args.default_max_tokens,
             max_n=args.max_n,
+            max_queue=args.max_queue,
             max_batch_rows=args.max_batch_size,
             tokens_per_step=args.tokens_per_step,
             max_request_bytes=args.max_request_bytes,
+            shutdown_timeout=args.shutdown_timeout,
             limits=PromptLimits(
                 max_images=args.max_images,
                 max_image_bytes=args.max_image_bytes,
@@ -117,7 +129,18 @@ def _serve(p: argparse.ArgumentParser) -> Handler:
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_cache_mb=args.max_cache_mb,
         )
-        run_server(server, args.host, args.port, args.shutdown_timeout)
+        run_server(server, args.host, args.port)
         return 0
 
     return run
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds >= 0 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value

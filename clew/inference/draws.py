@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from clew.inference.sampling import SamplingParams, filter_logits
+from clew.inference.sampling import SamplingParams, filter_logits, scale_logits
 
 
 class RowDraws:
@@ -73,7 +73,8 @@ class RowDraws:
     def _draw(
         logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
     ) -> torch.Tensor:
-        probs = filter_logits(logits / params.temperature, params.top_k, params.top_p).softmax(-1)
+        scaled = scale_logits(logits, params.temperature)
+        probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
     def _shared(self, device: torch.device) -> torch.Generator:

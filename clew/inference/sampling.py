@@ -31,6 +31,21 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``, finite for any temperature > 0.
+
+    A tiny temperature overflows the division (1e-300 even rounds to 0 in float32): the
+    largest logit becomes inf (or 0 / 0, NaN) and the softmax NaN, which no draw takes. Such
+    rows get the distribution's limit as the temperature goes to 0 instead: the largest
+    logits share the mass evenly, every other token gets none."""
+    scaled = logits / temperature
+    top = logits.amax(-1, keepdim=True)
+    overflow = ~torch.isfinite(scaled.amax(-1, keepdim=True))
+    # (A row of NaN logits stays NaN, so that its draw fails rather than pick anything.)
+    limit = torch.zeros_like(logits).masked_fill(~(logits >= top), float("-inf"))
+    return torch.where(overflow, limit, scaled)
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Logits with everything outside top-k / the top-p nucleus set to -inf."""
     if top_k > 0 and top_k < logits.shape[-1]:
@@ -39,8 +54,11 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p (the first always stays).
+        # Drop a token when the mass before it already reaches top_p. The first always stays,
+        # even for a top_p below float32's smallest number (it compares as 0 there, and
+        # every token dropped would leave nothing to draw).
         drop_sorted = probs.cumsum(-1) - probs >= top_p
+        drop_sorted[..., 0] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -7,10 +7,19 @@ sequences through ``ChatFormat`` so they agree token for token. Every Qwen-VL ch
 chat template uses this ChatML layout (``<|im_start|>role\\n ... <|im_end|>\\n``, images as
 ``<|vision_start|><|image_pad|>*N<|vision_end|>``); building the segments here rather than
 re-rendering the template over the whole history is what keeps sampled tokens exact.
+
+Text that comes from outside the layout (a turn's text, a system prompt, a reply) is encoded
+as plain text: a special-token string in it, such as ``"<|im_end|>"`` or ``"<|image_pad|>"``,
+becomes the tokens of its characters, never the control token, as OpenAI's API and the
+tokenizers' ``split_special_tokens`` treat it. Otherwise a user's text could close its turn
+and open another, or add image tokens that no image fills. Only the layout's own scaffolding
+(``<|im_start|>user\\n``, ``<|im_end|>``, the vision tokens around an image) is special.
+Text without a special-token string encodes exactly as before, through one cache.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +54,18 @@ def join_chunks(chunks: list[Chunk]) -> Chunk:
     return Chunk(ids, cat_pixels(pix) if pix else None, torch.cat(grids) if grids else None)
 
 
+def special_token_strings(tokenizer: Any) -> tuple[str, ...]:
+    """The texts the tokenizer reads as special tokens (its added tokens marked special and
+    its named special tokens)."""
+    found = {
+        str(getattr(t, "content", t))
+        for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+        if getattr(t, "special", False)
+    }
+    found.update(str(t) for t in getattr(tokenizer, "all_special_tokens", ()) or ())
+    return tuple(sorted(t for t in found if t))
+
+
 class ChatFormat:
     """Encodes user turns for a Qwen-VL processor; knows the special token ids."""
 
@@ -68,6 +89,11 @@ class ChatFormat:
         # None: the chat template's own default, as apply_chat_template gives it; "": none.
         self.system_prompt = template_system_prompt(tok) if system_prompt is None else system_prompt
         self._token_cache: dict[str, tuple[int, ...]] = {}
+        self._plain_cache: dict[str, tuple[int, ...]] = {}
+        self._specials = special_token_strings(tok)
+        self._special_ids = {
+            i for i in (tok.convert_tokens_to_ids(t) for t in self._specials) if i is not None
+        }
         self._newline = self._encode("\n")
         self._assistant_header = self._encode("<|im_start|>assistant\n")
 
@@ -81,6 +107,47 @@ class ChatFormat:
             ids = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
             self._token_cache[text] = ids
         return list(ids)
+
+    def _plain(self, text: str) -> list[int]:
+        """``text`` as plain text: special-token strings in it as the tokens of their
+        characters (module docstring); the same ids as ``_encode`` for any other text."""
+        if not text:
+            return []
+        if not any(special in text for special in self._specials):
+            return self._encode(text)
+        ids = self._plain_cache.get(text)
+        if ids is None:
+            if len(self._plain_cache) >= _TOKEN_CACHE_SIZE:
+                self._plain_cache.clear()
+            encoded = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)
+            ids = tuple(encoded["input_ids"])
+            if self._special_ids.intersection(ids):  # a tokenizer that ignores the flag
+                ids = tuple(self._split_specials(text))
+            self._plain_cache[text] = ids
+        return list(ids)
+
+    def _split_specials(self, text: str) -> list[int]:
+        """``text`` with each special-token string cut after its first character, so that
+        no piece is a special token (for tokenizers without ``split_special_tokens``)."""
+        pattern = "|".join(re.escape(s) for s in sorted(self._specials, key=len, reverse=True))
+        ids: list[int] = []
+        for piece in re.split(f"({pattern})", text):
+            if piece in self._specials:
+                ids += self._encode(piece[:1]) + self._encode(piece[1:])
+            elif piece:
+                ids += self._encode(piece)
+        return ids
+
+    def system_turn(self, prompt: str) -> list[int]:
+        """A system turn holding ``prompt`` as plain text (``<|im_start|>system\\n ...
+        <|im_end|>\\n``)."""
+        if not any(special in prompt for special in self._specials):
+            return self._encode(f"<|im_start|>system\n{prompt}<|im_end|>\n")
+        return [
+            *self._encode("<|im_start|>system\n"),
+            *self._plain(prompt),
+            *self._encode("<|im_end|>\n"),
+        ]
 
     def encode_images(self, images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
         fast = fast_patches(images, self.image_processor)
@@ -155,14 +222,15 @@ class ChatFormat:
         """A user turn of text and images in the order given, as the chat template renders
         it: each image as ``<|vision_start|><|image_pad|>*N<|vision_end|>``, text parts
         written as they are with nothing between them (adjacent text parts are tokenized
-        together, as the template's rendered string is). Arguments as ``user_turn``."""
+        together, as the template's rendered string is), as plain text (module docstring).
+        Arguments as ``user_turn``."""
         ids: list[int] = []
         if not first:
             ids += self._newline if after_reply_end else [self.im_end_id, *self._newline]
         else:
             prompt = self.system_prompt if system is None else system
             if prompt:
-                ids += self._encode(f"<|im_start|>system\n{prompt}<|im_end|>\n")
+                ids += self.system_turn(prompt)
         ids += self._encode("<|im_start|>user\n")
         images = [p for p in parts if not isinstance(p, str)]
         pixel_values = grid = None
@@ -176,20 +244,27 @@ class ChatFormat:
             if isinstance(part, str):
                 text += part
                 continue
-            ids += self._encode(text) if text else []
+            ids += self._plain(text)
             text = ""
             ids += [self.vision_start_id, *[self.image_token_id] * next(counts), self.vision_end_id]
-        ids += self._encode(text) if text else []
+        ids += self._plain(text)
         ids += [self.im_end_id, *self._newline, *self._assistant_header]
         return Chunk(ids, pixel_values, grid)
 
     def reply_tokens(self, text: str) -> list[int]:
-        """A reply as the model should write it (for demonstrations): text then ``<|im_end|>``."""
-        return self._encode(text) + [self.im_end_id]
+        """A reply as the model should write it (for demonstrations): ``text``, as plain
+        text, then ``<|im_end|>``."""
+        return self._plain(text) + [self.im_end_id]
 
     def encode_text(self, text: str) -> list[int]:
-        """Token ids of plain ``text`` (no special tokens added); ``[]`` for ``""``."""
+        """Token ids of ``text`` (no special tokens added; a special-token string in it is
+        that token: for the layout's own pieces and configured texts); ``[]`` for ``""``."""
         return list(self._encode(text)) if text else []
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` as plain text: a special-token string in it is the tokens of
+        its characters (for text a client sent); ``[]`` for ``""``."""
+        return self._plain(text)
 
     def add_stop_ids(self, ids: int | Sequence[int | None] | None) -> None:
         """Also end replies on ``ids`` (an id, a list of them, as ``generation_config``'s

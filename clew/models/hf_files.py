@@ -16,9 +16,11 @@ writes them) and are then given what the real processor would have written:
 - ``processor_class`` in ``processor_config.json`` and ``tokenizer_config.json``: the
   architecture's processor;
 - a ``video_processor`` entry in ``processor_config.json``: the base's own, where it had one
-  (``processor_config.json`` or ``video_preprocessor_config.json``), else the architecture's
-  video processor with the image processor's patch geometry and normalization (the rest at
-  that class's defaults), so a loader that builds the video processor builds the right one;
+  (``processor_config.json`` or ``video_preprocessor_config.json``), else the processor's
+  own (where torchvision let transformers build a real Qwen-VL processor), else the
+  architecture's video processor with the image processor's patch geometry and
+  normalization (the rest at that class's defaults), so a loader that builds the video
+  processor builds the right one;
 - ``preprocessor_config.json`` and ``video_preprocessor_config.json``: the same image and
   video settings flat, the layout of the checkpoints on the Hub, read by loaders that predate
   ``processor_config.json`` (transformers 4, vLLM);
@@ -81,13 +83,14 @@ class BaseFiles:
     """What an export keeps of the base checkpoint it was trained from.
 
     ``dtype``: the base's weight dtype name (config.json ``dtype`` / ``torch_dtype``, at the
-    top or in ``text_config``), None where it records none; ``generation_config``: its generation_config.json; ``video_processor``:
-    its video processor settings; ``chat_template_json``: it kept the chat template in
-    chat_template.json (the older layout) rather than chat_template.jinja.
+    top or in ``text_config``), None where it records none; ``generation_config``: the text
+    of its generation_config.json; ``video_processor``: its video processor settings;
+    ``chat_template_json``: it kept the chat template in chat_template.json (the older
+    layout) rather than chat_template.jinja.
     """
 
     dtype: str | None = None
-    generation_config: dict[str, Any] | None = None
+    generation_config: str | None = None
     video_processor: dict[str, Any] | None = None
     chat_template_json: bool = False
 
@@ -100,6 +103,10 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError) as error:
         raise ModelError(f"{path} is not readable JSON: {error}") from None
     return data if isinstance(data, dict) else None
+
+
+def _read_text(path: Path) -> str | None:
+    return path.read_text() if path.is_file() else None
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -129,7 +136,7 @@ def read_base_files(base_dir: str | Path | None) -> BaseFiles:
         video = _read_json(base / VIDEO_PREPROCESSOR_CONFIG)
     return BaseFiles(
         dtype=dtype if isinstance(dtype, str) else None,
-        generation_config=_read_json(base / GENERATION_CONFIG),
+        generation_config=_read_text(base / GENERATION_CONFIG),
         video_processor=video,
         chat_template_json=(base / CHAT_TEMPLATE_JSON).is_file()
         and not (base / CHAT_TEMPLATE_JINJA).is_file(),
@@ -147,9 +154,16 @@ def processor_class_for(model_type: str) -> str:
         ) from None
 
 
-def _video_processor(model_type: str, image: dict[str, Any], base: BaseFiles) -> dict[str, Any]:
+def _video_processor(
+    model_type: str, image: dict[str, Any], saved: Any, base: BaseFiles
+) -> dict[str, Any]:
+    """The base's video processor settings, else those the processor saved (a real Qwen-VL
+    processor has a video processor), else the image processor's patch geometry and
+    normalization."""
     if base.video_processor is not None:
         video = {k: v for k, v in base.video_processor.items() if k != "processor_class"}
+    elif isinstance(saved, dict):
+        video = {k: v for k, v in saved.items() if k != "processor_class"}
     else:
         video = {k: image[k] for k in _SHARED_VIDEO_KEYS if k in image}
     video["video_processor_type"] = _VIDEO_PROCESSOR_CLASSES[model_type]
@@ -172,7 +186,7 @@ def write_processor_files(
         image = processor.image_processor.to_dict()
     image = {k: v for k, v in image.items() if k not in ("processor_class", "auto_map")}
     image["image_processor_type"] = _IMAGE_PROCESSOR_TYPE
-    video = _video_processor(model_type, image, base)
+    video = _video_processor(model_type, image, composite.get("video_processor"), base)
     composite.update(image_processor=image, video_processor=video, processor_class=name)
     _write_json(out / PROCESSOR_CONFIG, composite)
     _write_json(out / PREPROCESSOR_CONFIG, {**image, "processor_class": name})
@@ -199,7 +213,7 @@ def write_generation_config(
     ``<|im_end|>`` (end of turn) and the tokenizer's eos, greedy unless a caller samples."""
     out = Path(directory) / GENERATION_CONFIG
     if base.generation_config is not None:
-        _write_json(out, base.generation_config)
+        out.write_text(base.generation_config)
         return
     eos: list[int] = []
     for token_id in (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.eos_token_id):

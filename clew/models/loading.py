@@ -17,7 +17,10 @@ agents need. For Qwen3-VL that fallback keeps Qwen3-VL's own image processor set
 
 Directories made by ``clew.models.build_model`` also load through transformers directly:
 ``AutoModelForImageTextToText`` and ``AutoTokenizer`` always, ``AutoProcessor`` in a process
-that has imported ``clew.models`` (see ``clew.models.processor``).
+that has imported ``clew.models`` (see ``clew.models.processor``). Exports
+(``clew.models.hf_export``) name the architecture's own processor class, as a real
+checkpoint does, and load here like one: through ``AutoProcessor`` where torchvision is
+installed, else through the ``ClewVLProcessor`` fallback.
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ LoRA): each row of a batch names its own, so holding several costs only their lo
 factors. Their files come from the ``AdapterStore``, fetched off the scheduler's thread; the
 pool loads one once its fetch has landed and there is room. An adapter that running rows use
 is pinned and never evicted: removing it would fail their batch at its next forward.
+
+Each loaded adapter keeps the stamp of the files it was loaded from. When the store has
+seen its files change (``AdapterStore.latest``, read for each request), the adapter takes
+no new rows: once the rows running on the old copy have left, it is evicted and loaded
+again from the new files.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 from clew.errors import ClewError
 from clew.inference.engine import InferenceEngine
-from clew.serve.adapters import AdapterFiles, AdapterStore
+from clew.serve.adapters import AdapterFiles, AdapterStore, Stamp
 from clew.serve.errors import AdapterUnavailable, ServeError
 
 
@@ -41,6 +46,7 @@ class LoadedAdapters:
         self.on_load = on_load
         self.on_evict = on_evict
         self._lru: OrderedDict[str, None] = OrderedDict()  # least recently used first
+        self._stamps: dict[str, Stamp] = {}  # the files each was loaded from
         self._pins: dict[str, int] = {}
         self._fetching: set[str] = set()  # adapters whose fetch will call ``wake``
         self.loads = 0
@@ -51,6 +57,11 @@ class LoadedAdapters:
 
     def has(self, name: str) -> bool:
         return name in self._lru
+
+    def stamp(self, name: str) -> Stamp | None:
+        """The stamp of the files ``name`` was loaded from, None if it is not loaded (read
+        from the event loop too: a dict read)."""
+        return self._stamps.get(name)
 
     def has_room(self) -> bool:
         """Whether one more adapter can be loaded now (evicting an unpinned one if full)."""
@@ -87,7 +98,12 @@ class LoadedAdapters:
 
     def _ensure(self, name: str, wake: Callable[[], None]) -> bool:
         if name in self._lru:
-            return True
+            latest = self.store.latest(name)
+            if latest is None or latest == self._stamps.get(name):
+                return True
+            if self._pins.get(name):
+                return False  # its files changed: reloaded once the rows on this copy leave
+            self._evict(name)
         fetch = self.store.prepare(name)
         if not fetch.done():
             if name not in self._fetching:
@@ -119,12 +135,16 @@ class LoadedAdapters:
         try:
             self.engine.add_adapter(files.name, (files.config, files.tensors))
         except Exception as exc:
-            raise AdapterUnavailable(
-                f"adapter {files.name!r} at {files.source} does not fit the served base model "
+            message = (
+                f"adapter {files.name!r} ({files.source}) does not fit the served base model "
                 f"(rank {files.config.get('r')}, target modules "
-                f"{files.config.get('target_modules')}): {str(exc).splitlines()[0]}"
-            ) from exc
+                f"{files.config.get('target_modules')}): {self.store.public(str(exc))}"
+            )
+            error = AdapterUnavailable(message)
+            self.store.failed(files.name, files.stamp, error)
+            raise error from exc
         self._lru[files.name] = None
+        self._stamps[files.name] = files.stamp
         self.loads += 1
         if self.on_load:
             self.on_load(files.name, time.perf_counter() - start)
@@ -132,6 +152,7 @@ class LoadedAdapters:
     def _evict(self, name: str) -> None:
         self.engine.remove_adapter(name)
         del self._lru[name]
+        self._stamps.pop(name, None)
         self._pins.pop(name, None)
         self.evictions += 1
         if self.on_evict:

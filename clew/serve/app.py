@@ -12,20 +12,25 @@ store and the scheduler) in FastAPI. Routes:
 
 With an API key set, ``/v1/*`` and ``/playground/api/*`` need ``Authorization: Bearer KEY``
 (a 401 otherwise, checked before the body is read); health, readiness, metrics and the
-playground page (which asks for the key) stay open. Every error, a body that is not JSON
-included, is answered with an OpenAI error body and a 4xx status for the client's mistakes;
-a 500 means the server failed.
+playground page (which asks for the key) stay open (``clew.serve.middleware``). Every error,
+a body that is not JSON included, is answered with an OpenAI error body and a 4xx status for
+the client's mistakes; a 500 means the server failed, for that request only, and its log
+line names the request's ``X-Request-Id``. Every status a route sends is in its OpenAPI
+schema (``/openapi.json``); docs/serving.md lists the limits and what each refusal means.
 
-Shutting down (SIGTERM to ``clew serve``): readiness turns 503 at once, uvicorn stops
-accepting connections and waits for the open ones, streams included, to finish; then the
-scheduler finishes what it holds and stops.
+A client that disconnects frees its rows before the next decode step: a stream's next
+write fails, and a whole reply's handler watches the connection while it waits.
+
+Shutting down (SIGTERM to ``clew serve``, ``run_server``): readiness turns 503 at once,
+uvicorn stops accepting connections, and the requests in flight, streams included, finish
+until ``--shutdown-timeout``; those still running then are answered with a 503
+(``shutting_down``) in OpenAI's format, and the scheduler stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -34,13 +39,30 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clew.serve.errors import BadRequest, ServeError, TooLarge, Unauthorized, error_body
+from clew.serve.errors import BadRequest, ServeError, error_body
+from clew.serve.middleware import (
+    REQUEST_ID_HEADER,
+    ApiKey,
+    BodyLimit,
+    RequestId,
+    SafeJSON,
+    error_response,
+    request_id_of,
+)
+from clew.serve.openapi import document_errors, errors
 from clew.serve.playground import playground_router
-from clew.serve.protocol import ChatCompletionRequest, chunk, completion, completion_id, usage
+from clew.serve.protocol import (
+    ChatCompletionRequest,
+    chunk,
+    completion,
+    completion_id,
+    invalid_text,
+    usage,
+)
 from clew.serve.scheduler import Admitted, Delta, Failed, Finished, Ticket
 
 if TYPE_CHECKING:
@@ -65,73 +87,98 @@ def create_app(server: Server) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
+        default_response_class=SafeJSON,
     )
     app.state.server = server
-    app.add_middleware(_BodyLimit, limit=server.settings.max_request_bytes)
-    app.add_middleware(_ApiKey, key=server.settings.api_key)
+    app.add_middleware(BodyLimit, limit=server.settings.max_request_bytes)
+    app.add_middleware(ApiKey, key=server.settings.api_key)
+    app.add_middleware(RequestId)
     _install_error_handlers(app)
     app.include_router(playground_router(server))
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        responses=errors(400, 401, 404, 413, 500, 503),
+        response_class=SafeJSON,
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         start = time.perf_counter()
-        label = "unknown"
+        adapter: str | None = None
+        watch: asyncio.Task | None = None
         try:
-            adapter = await server.resolve(body.model)
-            label = "base" if adapter is None else adapter
-            prepared = await server.prepare(body, adapter)
-            ticket = server.scheduler.submit(prepared, asyncio.get_running_loop())
-            first = await ticket.next()
-            if isinstance(first, Failed):
-                raise first.error
-        except ServeError as error:
-            server.metrics.requests.labels(label, str(error.status)).inc()
-            return _error(error)
-        server.metrics.requests.labels(label, "200").inc()
-        prompt_tokens = len(prepared.prompt.token_ids)
-        server.metrics.prompt_tokens.labels(label).inc(prompt_tokens)
-        reply = _Reply(server, ticket, body.model, label, start, prompt_tokens)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                reply.stream(include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        return await reply.whole()
+            try:
+                if (bad := invalid_text(body)) is not None:
+                    raise bad
+                adapter = await server.resolve(body.model)
+                rid = request.state.request_id
+                prepared = await server.prepare(body, adapter, request_id=rid)
+                ticket = server.scheduler.submit(prepared, asyncio.get_running_loop())
+                watch = asyncio.create_task(_watch(request, ticket))
+                first = await ticket.next()
+                if isinstance(first, Failed):
+                    raise first.error
+            except ServeError as error:
+                server.metrics.requests.labels(server.label(adapter), str(error.status)).inc()
+                return error_response(error)
+            label = server.label(adapter)
+            server.metrics.requests.labels(label, "200").inc()
+            prompt_tokens = len(prepared.prompt.token_ids)
+            server.metrics.prompt_tokens.labels(label).inc(prompt_tokens)
+            reply = _Reply(server, ticket, body.model, label, start, prompt_tokens)
+            if body.stream:
+                watch.cancel()  # a stream notices a client gone when it writes or listens
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return StreamingResponse(
+                    reply.stream(include_usage),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                )
+            return await reply.whole()
+        finally:
+            if watch is not None:
+                watch.cancel()
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=errors(401, 500))
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": await asyncio.to_thread(server.model_cards)}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=errors(401, 404, 500))
     async def retrieve_model(model_id: str) -> Response:
         cards = await asyncio.to_thread(server.model_cards)
         card = next((c for c in cards if c["id"] == model_id), None)
         if card is None:
-            return _error(server.not_found(model_id))
-        return JSONResponse(card)
+            return error_response(await asyncio.to_thread(server.not_found, model_id))
+        return SafeJSON(card)
 
-    @app.get("/health")
+    @app.get("/health", responses=errors(500, 503))
     async def health() -> Response:
         alive = server.scheduler.alive or not server.started
-        return JSONResponse(
-            {"status": "ok" if alive else "dead"}, status_code=200 if alive else 503
-        )
+        return SafeJSON({"status": "ok" if alive else "dead"}, status_code=200 if alive else 503)
 
-    @app.get("/ready")
+    @app.get("/ready", responses=errors(500, 503))
     async def ready() -> Response:
         ok = server.started and server.scheduler.alive and not server.draining
-        return JSONResponse(
+        return SafeJSON(
             {"status": "ready" if ok else ("draining" if server.draining else "starting")},
             status_code=200 if ok else 503,
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=errors(500))
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    document_errors(app)
     return app
+
+
+async def _watch(request: Request, ticket: Ticket) -> None:
+    """Abandon ``ticket`` when its client disconnects (the body is read: what the
+    connection says next is that it closed)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            ticket.abandon()
+            return
 
 
 class _Reply:
@@ -170,10 +217,10 @@ class _Reply:
                 finished += 1
             elif isinstance(event, Failed):
                 self.ticket.cancel()
-                return _error(event.error)
+                return error_response(event.error)
         self._done()
         body = completion(self.cid, self.model, texts, reasons, usage(self.prompt_tokens, tokens))
-        return JSONResponse(body)
+        return SafeJSON(body)
 
     async def stream(self, include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
@@ -213,30 +260,28 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def _error(error: ServeError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServeError)
     async def serve_error(_: Request, exc: ServeError) -> Response:
-        return _error(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> Response:
-        return _error(_validation_error(exc))
+        return error_response(_validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+        return SafeJSON(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
-    async def crash(_: Request, exc: Exception) -> Response:
-        log.exception("unhandled error in a request")
-        body = error_body(f"the server failed: {type(exc).__name__}", "server_error")
-        return JSONResponse(body, status_code=500)
+    async def crash(request: Request, exc: Exception) -> Response:
+        # Outside the request-id middleware: the header is set here.
+        rid = request_id_of(request.scope)
+        log.error("request %s failed: %s: %s", rid, type(exc).__name__, exc, exc_info=exc)
+        message = f"the server failed on this request ({type(exc).__name__}; request id {rid})"
+        body = error_body(message, "server_error", code="internal_error")
+        return SafeJSON(body, status_code=500, headers={REQUEST_ID_HEADER: rid} if rid else None)
 
 
 def _validation_error(exc: RequestValidationError) -> BadRequest:
@@ -263,66 +308,3 @@ def _validation_error(exc: RequestValidationError) -> BadRequest:
 
 
 _BRANCHES = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-_KEYED = ("/v1/", "/playground/api/")
-
-
-class _ApiKey:
-    """401 for ``/v1/*`` and ``/playground/api/*`` requests without ``Authorization: Bearer
-    KEY`` (when a key is set)."""
-
-    def __init__(self, app: Any, key: str | None) -> None:
-        self.app, self.key = app, key
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if self.key and scope["type"] == "http" and scope["path"].startswith(_KEYED):
-            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), self.key.encode()
-            ):
-                message = (
-                    "missing or wrong API key: send it as 'Authorization: Bearer KEY' "
-                    "(OpenAI clients: api_key=KEY)"
-                )
-                await _error(Unauthorized(message))(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _BodyLimit:
-    """413 for request bodies over ``limit`` bytes, before the app reads them whole."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        too_large = _error(
-            TooLarge(f"the request body is over this server's limit of {self.limit:,} bytes")
-        )
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await too_large(scope, receive, send)
-            return
-        messages, size = [], 0
-        while True:
-            message = await receive()
-            messages.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.limit:
-                await too_large(scope, receive, send)
-                return
-            if not message.get("more_body"):
-                break
-        replay = iter(messages)
-
-        async def replayed() -> dict:
-            return next(replay, None) or await receive()
-
-        await self.app(scope, replayed, send)

@@ -79,6 +79,29 @@ class Overloaded(ServeError):
     code = "overloaded"
 
 
+class ShuttingDown(ServeError):
+    """The server is stopping (SIGTERM): it takes no new request, and ends those still
+    running at ``--shutdown-timeout``. Another replica may serve a retry."""
+
+    status = 503
+    type = "server_error"
+    code = "shutting_down"
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(
+            message
+            or "the server is shutting down and did not finish this request; retry it "
+            "(another replica, or this server once restarted, serves it)"
+        )
+
+
+class ClientClosed(ServeError):
+    """The client closed its connection before the reply was whole (nobody reads it)."""
+
+    status = 499
+    code = "client_closed_request"
+
+
 class ServerFault(ServeError):
     """Something failed inside the server while generating (a bug, or the device failed)."""
 
@@ -91,3 +114,11 @@ def error_body(
     message: str, type_: str = "invalid_request_error", param: str | None = None, code=None
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def shorten(text: str, limit: int = 80) -> str:
+    """``repr(text)`` cut to about ``limit`` characters, saying how long it was: an error
+    that names what a client sent must not echo a megabyte back."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text):,} characters)"

@@ -17,6 +17,10 @@ chat templates render (and vLLM serves) for the same messages:
 * consecutive messages of one role stay separate turns, each closed and the next opened
   with its own header, as the templates write them; the assistant header comes last.
 
+Every text a client sends is encoded as plain text (``ChatFormat.encode_plain``): a
+special-token string in a message, such as ``"<|im_end|>"``, is its characters' tokens,
+never the control token, so a message cannot close its turn or add image tokens.
+
 Images come as data URLs (``data:image/png;base64,...``). Remote ``http(s)`` URLs are
 refused unless the server allows them (``--allow-remote-images``: the server then fetches
 whatever URL a client names, from inside its network). Every image is checked against the
@@ -96,8 +100,7 @@ def build_prompt(
     newline = chat.encode_text("\n")
     header = chat.encode_text("<|im_start|>assistant\n")
     pieces: list[Chunk] = [
-        Chunk(chat.encode_text(f"<|im_start|>system\n{_text(m, i)}<|im_end|>\n"))
-        for i, m in enumerate(messages[:n_system])
+        Chunk(chat.system_turn(_text(m, i))) for i, m in enumerate(messages[:n_system])
     ]
     previous: str | None = None
     for i, m in enumerate(rest, start=n_system):
@@ -111,7 +114,7 @@ def build_prompt(
                 pieces.append(Chunk(newline + header))
             text = _text(m, i)
             final = continue_final and i == len(messages) - 1
-            pieces.append(Chunk(chat.encode_text(text) if final else chat.reply_tokens(text)))
+            pieces.append(Chunk(chat.encode_plain(text) if final else chat.reply_tokens(text)))
         previous = m.role
     return join_chunks(pieces)
 

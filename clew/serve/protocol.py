@@ -3,7 +3,9 @@
 Strict validation: a JSON string where a number belongs is a 400, not coerced, as OpenAI's
 own API answers. Parameters this server does not implement (tools, penalties, logit bias,
 log probabilities, response formats) are refused with a 400 when set to anything but their
-neutral value, rather than silently ignored; unknown keys are ignored.
+neutral value, rather than silently ignored; unknown keys are ignored. Every string must be
+valid Unicode (``invalid_text``): JSON can escape a lone surrogate (``"\\ud800"``), which no
+tokenizer or UTF-8 encoder takes.
 
 Two extensions beyond OpenAI's fields, for clients that decode as clew's rollouts do:
 ``allowed_tokens`` (texts of single tokens: only these are sampled, as
@@ -18,6 +20,8 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from clew.serve.errors import BadRequest
 
 
 class _Strict(BaseModel):
@@ -96,6 +100,41 @@ class ChatCompletionRequest(_Strict):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+def invalid_text(value: Any, where: str = "") -> BadRequest | None:
+    """A 400 naming the first string in ``value`` (a request model, or JSON values) that is
+    not valid Unicode (a lone surrogate), else None."""
+    if isinstance(value, str):
+        if value.isascii():
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            code = ord(value[exc.start])
+            return BadRequest(
+                f"{where or 'body'}: the text holds a lone surrogate (U+{code:04X}) at "
+                f"character {exc.start}, which is not valid Unicode; send UTF-8 text "
+                "(in JSON, \\uD800-\\uDFFF escapes only as high-low pairs)",
+                param=where or None,
+                code="invalid_unicode",
+            )
+        return None
+    if isinstance(value, BaseModel):
+        value = {k: getattr(value, k) for k in type(value).model_fields}
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+            path = f"{where}.{name}" if where else name
+            error = invalid_text(key, path) or invalid_text(item, path)
+            if error is not None:
+                return error
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            error = invalid_text(item, f"{where}.{i}" if where else str(i))
+            if error is not None:
+                return error
+    return None
 
 
 def completion_id() -> str:

@@ -73,6 +73,7 @@ class BuildArgs(BaseModel):
     max_batch_size: PositiveInt | None = None
     tokens_per_step: PositiveInt | None = None
     max_n: PositiveInt | None = None
+    max_queue: PositiveInt | None = None
     max_images: PositiveInt | None = None
     max_image_bytes: PositiveInt | None = None
     max_image_pixels: PositiveInt | None = None
@@ -103,6 +104,7 @@ class BuildArgs(BaseModel):
             "max_batch_size",
             "tokens_per_step",
             "max_n",
+            "max_queue",
             "max_request_bytes",
         )
         given = {

@@ -38,6 +38,16 @@ request with the same seed samples the same tokens whatever else is running.
 A batch pins each adapter its rows use in ``LoadedAdapters`` (once) until their last row
 leaves: evicting one under running rows would fail their batch at its next forward. Stop
 strings and what a row's reply keeps are ``clew.serve.reply``'s.
+
+The running batches are ``clew.serve.running``'s, their rows and keys
+``clew.serve.batches``'. Isolation: a step that raises fails no request by itself. Its rows
+restart in smaller batches until the rows that fail alone are found; only those requests
+get a 500, logged with their request ids, and the others go on. A request whose client
+went away (``Ticket.cancel``) leaves at the start of the next turn, before the next step.
+
+Shutting down: ``drain`` admits nothing new and, at its deadline, ends whatever still runs
+or waits with a 503 (``ShuttingDown``); ``close`` does so at once and waits for the thread
+only up to a timeout, so a step that never returns cannot hold the process.
 """
 
 from __future__ import annotations
@@ -48,42 +58,21 @@ import itertools
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from clew.errors import ConfigError
-from clew.inference.engine import CacheBatch, InferenceEngine
-from clew.inference.sampling import SamplingParams
-from clew.models.chat import Chunk
+from clew.inference.engine import InferenceEngine
 from clew.serve.adapter_pool import LoadedAdapters
-from clew.serve.errors import BadRequest, Overloaded, ServeError, ServerFault
+from clew.serve.batches import Batch, batch_key, longest
+from clew.serve.errors import BadRequest, Overloaded, ServeError, ServerFault, ShuttingDown
 from clew.serve.metrics import ServeMetrics
-from clew.serve.reply import Reply
+from clew.serve.running import RunningBatches
 from clew.serve.tickets import Admitted, Delta, Event, Failed, Finished, GenerationRequest, Ticket  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-_CONTINUE = Chunk([])  # a step that only feeds each row its pending token
-
-
-@dataclass
-class _Row:
-    ticket: Ticket
-    index: int
-    reply: Reply
-    longest: int  # the most cache columns it may take: prompt, max_tokens and one step
-    started: bool = False  # its prompt is in the cache
-
-
-@dataclass
-class _Batch:
-    key: tuple[Any, ...]
-    adapters: set[str]  # the adapters its rows use, each pinned once
-    cache: CacheBatch
-    params: SamplingParams
-    rows: dict[int, _Row]
 
 
 class Scheduler:
@@ -105,10 +94,12 @@ class Scheduler:
         self.max_batch_rows = max_batch_rows
         self.max_queue = max_queue
         self.tokens_per_step = tokens_per_step
+        self.running = RunningBatches(engine, adapters, self.metrics, tokens_per_step)
         self._queue: deque[Ticket] = deque()
-        self._batches: list[_Batch] = []
         self._cv = threading.Condition()
         self._stopping = False
+        self._draining = False
+        self._deadline: float | None = None  # time.monotonic(): end what is left then
         self._held = 0
         self._solo = itertools.count()
         self._thread = threading.Thread(target=self._run, name="clew-serve-scheduler", daemon=True)
@@ -121,26 +112,31 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def steps(self) -> int:
+        """Engine steps run so far."""
+        return self.running.steps
+
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Ticket:
         """Queue ``request``; its ticket's events come on ``loop``. Raises ``BadRequest`` if
-        it can never fit the KV cache, ``Overloaded`` if the queue is full or the server is
-        stopping."""
-        longest = self._longest(request)
+        it can never fit the KV cache, ``Overloaded`` if the queue is full, ``ShuttingDown``
+        once the server stops taking requests."""
+        tokens = self._longest(request)
         try:
-            fits = self.engine.max_sequences(longest)
+            fits = self.engine.max_sequences(tokens)
         except ConfigError:
             fits = 0
         if fits < 1 or request.n > self.max_batch_rows:
             raise BadRequest(
-                f"{request.n} sequence(s) of {longest} tokens do not fit this server's KV cache "
+                f"{request.n} sequence(s) of {tokens} tokens do not fit this server's KV cache "
                 f"or batch size (--max-batch-size {self.max_batch_rows}); ask for fewer tokens "
                 "or a smaller n",
                 code="context_length_exceeded",
             )
         ticket = Ticket(request, loop, self)
         with self._cv:
-            if self._stopping:
-                raise Overloaded("the server is shutting down")
+            if self._stopping or self._draining:
+                raise ShuttingDown()
             if len(self._queue) >= self.max_queue:
                 raise Overloaded(
                     f"{len(self._queue)} requests are waiting already (--max-queue); retry later"
@@ -167,10 +163,20 @@ class Scheduler:
         with self._cv:
             self._cv.notify()
 
-    def close(self, timeout: float | None = None) -> None:
-        """Finish what is queued and running, then stop the thread."""
+    def drain(self, deadline: float) -> None:
+        """Admit no new request; end what still runs or waits at ``deadline``
+        (``time.monotonic()``) with a 503."""
         with self._cv:
-            self._stopping = True
+            self._draining = True
+            self._deadline = min(deadline, self._deadline or deadline)
+            self._cv.notify()
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        """End what is queued and running (with a 503) and stop the thread, waiting for it
+        up to ``timeout`` seconds (a step in progress finishes first)."""
+        with self._cv:
+            self._stopping = self._draining = True
+            self._deadline = time.monotonic()
             self._cv.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -179,20 +185,21 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._batches and not self._stopping:
+                while not self._queue and not self.running and not self._stopping:
                     self._cv.wait()
-                if self._stopping and not self._queue and not self._batches:
+                if self._stopping and not self._queue and not self.running:
                     return
             try:
-                for batch in list(self._batches):
-                    self._drop(batch, [s for s, r in batch.rows.items() if r.ticket.cancelled])
+                if self._deadline is not None and time.monotonic() >= self._deadline:
+                    self._fail_all(ShuttingDown())
+                    continue
+                self.running.drop_cancelled()
                 self._admit()
-                for batch in list(self._batches):
-                    self._step(batch)
+                self.running.step_all()
             except Exception:  # a bug here must not leave requests hanging forever
                 log.exception("the scheduler failed; failing every request it holds")
                 self._fail_all(ServerFault("the server failed while scheduling this request"))
-            if not self._batches:
+            if not self.running:
                 with self._cv:
                     if self._queue:
                         # Waiting on an adapter fetch or on room: the fetch's callback or a
@@ -204,10 +211,10 @@ class Scheduler:
             for t in [t for t in self._queue if t.cancelled]:
                 self._queue.remove(t)
             waiting = [] if self._held else list(self._queue)
-        running = {b.key: b for b in self._batches}
+        running = self.running.by_key()
         groups: dict[tuple[Any, ...], list[Ticket]] = {}
         for t in waiting:
-            groups.setdefault(self._key(t), []).append(t)
+            groups.setdefault(batch_key(t, self._solo), []).append(t)
         for key, tickets in groups.items():
             names = [t.request.adapter for t in tickets if t.request.adapter is not None]
             ready, failed = self.adapters.acquire(names, self.wake)  # each ready one pinned
@@ -224,77 +231,37 @@ class Scheduler:
                 continue
             try:
                 if batch is None:
-                    self._open(key, used, chosen)
+                    first = chosen[0].request
+                    seed = first.seed % (1 << 63) if first.seed is not None else None
+                    seed = random.getrandbits(63) if seed is None else seed
+                    self.running.open(key, used, chosen, seed)
                 else:
-                    self._join(batch, used, chosen)
+                    self.running.join(batch, used, chosen)
             except Exception:
                 for name in used:
                     self.adapters.unpin(name)
                 raise
+            self._admitted(chosen)
 
-    def _fitting(self, tickets: list[Ticket], batch: _Batch | None) -> list[Ticket]:
+    def _fitting(self, tickets: list[Ticket], batch: Batch | None) -> list[Ticket]:
         """The longest run of ``tickets`` (in arrival order) that can join ``batch`` (or open
         a new one) now: within the batch size, and within the KV-cache budget with every row
         of the batch counted at its longest."""
-        room = self.max_batch_rows - sum(len(b.rows) for b in self._batches)
+        room = self.max_batch_rows - self.running.rows()
         running = list(batch.rows.values()) if batch else []
-        longest = max((row.longest for row in running), default=0)
+        widest = max((row.longest for row in running), default=0)
         chosen: list[Ticket] = []
         rows = 0
         for t in tickets:
             r = t.request
-            length = max(longest, self._longest(r))
+            length = max(widest, self._longest(r))
             if rows + r.n > room or self.engine.max_sequences(length) < len(running) + rows + r.n:
                 break
             if batch is not None and not batch.cache.can_add(rows + r.n, length):
                 break  # the engine's own check (a dynamic KV cache takes no joining rows)
             chosen.append(t)
-            rows, longest = rows + r.n, length
+            rows, widest = rows + r.n, length
         return chosen
-
-    def _rows(self, tickets: list[Ticket]) -> list[_Row]:
-        return [
-            _Row(t, i, Reply(t.request.max_tokens, t.request.stop), self._longest(t.request))
-            for t in tickets
-            for i in range(t.request.n)
-        ]
-
-    def _open(self, key: tuple[Any, ...], adapters: set[str], tickets: list[Ticket]) -> None:
-        """A new batch of ``tickets``' rows; ``adapters`` (theirs) are pinned already."""
-        first = tickets[0].request
-        seed = first.seed % (1 << 63) if first.seed is not None else random.getrandbits(63)
-        rows = self._rows(tickets)
-        cache = self.engine.open_batch(
-            len(rows),
-            seed=seed,
-            capacity_hint=max(row.longest for row in rows),
-            adapters=[row.ticket.request.adapter for row in rows],
-        )
-        params = SamplingParams(
-            temperature=first.temperature,
-            top_p=first.top_p,
-            max_tokens=self.tokens_per_step,
-            allowed_tokens=first.allowed_tokens,
-        )
-        self._batches.append(_Batch(key, adapters, cache, params, dict(enumerate(rows))))
-        self.metrics.batches.inc()
-        self.metrics.batch_rows.observe(len(rows))
-        self._admitted(tickets)
-
-    def _join(self, batch: _Batch, adapters: set[str], tickets: list[Ticket]) -> None:
-        """``tickets``' rows join the running ``batch``; ``adapters`` (theirs) are pinned
-        already, and the batch keeps one pin of each."""
-        rows = self._rows(tickets)
-        seqs = batch.cache.add_rows(
-            len(rows),
-            adapters=[row.ticket.request.adapter for row in rows],
-            tokens=max(row.longest for row in rows),
-        )
-        batch.rows.update(zip(seqs, rows, strict=True))
-        for name in adapters & batch.adapters:
-            self.adapters.unpin(name)
-        batch.adapters |= adapters
-        self._admitted(tickets)
 
     def _admitted(self, tickets: list[Ticket]) -> None:
         with self._cv:
@@ -303,72 +270,9 @@ class Scheduler:
             self.metrics.queue_depth.set(len(self._queue))
         for t in tickets:
             t.post(Admitted())
-        self._count_running()
-
-    def _step(self, batch: _Batch) -> None:
-        try:
-            chunks = {
-                s: (_CONTINUE if row.started else row.ticket.request.prompt)
-                for s, row in batch.rows.items()
-            }
-            gens = batch.cache.extend_and_generate(chunks, batch.params)
-        except Exception:
-            log.exception("a decode step failed; failing the requests of its batch")
-            error = ServerFault("generation failed inside the server for this request")
-            for row in batch.rows.values():
-                row.ticket.post(Failed(error))
-                row.ticket.cancelled = True
-            self._drop(batch, list(batch.rows))
-            return
-        for row in batch.rows.values():
-            row.started = True
-        posts: list[tuple[Ticket, Event]] = []
-        ended = [s for s, gen in gens.items() if self._advance(batch.rows[s], gen, posts)]
-        Ticket.post_all(posts)
-        if ended:
-            self._drop(batch, ended)
-
-    def _advance(self, row: _Row, gen: Any, posts: list[tuple[Ticket, Event]]) -> bool:
-        """Take a row's new tokens; post its text and, if it ended, why. True when ended."""
-        delta, reason = row.reply.take(gen.token_ids, gen.finish_reason, self.engine.chat.decode)
-        if delta:
-            posts.append((row.ticket, Delta(row.index, delta)))
-        if reason is None:
-            return False
-        used = len(row.reply.tokens)
-        posts.append((row.ticket, Finished(row.index, reason, used)))
-        self.metrics.completion_tokens.labels(_label(row.ticket.request.adapter)).inc(used)
-        return True
-
-    def _drop(self, batch: _Batch, seqs: list[int]) -> None:
-        if not seqs:
-            return
-        for s in seqs:
-            batch.rows.pop(s, None)
-        if batch.rows:
-            batch.cache.drop(seqs)
-        else:
-            self._batches.remove(batch)
-        used = {row.ticket.request.adapter for row in batch.rows.values()}
-        for name in batch.adapters - used:
-            self.adapters.unpin(name)
-        batch.adapters &= used
-        self._count_running()
 
     def _longest(self, request: GenerationRequest) -> int:
-        return len(request.prompt.token_ids) + request.max_tokens + self.tokens_per_step
-
-    def _key(self, ticket: Ticket) -> tuple[Any, ...]:
-        r = ticket.request
-        if r.temperature == 0:
-            sampling: tuple[Any, ...] = ("greedy",)
-        elif r.seed is not None:
-            if ticket.solo is None:
-                ticket.solo = next(self._solo)
-            sampling = ("seeded", ticket.solo)
-        else:
-            sampling = ("sampled", r.temperature, r.top_p)
-        return (sampling, r.allowed_tokens)
+        return longest(request, self.tokens_per_step)
 
     def _reject(self, tickets: list[Ticket], error: ServeError) -> None:
         with self._cv:
@@ -380,20 +284,8 @@ class Scheduler:
             t.post(Failed(error))
 
     def _fail_all(self, error: ServeError) -> None:
-        for batch in list(self._batches):
-            for row in batch.rows.values():
-                row.ticket.post(Failed(error))
-            self._batches.remove(batch)
-            for name in batch.adapters:
-                self.adapters.unpin(name)
+        """End every running and waiting request with ``error``."""
+        self.running.fail_all(error)
         with self._cv:
             waiting = list(self._queue)
         self._reject(waiting, error)
-        self._count_running()
-
-    def _count_running(self) -> None:
-        self.metrics.running.set(sum(len(b.rows) for b in self._batches))
-
-
-def _label(adapter: str | None) -> str:
-    return "base" if adapter is None else adapter

@@ -3,7 +3,12 @@
 ``Server`` is what the HTTP app (``clew.serve.app``) calls: it resolves model names
 (``ID`` for the base, ``ID:NAME`` for the adapter under the prefix), turns a validated
 request into a ``GenerationRequest`` (the prompt encoded off the event loop) and hands it
-to the ``Scheduler``. ``run_server`` serves it with uvicorn until SIGINT/SIGTERM.
+to the ``Scheduler``. ``run_server`` serves it with uvicorn until SIGINT/SIGTERM, then
+shuts down within ``--shutdown-timeout`` (``run_server``).
+
+Metric labels name only what the server serves: ``base``, and adapters once loaded; any
+other name a client sends counts under ``unknown`` (``label``), so clients cannot grow the
+label set.
 
 Prompts are encoded on a small thread pool, each thread with its own copy of the processor:
 the scheduler's thread decodes with the engine's tokenizer meanwhile, and a Rust tokenizer
@@ -14,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
+import os
 import re
 import threading
 import time
@@ -26,14 +33,20 @@ from clew.inference.engine import InferenceEngine
 from clew.models.chat import ChatFormat
 from clew.serve.adapter_pool import LoadedAdapters
 from clew.serve.adapters import AdapterStore, check_name
-from clew.serve.errors import AdapterUnavailable, BadRequest, ModelNotFound
+from clew.serve.errors import AdapterUnavailable, BadRequest, ModelNotFound, shorten
 from clew.serve.metrics import ServeMetrics
 from clew.serve.prompt import PromptLimits, build_prompt
 from clew.serve.protocol import ChatCompletionRequest, model_card
 from clew.serve.scheduler import GenerationRequest, Scheduler
 
+log = logging.getLogger(__name__)
+
 MODEL_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 MAX_STOP_STRINGS = 4
+# After --shutdown-timeout: seconds for the 503s of the requests stopped then to be written,
+# and after that for the process to exit before it is ended (``run_server``).
+ANSWER_GRACE_S = 3.0
+EXIT_GRACE_S = 8.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,8 @@ class ServeSettings:
     limits: PromptLimits = field(default_factory=PromptLimits)
     encode_threads: int = 2
     tokens_per_step: int = 1
+    adapter_check_s: float = 2.0  # how often a request re-reads its adapter's file stamps
+    shutdown_timeout: float = 60.0  # seconds in-flight requests may take after SIGTERM
 
     def __post_init__(self) -> None:
         if not MODEL_ID_RE.fullmatch(self.model_id):
@@ -71,7 +86,8 @@ class Server:
         self.settings = settings
         self.engine = engine
         self.metrics = ServeMetrics()
-        self.store = AdapterStore(settings.adapters)
+        self.store = AdapterStore(settings.adapters, check_ttl_s=settings.adapter_check_s)
+        self.served: set[str] = set()  # adapters loaded at least once: their metric labels
         self.adapters = LoadedAdapters(
             engine,
             self.store,
@@ -128,11 +144,50 @@ class Server:
         if not self.started:
             self.scheduler.start()
             self.started = True
+            self.announce()
 
-    def close(self) -> None:
+    def announce(self) -> None:
+        """Log what is served and the limits; warn when anyone may use it."""
+        s, lim = self.settings, self.settings.limits
+        if not s.api_key:
+            log.warning(
+                "no API key is set: anyone who can reach this server may use its models and "
+                "the playground (set --api-key or $CLEW_SERVE_API_KEY)"
+            )
+        log.info(
+            "serving %s with adapters %s; limits: max_model_len=%d default_max_tokens=%d "
+            "max_n=%d max_batch_size=%d max_queue=%d max_adapters=%d max_images=%d "
+            "max_image_bytes=%d max_image_pixels=%d max_request_bytes=%d "
+            "remote_images=%s shutdown_timeout=%gs",
+            s.model_id,
+            f"under {s.adapters} as {s.model_id}:NAME" if s.adapters else "off (no --adapters)",
+            self.max_model_len,
+            s.default_max_tokens,
+            s.max_n,
+            s.max_batch_rows,
+            s.max_queue,
+            s.max_adapters,
+            lim.max_images,
+            lim.max_image_bytes,
+            lim.max_image_pixels,
+            s.max_request_bytes,
+            "allowed" if lim.allow_remote_images else "refused",
+            s.shutdown_timeout,
+        )
+
+    def begin_shutdown(self, timeout: float | None = None) -> None:
+        """Stop taking requests; those in flight may run ``timeout`` seconds more (default:
+        the settings' ``shutdown_timeout``), then they are answered with a 503."""
+        timeout = self.settings.shutdown_timeout if timeout is None else timeout
         self.draining = True
-        self.scheduler.close()
-        self._encoder.shutdown(wait=True)
+        self.scheduler.drain(time.monotonic() + timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """End what still runs (a 503 each) and stop, waiting for the scheduler's thread up
+        to ``timeout`` seconds: a step that never returns cannot hold the process."""
+        self.draining = True
+        self.scheduler.close(timeout)
+        self._encoder.shutdown(wait=False, cancel_futures=True)
         self.store.close()
 
     # -- names ----------------------------------------------------------------------
@@ -146,8 +201,15 @@ class Server:
         raise await asyncio.to_thread(self.not_found, model)
 
     def model_ids(self) -> list[str]:
+        """The base and every adapter that can be loaded (``AdapterStore.loadable``)."""
         base = self.settings.model_id
-        return [base, *(f"{base}:{n}" for n in self.store.names())]
+        return [base, *(f"{base}:{n}" for n in self.store.loadable())]
+
+    def label(self, adapter: str | None) -> str:
+        """The metrics' ``model`` label of a request for ``adapter`` (module docstring)."""
+        if adapter is None:
+            return "base"
+        return adapter if adapter in self.served else "unknown"
 
     def model_cards(self) -> list[dict[str, Any]]:
         base = self.settings.model_id
@@ -158,13 +220,17 @@ class Server:
         ids = self.model_ids()
         listed = ", ".join(ids[:50]) + (f" (and {len(ids) - 50} more)" if len(ids) > 50 else "")
         return ModelNotFound(
-            f"the model {model!r} does not exist; this server serves: {listed} (GET /v1/models)",
+            f"the model {shorten(model)} does not exist; this server serves: {listed} "
+            "(GET /v1/models)",
             param="model",
         )
 
     # -- requests -------------------------------------------------------------------
-    async def prepare(self, body: ChatCompletionRequest, adapter: str | None) -> GenerationRequest:
-        """The engine's view of ``body``; ``ServeError`` for anything it cannot serve."""
+    async def prepare(
+        self, body: ChatCompletionRequest, adapter: str | None, request_id: str = ""
+    ) -> GenerationRequest:
+        """The engine's view of ``body``; ``ServeError`` for anything it cannot serve. An
+        adapter not loaded, or whose files changed since it was, is fetched first."""
         s = self.settings
         unsupported = body.unsupported()
         if unsupported:
@@ -175,9 +241,11 @@ class Server:
         stop = body.stop_strings()
         if len(stop) > MAX_STOP_STRINGS or any(not x for x in stop):
             raise BadRequest(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
-        if adapter is not None and not self.adapters.has(adapter):
+        if adapter is not None:
             try:
-                await asyncio.wrap_future(self.store.prepare(adapter))
+                stamp = await asyncio.to_thread(self.store.check, adapter)
+                if self.adapters.stamp(adapter) != stamp:
+                    await asyncio.wrap_future(self.store.prepare(adapter))
             except ModelNotFound:
                 raise await asyncio.to_thread(self.not_found, body.model) from None
             except AdapterUnavailable:
@@ -207,6 +275,7 @@ class Server:
             stop=stop,
             seed=body.seed,
             allowed_tokens=tuple(body.allowed_tokens or ()),
+            request_id=request_id,
         )
 
     def _encode(self, body: ChatCompletionRequest):
@@ -228,6 +297,7 @@ class Server:
 
     # -- metrics hooks (scheduler thread) ---------------------------------------------
     def _loaded(self, name: str, seconds: float) -> None:
+        self.served.add(name)
         self.metrics.adapter_loads.labels(name).inc()
         self.metrics.adapter_load_seconds.observe(seconds)
         self.metrics.adapters_loaded.set(len(self.adapters.names()))
@@ -238,24 +308,68 @@ class Server:
 
 
 def run_server(
-    server: Server, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 60.0
+    server: Server,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_timeout: float | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM, then finish the requests in flight (up to
-    ``shutdown_timeout`` seconds) and stop."""
+    """Serve until SIGINT/SIGTERM; then take no new request, let those in flight run up to
+    ``shutdown_timeout`` seconds (default: the settings'), answer the ones still running
+    with a 503 and stop.
+
+    uvicorn waits ``ANSWER_GRACE_S`` longer for those answers to be written, and a timer
+    ends the process ``EXIT_GRACE_S`` after the timeout whatever still runs (a step that
+    never returns, a stuck fetch), so the process is gone within the timeout and a few
+    seconds, always."""
     import uvicorn
 
     from clew.serve.app import create_app
 
+    if shutdown_timeout is None:
+        shutdown_timeout = server.settings.shutdown_timeout
+
     class _Draining(uvicorn.Server):
+        stopping = False
+
         def handle_exit(self, sig: int, frame: Any) -> None:
-            server.draining = True  # /ready answers 503 while the open requests finish
+            if not self.stopping:
+                self.stopping = True
+                log.info(
+                    "stopping: no new requests; those in flight have %gs to finish",
+                    shutdown_timeout,
+                )
+                server.begin_shutdown(shutdown_timeout)
+                _exit_after(shutdown_timeout + EXIT_GRACE_S)
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
         create_app(server),
         host=host,
         port=port,
-        timeout_graceful_shutdown=shutdown_timeout,
+        timeout_graceful_shutdown=shutdown_timeout + ANSWER_GRACE_S,
         log_level="info",
+        log_config=_log_config(),
     )
     _Draining(config).run()
+
+
+def _exit_after(seconds: float) -> None:
+    """End the process in ``seconds`` unless it has exited by then."""
+
+    def end() -> None:
+        log.error("still running %.0fs after the signal to stop: exiting now", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging, with clew's own loggers (``clew.*``) written the same way."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["clew"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from clew.models.chat import Chunk
-from clew.serve.errors import ServeError
+from clew.serve.errors import ClientClosed, ServeError
 
 if TYPE_CHECKING:
     from clew.serve.scheduler import Scheduler
@@ -28,6 +28,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     allowed_tokens: tuple[str, ...] = ()
+    request_id: str = ""  # the X-Request-Id it came with (logs name it)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,12 @@ class Ticket:
         """Stop generating for this request (the client went away); safe to call twice."""
         self.cancelled = True
         self._scheduler.wake()
+
+    def abandon(self) -> None:
+        """``cancel``, from the event loop, and end whoever waits on ``next`` with
+        ``ClientClosed``."""
+        self.cancel()
+        self._events.put_nowait(Failed(ClientClosed("the client closed the connection")))
 
     @staticmethod
     def post_all(posts: list[tuple[Ticket, Event]]) -> None:
