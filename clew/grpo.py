@@ -5,12 +5,17 @@ One step: the sampler hands out ``train_batch_size`` maze rows; the worker group
 PPO-clipped updates on the generated tokens; every ``eval_interval`` steps the fixed eval
 mazes are played greedily; every ``ckpt_interval`` steps the full state is saved. Metrics
 go to a collector and from there to the loggers; timings are per phase.
+
+A phase whose every episode ended as ``env_error`` (the env raised: an id a worker does not
+know, a simulator that is down) stops the run with that error: there is nothing to learn
+from, and going on would train on nothing and log zeros. Each export prints where it went.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,7 +31,7 @@ from clew.config import ClewConfig
 from clew.config.settings import ppo_settings, rollout_settings
 from clew.data.rows import Row
 from clew.data.sampler import ResumableSampler
-from clew.errors import ClewError
+from clew.errors import ClewError, EnvError
 from clew.evaluation import dump_eval, eval_metrics
 from clew.metrics import MetricsCollector
 from clew.metrics.catalog import peak_memory_metric
@@ -66,6 +71,20 @@ _ROLLOUT_DATA: dict[str, Callable[[Trajectory], Any]] = {
 }
 
 
+def stop_if_all_env_errors(trajs: Sequence[Trajectory], phase: str) -> None:
+    """Raise an ``EnvError`` when every episode of ``phase`` ended as ``env_error``,
+    naming the most common error, how many episodes it ended and the env ids."""
+    if not trajs or any(t.end_reason != "env_error" for t in trajs):
+        return
+    error, count = Counter(t.error or "unknown error" for t in trajs).most_common(1)[0]
+    ids = ", ".join(sorted({repr(t.env_id) for t in trajs}))
+    raise EnvError(
+        f"every one of the {len(trajs)} episodes of {phase} failed with an env error, so "
+        f"there is nothing to learn from; stopping. The error ({count} of them): {error} "
+        f"(env id(s) {ids}). The checkpoints and exports already written are kept."
+    )
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -97,6 +116,7 @@ class GRPOTrainer:
         self.state = LoopState()
         self.restarts = 0  # worker-group restarts so far (clew.launch.run_grpo sets it)
         self._saved_step = 0
+        self._exported_step = -1  # the step of the latest global_step_N export
         self._dropped_updates = 0  # training steps in a row whose every optimizer step was dropped
         self.metrics = MetricsCollector()
         self.train_settings = rollout_settings(cfg, evaluation=False)
@@ -117,7 +137,8 @@ class GRPOTrainer:
                 saved = self.state.global_step <= self._saved_step
                 if self.cfg.trainer.ckpt_interval > 0 and not saved:
                     self.checkpointer.save(self.state.global_step, self.checkpointed())
-                self.checkpointer.export(self.group.export, self.state.global_step)
+                if self._exported_step != self.state.global_step:  # else written just now
+                    self.export(self.state.global_step)
         return last_eval
 
     def _loop(self, stop: GracefulStop) -> dict[str, float]:
@@ -157,7 +178,7 @@ class GRPOTrainer:
                 self._saved_step = step
             if self._due(t.hf_save_interval, step) and self.checkpointer is not None:
                 with self.metrics.timer("export"):
-                    self.checkpointer.export(self.group.export, step)
+                    self.export(step)
         if stop.requested:
             print(f"stopped by {stop.signal_name} after step {self.state.global_step}", flush=True)
         elif t.eval_interval > 0 and self.eval_rows and evaluated < self.state.global_step:
@@ -323,7 +344,18 @@ class GRPOTrainer:
         self.state.best_eval, self.state.best_step = value, self.state.global_step
         if self.cfg.trainer.export_best and self.checkpointer is not None:
             with self.metrics.timer("export"):
-                self.checkpointer.export_best(self.group.export, self.state.global_step, value)
+                step = self.state.global_step
+                dest = self.checkpointer.export_best(self.group.export, step, value)
+            print(
+                f"exported the best policy so far (step {step}, pass@1 {value:.1%}) to {dest}",
+                flush=True,
+            )
+
+    def export(self, step: int) -> None:
+        """The policy as ``export_path/global_step_<step>/policy``, saying where."""
+        dest = self.checkpointer.export(self.group.export, step)
+        self._exported_step = step
+        print(f"exported the policy of step {step} to {dest}", flush=True)
 
     def log(self, step: int) -> None:
         # Every step, so a dashboard's series is continuous (a gauge of the run's state).
@@ -354,7 +386,9 @@ class GRPOTrainer:
             self._peak_memory(phase),
             Progress(label, total, enabled=self.show_progress) as progress,
         ):
-            return self.group.generate(rows, settings, seed=seed, progress=progress)
+            trajs = self.group.generate(rows, settings, seed=seed, progress=progress)
+        stop_if_all_env_errors(trajs, label)
+        return trajs
 
     @contextmanager
     def _peak_memory(self, phase: str) -> Iterator[None]:

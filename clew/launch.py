@@ -23,7 +23,7 @@ from clew.cluster.ray_calls import WorkerLost
 from clew.config import ClewConfig, save_config
 from clew.config.settings import engine_options, optimizer_steps, worker_settings
 from clew.data.rows import read_rows, with_env_option
-from clew.envs.plugins import import_env_modules, modules_env
+from clew.envs.plugins import check_env_ids, import_env_modules, modules_env
 from clew.errors import ClewError, ConfigError
 from clew.evaluation import eval_metrics
 from clew.grpo import GRPOTrainer, seed_everything
@@ -31,6 +31,7 @@ from clew.inference.engine import EngineOptions
 from clew.inference.runtime import limit_host_threads, pick_device
 from clew.inference.sampling import SamplingParams
 from clew.metrics import make_loggers, with_ray_metrics
+from clew.metrics.progress import library_bars_unless_tty
 from clew.models.precision import policy_precision
 from clew.rollout.loop import RolloutSettings, play_model
 from clew.train.agreement import solver_agreement
@@ -96,10 +97,12 @@ def ray_worker_group(
     dtype: Any,
     device: torch.device,
     on_gpus: bool,
+    run_name: str,
     **worker_options: Any,
 ) -> Any:
     """``trainer.placement.num_workers`` data-parallel workers of ``model_path`` on Ray,
-    joined or started here (then shut down with the group)."""
+    joined or started here (then shut down with the group); their actors are named
+    ``clew-<run_name>-worker-<rank>``."""
     from clew.cluster.ray_group import RayWorkerGroup
 
     pl = cfg.trainer.placement
@@ -114,6 +117,7 @@ def ray_worker_group(
             placement_group=worker_placement_group(pl, on_gpus),
             on_this_machine=started and not os.environ.get("RAY_ADDRESS"),
             env_vars=modules_env(cfg.environment.modules),
+            name=f"clew-{run_name}",
             seed=cfg.trainer.seed,
             strategy=cfg.trainer.strategy,
             **worker_options,
@@ -163,6 +167,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
             dtype,
             device,
             on_gpus,
+            t.run_name,
             engine=options,
             allowed_tokens=allowed,
         )
@@ -178,10 +183,19 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
 def run_grpo(cfg: ClewConfig) -> dict[str, float]:
     """Run GRPO as configured; returns the last evaluation's metrics.
 
-    A Ray worker that dies (``WorkerLost``) costs the run its worker group, not the run: a
-    new group goes on from the run's latest checkpoint, up to ``trainer.max_restarts``
-    times, after which a ``ClewError`` names the restarts used and the last cause.
+    Every env id of the data must resolve in this process before anything starts, and in
+    every worker before the first step (``clew.envs.plugins``): an ``EnvError`` names the
+    first that does not and how to register it. A Ray worker that dies (``WorkerLost``)
+    costs the run its worker group, not the run: a new group goes on from the run's latest
+    checkpoint, up to ``trainer.max_restarts`` times, after which a ``ClewError`` names the
+    restarts used and the last cause. transformers' progress bars are drawn only on a
+    terminal (``clew.metrics.progress``).
     """
+    with library_bars_unless_tty():
+        return _run_grpo(cfg)
+
+
+def _run_grpo(cfg: ClewConfig) -> dict[str, float]:
     if not cfg.data.train_data:
         raise ConfigError(
             "data.train_data is empty: give one or more parquet files from `clew dataset`"
@@ -189,6 +203,7 @@ def run_grpo(cfg: ClewConfig) -> dict[str, float]:
     import_env_modules(cfg.environment.modules)
     with_ray_metrics(cfg.trainer.logger, cfg.trainer.placement.num_workers)  # fails before loading
     train_rows, eval_rows = run_rows(cfg)
+    check_env_ids(env_ids_of(train_rows, eval_rows))
     run_dir = run_dir_of(cfg)
     save_config(cfg, run_dir)
     attempt_cfg, restarts = cfg, 0
@@ -223,6 +238,7 @@ def _grpo_attempt(
     seed_everything(cfg.trainer.seed)
     group = build_worker_group(cfg, len(train_rows))
     try:  # workers on Ray end with the run, however it ends
+        group.check_envs(env_ids_of(train_rows, eval_rows))
         loggers = make_loggers(
             with_ray_metrics(cfg.trainer.logger, cfg.trainer.placement.num_workers),
             run_dir,
@@ -253,6 +269,11 @@ def _restart_config(cfg: ClewConfig, run_dir: Path) -> tuple[ClewConfig, int | N
         return cfg, step
     trainer = cfg.trainer.model_copy(update={"resume_mode": "latest"})
     return cfg.model_copy(update={"trainer": trainer}), step
+
+
+def env_ids_of(*row_lists: list) -> list[str]:
+    """The distinct env ids of the rows, sorted."""
+    return sorted({r.env_id for rows in row_lists for r in rows})
 
 
 def run_rows(cfg: ClewConfig) -> tuple[list, list]:
@@ -302,8 +323,14 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
     ``global_step_N/policy``, ``best/``). ``trainer.resume_mode=latest`` goes on from the
     run's newest checkpoint; one of another run (another model, data, adapter shape, batch
     size, seed or environment) is refused, listing what differs, before anything is written.
-    ``eval_fn`` replaces the evaluation on ``data.val_data``.
+    ``eval_fn`` replaces the evaluation on ``data.val_data``. The data's env ids must
+    resolve here and in every Ray worker, as for ``run_grpo``.
     """
+    with library_bars_unless_tty():
+        return _run_sft_stage(cfg, eval_fn)
+
+
+def _run_sft_stage(cfg: ClewConfig, eval_fn: EvalFn | None) -> SFTResult:
     s = cfg.sft
     if not s.model_path:
         raise ConfigError(
@@ -321,6 +348,7 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
             raise ConfigError(f"{key} needs an evaluation: set data.val_data")
     import_env_modules(cfg.environment.modules)
     train_rows, eval_rows = run_rows(cfg)
+    check_env_ids(env_ids_of(train_rows, eval_rows))
     run_dir = sft_run_dir(cfg)
     checkpointer = Checkpointer(cfg, run_dir, stage="sft")
     checkpointer.resume_point()  # another run's checkpoint fails here, before any write
@@ -342,7 +370,12 @@ def run_sft_stage(cfg: ClewConfig, *, eval_fn: EvalFn | None = None) -> SFTResul
     if eval_fn is None and eval_rows:
         eval_fn = sft_eval_fn(eval_rows, cfg.generator.keep_last_k_images, autocast, engine)
     if uses_ray(cfg, on_gpus):  # the workers GRPO would run on (trainer.placement)
-        policy = ray_worker_group(cfg, s.model_path, settings, dtype, device, on_gpus)
+        policy = ray_worker_group(cfg, s.model_path, settings, dtype, device, on_gpus, s.run_name)
+        try:
+            policy.check_envs(env_ids_of(train_rows, eval_rows))
+        except BaseException:
+            policy.shutdown()
+            raise
     else:
         limit_host_threads(device)
         policy = PolicyWorker.from_pretrained(s.model_path, settings, dtype=dtype, device=device)

@@ -296,21 +296,41 @@ _STAGE_FNS: dict[str, Callable[[ClewConfig, Path], ClewConfig]] = {
 # -- the result ---------------------------------------------------------------------------
 
 
+def _compared(evals: list[tuple[int, float]], reached: int) -> str:
+    """The first and last of GRPO's evaluations (step, pass@1), each with its step, and the
+    step GRPO ``reached``: a run stopped before its second evaluation says it has none
+    after the first, rather than give the first as the result of GRPO."""
+    (start_step, start), (last_step, final) = evals[0], evals[-1]
+    first = "SFT start" if start_step == 0 else "first evaluation"
+    if last_step == start_step:
+        return (
+            f"{first} {start:.1%} (step {start_step}); GRPO reached step {reached} with no "
+            "evaluation after that one (stopped before its next), so none after GRPO"
+        )
+    of = f" of {reached}" if reached > last_step else ""
+    return (
+        f"{first} {start:.1%} (step {start_step}), after GRPO {final:.1%} (step "
+        f"{last_step}{of}, {100 * (final - start):+.1f} points)"
+    )
+
+
 def report(cfg: ClewConfig, out: Path) -> dict[str, float]:
     """GRPO's evaluations in brief: LOG/summary.json, the run's report.png, one line."""
     from clew.data.rows import read_rows
     from clew.metrics import draw_report, read_history
 
     run_dir = Path(cfg.trainer.log_path) / cfg.trainer.run_name
+    history = read_history(run_dir)
     evals = [
         (h["step"], h[EVAL_KEY])
-        for h in read_history(run_dir)
+        for h in history
         if isinstance(h.get(EVAL_KEY), int | float) and math.isfinite(h[EVAL_KEY])
     ]
     if not evals:
         say(f"GRPO logged no {EVAL_KEY} (data.val_data empty or trainer.eval_interval -1)")
         return {}
     (_, start), (last_step, final) = evals[0], evals[-1]
+    reached = max(h["step"] for h in history)
     best_step, best = max(evals, key=lambda e: (e[1], -e[0]))  # ties: the earlier step
     summary = {
         "sft_pass_at_1": start,
@@ -323,10 +343,7 @@ def report(cfg: ClewConfig, out: Path) -> dict[str, float]:
     png = draw_report(run_dir)
     rows = [r for p in cfg.data.val_data for r in read_rows(p)]
     env_ids = ", ".join(sorted({r.env_id for r in rows}))
-    say(
-        f"eval pass@1 on {len(rows)} fixed {env_ids} mazes: SFT start "
-        f"{start:.1%}, after GRPO {final:.1%} ({summary['gain_points']:+.1f} points)"
-    )
+    say(f"eval pass@1 on {len(rows)} fixed {env_ids} mazes: " + _compared(evals, reached))
     export_path = Path(cfg.trainer.export_path or run_dir / "exports")
     if best_step != last_step:
         kept = export_path / "best" / "policy"

@@ -85,3 +85,36 @@ def test_a_gpu_placement_on_a_cluster_without_gpus_is_refused_naming_the_cpu_way
 
     with pytest.raises(ConfigError, match=r"has 0: .*trainer\.device=cpu"):
         check_gpus(load_config(None, []).trainer.placement, 0, "the Ray cluster")
+
+
+def test_any_mini_batch_splits_over_cpu_workers_and_the_micro_batch_rule_names_no_gpus():
+    # 3 workers and a mini-batch of 8 prompts x 8 samples: shares of 22, 21 and 21.
+    three = load_config(None, ["trainer.placement.num_cpu_workers=3"])
+    trainer = three.trainer
+    assert (trainer.placement.num_workers, trainer.policy_mini_batch_size) == (3, 8)
+    two = ["trainer.placement.num_cpu_workers=2", "generator.n_samples_per_prompt=3"]
+    load_config(None, [*two, "trainer.policy_mini_batch_size=1", "trainer.train_batch_size=1"])
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*two, "trainer.micro_train_batch_size_per_gpu=5"])
+    message = str(err.value)
+    assert "[micro-batch-divisible] a mini batch of 24 trajectories" in message
+    assert "micro_train_batch_size_per_gpu (5)" in message and "1, 2, 3, 4, 6, 8, 12, 24" in message
+    assert "GPU" not in message.replace("micro_train_batch_size_per_gpu", "")
+
+
+def test_skyrls_placement_timeout_variable_is_the_default_and_the_key_wins(monkeypatch):
+    monkeypatch.setenv("SKYRL_RAY_PG_TIMEOUT_IN_S", "600")  # the walkthrough's train_job.sh
+    unset = load_config(None, []).trainer.placement
+    assert unset.timeout_s is None
+    assert unset.placement_timeout() == (
+        600.0,
+        "SKYRL_RAY_PG_TIMEOUT_IN_S (trainer.placement.timeout_s unset)",
+    )
+    key = load_config(None, ["trainer.placement.timeout_s=30"]).trainer.placement
+    assert key.placement_timeout() == (30.0, "trainer.placement.timeout_s")
+    monkeypatch.delenv("SKYRL_RAY_PG_TIMEOUT_IN_S")
+    assert unset.placement_timeout()[0] == 120.0
+    for bad in ("ten", "0", "-5", "nan"):
+        monkeypatch.setenv("SKYRL_RAY_PG_TIMEOUT_IN_S", bad)
+        with pytest.raises(ConfigError, match=rf"SKYRL_RAY_PG_TIMEOUT_IN_S='{bad}'.*positive"):
+            unset.placement_timeout()

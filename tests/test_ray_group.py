@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 
 import pytest
@@ -162,10 +161,11 @@ def test_workers_given_uneven_or_empty_shares_take_the_step_of_one_worker(
 @pytest.fixture(scope="module")
 def ray_group(model_dir):
     ray = pytest.importorskip("ray")
+    from clew.cluster.placement import start_local_ray
     from clew.cluster.ray_group import RayWorkerGroup
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # listen on loopback only
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # A Ray of the test's own on loopback, whatever cluster the machine has or had.
+    start_local_ray(2, log_to_driver=False)
     group = RayWorkerGroup(model_dir, LORA, num_workers=2)
     yield group
     group.shutdown()

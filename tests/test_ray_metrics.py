@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from envs_for_tests import digits_rows
 
+from clew.cluster.placement import start_local_ray
 from clew.config import load_config
 from clew.data.rows import write_rows
 from clew.errors import ConfigError
@@ -103,7 +104,6 @@ def ray_with_metrics():
     saved = os.environ.get(REPORT_INTERVAL_ENV)
     # Ray's exporter reports every 10 s by default; 1 s (its floor) keeps the test short.
     os.environ[REPORT_INTERVAL_ENV] = "1000"
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # listen on loopback only
     tests = str(Path(__file__).parent)
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     runtime_env = {
@@ -111,13 +111,8 @@ def ray_with_metrics():
         "worker_process_setup_hook": f"{__name__}.import_test_envs",
     }
     port = _free_port()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env=runtime_env,
-        _metrics_export_port=port,
-    )
+    # A Ray of the module's own on loopback, whatever cluster the machine has or had.
+    start_local_ray(2, log_to_driver=False, runtime_env=runtime_env, _metrics_export_port=port)
     try:
         yield port
     finally:

@@ -3,7 +3,6 @@ client through Ray Serve's proxy. About 15 s: Ray, then Serve, then one tiny rep
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -30,13 +29,14 @@ def ray_serve_url(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("ray_serve")
     base = make_base(root)
     make_adapter(base, root / "adapters" / "alpha", rank=4, seed=1)
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # listen on loopback only
     started = not ray.is_initialized()
     if started:
+        from clew.cluster.placement import start_local_ray
+
+        # A Ray of the module's own on loopback, whatever cluster the machine has or had.
         # The replica reads its API key from the environment, as on Kubernetes.
-        ray.init(
-            num_cpus=2,
-            include_dashboard=False,
+        start_local_ray(
+            2,
             log_to_driver=False,
             runtime_env={"env_vars": {"CLEW_SERVE_API_KEY": API_KEY}},
         )

@@ -43,14 +43,16 @@ def import_test_envs() -> None:
 def ray_local():
     """One Ray instance on loopback for the module; its workers know the test envs."""
     ray = pytest.importorskip("ray")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # listen on loopback only
+    from clew.cluster.placement import start_local_ray
+
     tests = str(Path(__file__).parent)
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     runtime_env = {
         "env_vars": {"PYTHONPATH": path},
         "worker_process_setup_hook": f"{__name__}.import_test_envs",
     }
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+    # A Ray of the module's own on loopback, whatever cluster the machine has or had.
+    start_local_ray(2, log_to_driver=False, runtime_env=runtime_env)
     yield ray
     ray.shutdown()
 

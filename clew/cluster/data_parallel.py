@@ -24,7 +24,9 @@ must join (rank 0 returns the state and writes the export; so it does without sh
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 from collections.abc import Sequence
 from contextlib import nullcontext
 from datetime import timedelta
@@ -42,6 +44,7 @@ from clew.data.rows import Row
 from clew.errors import ModelError
 from clew.inference.engine import EngineOptions
 from clew.inference.runtime import limit_host_threads
+from clew.metrics.progress import library_bars_off
 from clew.models.hf_export import write_companion_files
 from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
@@ -86,9 +89,11 @@ class TorchDistributedSync:
         device: torch.device,
         timeout_s: float = 300.0,
     ) -> TorchDistributedSync:
-        """Join the group at ``init_method`` (``tcp://host:port``, rank 0 listens there)."""
+        """Join the group at ``init_method``: ``tcp://host:port`` (rank 0 listens there) or
+        ``file://path`` (workers of one machine: ``local_rendezvous``)."""
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if backend == "gloo" and urlparse(init_method).hostname in LOOPBACK:
+        parsed = urlparse(init_method)
+        if backend == "gloo" and (parsed.scheme == "file" or parsed.hostname in LOOPBACK):
             # Gloo otherwise listens on the address the host name resolves to.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
         dist.init_process_group(
@@ -136,6 +141,21 @@ def free_loopback_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
+def local_rendezvous() -> str:
+    """A ``file://`` rendezvous for workers that all run on this machine: a store file in a
+    new temporary folder (``remove_rendezvous`` deletes it). Unlike a ``tcp://`` one it
+    opens no port: rank 0's TCP store listens on every interface, whatever host the address
+    names, while gloo's own connections stay on loopback (``GLOO_SOCKET_IFNAME``)."""
+    return (Path(tempfile.mkdtemp(prefix="clew-rendezvous-")) / "store").as_uri()
+
+
+def remove_rendezvous(init_method: str) -> None:
+    """Delete the folder of a ``local_rendezvous`` store; other addresses are left alone."""
+    parsed = urlparse(init_method)
+    if parsed.scheme == "file":
+        shutil.rmtree(Path(parsed.path).parent, ignore_errors=True)
+
+
 class DataParallelWorker:
     """Rank ``rank`` of ``world_size`` data-parallel policy workers."""
 
@@ -156,6 +176,7 @@ class DataParallelWorker:
         allowed_tokens: Sequence[Sequence[str]] = (),
         strategy: str = "fsdp",
     ) -> None:
+        library_bars_off()  # a worker's stderr is a log file (and `ray job logs`)
         if num_threads:
             torch.set_num_threads(num_threads)
         engine = engine or EngineOptions()
@@ -192,6 +213,11 @@ class DataParallelWorker:
         )
         for tokens in allowed_tokens:  # a token text that is not one token fails here
             self.engine.allowed_ids(tuple(tokens))
+
+    def __repr__(self) -> str:
+        # Ray prefixes the actor's log lines with this (`ray job logs`, the driver's console).
+        rank, size = getattr(self, "rank", "?"), getattr(self, "world_size", "?")
+        return f"DataParallelWorker(rank {rank} of {size})"
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         return [p for p in self.worker.model.parameters() if p.requires_grad]
@@ -243,7 +269,7 @@ class DataParallelWorker:
             return
         self.worker.save_pretrained(path)
         if self.rank == 0:
-            self.worker.chat.processor.save_pretrained(path)
+            write_companion_files(self.worker.model, self.worker.chat.processor, path)
 
     def sft_step(self, demos: Sequence[Any], micro_batch_size: int) -> dict[str, float]:
         """One SFT optimizer step on this worker's share of the batch (summed gradients)."""

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from clew.data.rows import Row
+from clew.envs.plugins import check_env_ids
 from clew.inference.engine import InferenceEngine
 from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
@@ -29,7 +30,9 @@ class WorkerGroup(Protocol):
     config: a group of N workers hands each ``batch.split(N, settings.mini_batch_size)``
     with ``mini_batch_size`` divided by N, and combines their metrics. ``generate`` calls
     ``progress(n)`` as ``n`` more episodes finish (``clew.metrics.progress``).
-    A group that cannot measure device memory may leave ``peak_memory_gb`` out."""
+    A group that cannot measure device memory may leave ``peak_memory_gb`` out.
+    ``check_envs`` raises an ``EnvError`` unless every worker can build the envs of the
+    ids given (``clew.envs.plugins``)."""
 
     world_size: int
 
@@ -50,6 +53,8 @@ class WorkerGroup(Protocol):
     def export(self, path: str | Path) -> None: ...
 
     def peak_memory_gb(self) -> float | None: ...
+
+    def check_envs(self, env_ids: Sequence[str]) -> None: ...
 
     def shutdown(self) -> None: ...
 
@@ -93,12 +98,18 @@ class LocalWorkerGroup:
 
     def export(self, path: str | Path) -> None:
         """The inference-ready policy: the adapter (or full weights) plus processor files."""
+        from clew.models.hf_export import write_companion_files
+
         self.worker.save_pretrained(path)
-        self.worker.chat.processor.save_pretrained(path)
+        write_companion_files(self.worker.model, self.worker.chat.processor, path)
 
     def peak_memory_gb(self) -> float | None:
         """The worker's peak device memory since the previous call (``peak_memory_gb``)."""
         return peak_memory_gb(self.worker.device)
+
+    def check_envs(self, env_ids: Sequence[str]) -> None:
+        """The worker is this process: the ids must be registered here."""
+        check_env_ids(env_ids)
 
     def shutdown(self) -> None:
         """Nothing to stop: the worker lives and ends with this process."""

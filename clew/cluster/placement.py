@@ -2,23 +2,35 @@
 
 A run with several workers needs Ray. ``connect_ray`` joins the cluster named by
 ``RAY_ADDRESS`` (a ``ray job submit`` entrypoint has it set), or else starts an embedded
-instance on this machine that listens on loopback only and is shut down with the run. An
-address that does not answer fails within seconds, saying so: ``ray.init`` itself would
-retry for minutes.
+instance of its own (``start_local_ray``) that is shut down with the run. An address that
+does not answer fails within seconds, saying so: ``ray.init`` itself would retry for minutes.
+
+The embedded instance is always a new one (``address="local"``): a cluster started on the
+machine by ``ray start``, running or dead with its ``ray_current_cluster`` file left
+behind, never changes what a run does. Every listener it opens (GCS, raylet, workers, the
+driver, the dashboard agent and its metrics export port) binds 127.0.0.1. Ray binds them
+to the address it detects for the node unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` is
+off, and it reads that variable once, when ``ray`` is first imported: ``loopback_only``
+turns Ray's copy of it off while the instance starts (its processes inherit the variable),
+then puts both back, so a later ``ray.init`` that joins a cluster in this process finds
+the node's real address.
 
 Workers go into one placement group with one bundle each: ``{GPU: 1, CPU: 1}`` for the
 ``policy_num_nodes * policy_num_gpus_per_node`` GPU workers (``STRICT_PACK`` on one node,
 ``PACK`` over several, so a node's workers sit together), ``{CPU: 1}`` for
 ``num_cpu_workers`` (``PACK``). A placement the cluster cannot hold is refused before any
 model loads, naming the keys and what the cluster has, and a placement group that is not
-placed within ``trainer.placement.timeout_s`` (the cluster is busy, or an autoscaler is
-slow) fails with what was asked and what is free, never hangs.
+placed within the placement timeout (``PlacementConfig.placement_timeout``: the key
+``trainer.placement.timeout_s``, or SkyRL's ``SKYRL_RAY_PG_TIMEOUT_IN_S``) fails with what
+was asked and what is free, never hangs.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlparse
 
@@ -53,8 +65,9 @@ def check_reachable(address: str, timeout_s: float = 10.0) -> None:
 
 
 def connect_ray(num_cpus: int | None) -> bool:
-    """Join the cluster at ``RAY_ADDRESS``, or start Ray here with ``num_cpus`` CPUs.
-    True when this call started Ray (the caller shuts it down); already running: False."""
+    """Join the cluster at ``RAY_ADDRESS``, or else start a new Ray instance on this
+    machine with ``num_cpus`` CPUs (``start_local_ray``). True when this call joined or
+    started Ray (the caller shuts it down); Ray already running here: False."""
     import ray
 
     if ray.is_initialized():
@@ -66,10 +79,43 @@ def connect_ray(num_cpus: int | None) -> bool:
         except Exception as e:  # an address that does not answer: say which
             raise ClewError(f"could not join the Ray cluster at RAY_ADDRESS={address}: {e}") from e
         return True
-    # Every listener on 127.0.0.1: an embedded instance is this machine's business only.
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    start_local_ray(num_cpus)
     return True
+
+
+LOOPBACK_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextmanager
+def loopback_only() -> Iterator[None]:
+    """Inside: a Ray instance started by this process binds every listener to 127.0.0.1.
+    Ray's ``ENABLE_RAY_CLUSTER`` (read from ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ray
+    is imported) is off, and so is the variable, which the instance's processes inherit."""
+    from ray._private import ray_constants
+
+    saved_var, saved_flag = os.environ.get(LOOPBACK_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_var is None:
+            os.environ.pop(LOOPBACK_VAR, None)
+        else:
+            os.environ[LOOPBACK_VAR] = saved_var
+
+
+def start_local_ray(num_cpus: int | None = None, **options: Any) -> None:
+    """Start a new Ray instance of this process's own on this machine, every listener on
+    127.0.0.1, whatever ``RAY_ADDRESS`` or a ``ray_current_cluster`` file names.
+    ``num_cpus``: the CPUs it offers (None: the machine's); ``options`` go to ``ray.init``
+    (``include_dashboard`` is off unless they say otherwise)."""
+    import ray
+
+    options.setdefault("include_dashboard", False)
+    with loopback_only():
+        ray.init(address="local", num_cpus=num_cpus, **options)
 
 
 def local_gpus() -> int:
@@ -108,14 +154,15 @@ def worker_placement_group(pl: PlacementConfig, on_gpus: bool) -> Any:
                 "CPUs: lower it"
             )
         asked, kind = f"{count} CPU workers ({CPU_KEY} = {count})", "CPU"
+    timeout_s, source = pl.placement_timeout()
     pg = placement_group([bundle] * count, strategy=strategy)
-    ready, _ = ray.wait([pg.ready()], timeout=pl.timeout_s)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
         free = ray.available_resources().get(kind, 0)
         raise ClewError(
-            f"Ray could not place {asked} within trainer.placement.timeout_s = "
-            f"{pl.timeout_s:g} s: the cluster has {resources.get(kind, 0):g} {kind}s, "
+            f"Ray could not place {asked} within {source} = "
+            f"{timeout_s:g} s: the cluster has {resources.get(kind, 0):g} {kind}s, "
             f"{free:g} free now (other jobs hold the rest, or one node cannot hold a "
             "STRICT_PACK group); free them, lower the count, or raise the timeout"
         )

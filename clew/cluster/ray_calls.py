@@ -6,11 +6,15 @@ checkpoint on a new one. A worker that raised while starting is ``WorkerStartFai
 naming its cause as the worker's own code raised it (not Ray's wrapping): it would only
 fail again. An exception raised by a worker's own code later is not a death and
 propagates as it is.
+
+Named actors (``worker_name``) free their names when killed; ``wait_until_free`` waits
+for that before a group of the same names is started again.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -93,3 +97,25 @@ def gather(refs: list[Any], workers: Sequence[Any] = ()) -> list[Any]:
         if lost is None:
             raise
         raise lost from exc
+
+
+SHUTDOWN_WAIT_S = 30.0
+
+
+def worker_name(name: str, rank: int) -> str:
+    """The Ray actor name of worker ``rank`` of a group named ``name``."""
+    return f"{name}-worker-{rank}"
+
+
+def wait_until_free(names: Sequence[str], timeout_s: float) -> None:
+    """Return once no live actor holds any of ``names``, or after ``timeout_s``."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    for n in names:
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(n)
+            except ValueError:  # no live actor of that name
+                break
+            time.sleep(0.05)

@@ -3,8 +3,9 @@
 Each actor is a thin wrapper around ``DataParallelWorker`` (``clew.cluster.data_parallel``):
 it loads the policy itself and joins a ``torch.distributed`` group. Workers sit in a placement
 group (``clew.cluster.placement``), one bundle each, and meet on the node of the first
-bundle, or on 127.0.0.1 when all run on this machine. The same workers run SFT
-(``sft_step``, ``with_policy``, ``write_policy``: ``clew.train.sft_policy.SFTPolicy``).
+bundle, or through a store file when all run on this machine (no port opened). The same
+workers run SFT (``sft_step``, ``with_policy``, ``write_policy``:
+``clew.train.sft_policy.SFTPolicy``).
 
 ``generate`` spreads the rows over the workers in whole GRPO groups (a row is one group of
 ``n_samples_per_prompt`` episodes), balanced by expected cost (``clew.cluster.balance``),
@@ -22,6 +23,12 @@ copies and sample from them unnoticed.
 
 A worker whose actor dies raises ``WorkerLost``; one that cannot start raises
 ``WorkerStartFailed`` (``clew.cluster.ray_calls``).
+
+Given a ``name`` (a run's is ``clew-<run name>``), the actors are named ``<name>-worker-<rank>``
+in the driver's Ray namespace, so ``ray list actors`` and the dashboard tell the ranks and
+runs apart; a name another live actor of the namespace holds fails naming it.
+``shutdown`` waits until the names are free, so a new group of the same run (a restart)
+can take them at once.
 """
 
 from __future__ import annotations
@@ -33,11 +40,21 @@ from pathlib import Path
 from typing import Any
 
 from clew.cluster.balance import assign_rows, count_split, expected_cost
-from clew.cluster.data_parallel import DataParallelWorker, free_loopback_address
+from clew.cluster.data_parallel import DataParallelWorker, local_rendezvous, remove_rendezvous
 from clew.cluster.placement import rendezvous_in
-from clew.cluster.ray_calls import WorkerLost, WorkerStartFailed, gather, lost_worker, start_cause
+from clew.cluster.ray_calls import (
+    SHUTDOWN_WAIT_S,
+    WorkerLost,
+    WorkerStartFailed,
+    gather,
+    lost_worker,
+    start_cause,
+    wait_until_free,
+    worker_name,
+)
 from clew.data.rows import Row
-from clew.errors import ClewError
+from clew.envs.plugins import REGISTER_HINT, unresolved_env_ids
+from clew.errors import ClewError, EnvError
 from clew.rollout.loop import RolloutSettings
 from clew.rollout.trajectory import Trajectory
 from clew.train.settings import PPOSettings, WorkerSettings
@@ -62,13 +79,15 @@ class RayWorkerGroup:
         placement_group: Any = None,
         on_this_machine: bool = False,
         env_vars: dict[str, str] | None = None,
+        name: str | None = None,
         **worker_options: Any,
     ) -> None:
         """``placement_group``: one bundle per worker (``clew.cluster.placement``), a GPU
         each when the bundles hold GPUs; without it, workers take
         ``num_cpus/gpus_per_worker`` anywhere. ``on_this_machine``: every worker runs here
-        (an embedded Ray), so they meet on loopback. ``env_vars`` are set in the workers'
-        processes. ``worker_options`` go to ``DataParallelWorker`` (seed, engine options, ...).
+        (an embedded Ray), so they meet through a store file. ``env_vars`` are set in the workers'
+        processes. ``name``: the actors are ``<name>-worker-<rank>`` (None: unnamed).
+        ``worker_options`` go to ``DataParallelWorker`` (seed, engine options, ...).
         """
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -76,7 +95,10 @@ class RayWorkerGroup:
         if num_workers < 1:
             raise ClewError(f"a worker group needs at least 1 worker, got {num_workers}")
         if not ray.is_initialized():
-            raise ClewError("RayWorkerGroup needs Ray: call ray.init() (or join a cluster) first")
+            raise ClewError(
+                "RayWorkerGroup needs Ray: start one (clew.cluster.placement.start_local_ray) "
+                "or join a cluster (connect_ray) first"
+            )
         self.world_size = num_workers
         self.placement_group = placement_group
         self.device = device
@@ -103,24 +125,38 @@ class RayWorkerGroup:
                 for rank in range(num_workers)
             ]
         if placement_group is None or on_this_machine:
-            address = free_loopback_address()
+            address = local_rendezvous()  # opens no port
         else:
             address = rendezvous_in(placement_group)
-        self.workers = [
-            actor.options(**options[rank], runtime_env=runtime_env).remote(
-                str(model_path),
-                settings,
-                rank,
-                num_workers,
-                address,
-                dtype=dtype,
-                device=device,
-                num_threads=num_threads,
-                timeout_s=timeout_s,
-                **worker_options,
-            )
-            for rank in range(num_workers)
-        ]
+        self.rendezvous = address
+        self.workers = []
+        self.names = [] if name is None else [worker_name(name, r) for r in range(num_workers)]
+        try:
+            for rank in range(num_workers):
+                named = {"name": self.names[rank]} if self.names else {}
+                self.workers.append(
+                    actor.options(**options[rank], **named, runtime_env=runtime_env).remote(
+                        str(model_path),
+                        settings,
+                        rank,
+                        num_workers,
+                        address,
+                        dtype=dtype,
+                        device=device,
+                        num_threads=num_threads,
+                        timeout_s=timeout_s,
+                        **worker_options,
+                    )
+                )
+        except ValueError as exc:  # Ray's answer to a name already taken
+            taken = self.names[len(self.workers)]
+            self.names = self.names[: len(self.workers)]  # the names this group holds
+            self.shutdown()
+            raise ClewError(
+                f"Ray refused the worker actor name {taken!r} ({exc}): another live run of "
+                "that name holds it in this Ray namespace; give this run another "
+                "trainer.run_name (or sft.run_name), or stop the other run"
+            ) from None
         try:
             self._await_start()
             self.sharded = bool(
@@ -294,12 +330,33 @@ class RayWorkerGroup:
         measured = [p for p in peaks if p is not None]
         return max(measured) if measured else None
 
+    def check_envs(self, env_ids: Sequence[str]) -> None:
+        """Raise an ``EnvError`` unless every worker can build the envs of ``env_ids``,
+        naming the first id a worker does not know, the worker and how to register it."""
+        ids = sorted(set(env_ids))
+        found = gather(
+            [w.__ray_call__.remote(_unresolved_envs, ids) for w in self.workers], self.workers
+        )
+        for rank, missing in enumerate(found):
+            if missing:
+                env_id, why = next(iter(missing.items()))
+                raise EnvError(
+                    f"environment id {env_id!r} of the run's data is unknown to Ray worker "
+                    f"{rank} of {self.world_size} ({why}), so every episode of it would fail "
+                    f"there; the driver's own registrations do not reach the workers: "
+                    f"{REGISTER_HINT}"
+                )
+
     def shutdown(self) -> None:
+        """Kill the workers and wait (up to ``SHUTDOWN_WAIT_S``) until their names are free;
+        remove the placement group; stop Ray if the group owns it."""
         import ray
 
         for w in self.workers:
             with contextlib.suppress(ray.exceptions.RayError):  # already gone is fine
                 ray.kill(w)
+        if self.names and not self.owns_ray and ray.is_initialized():
+            wait_until_free(self.names, SHUTDOWN_WAIT_S)
         self.workers = []
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
@@ -307,8 +364,14 @@ class RayWorkerGroup:
             with contextlib.suppress(ray.exceptions.RayError):
                 remove_placement_group(self.placement_group)
             self.placement_group = None
+        remove_rendezvous(getattr(self, "rendezvous", ""))
         if self.owns_ray:
             ray.shutdown()
+
+
+def _unresolved_envs(actor: Any, env_ids: list[str]) -> dict[str, str]:
+    """Run in a worker's process (Ray's ``__ray_call__``): the ids it cannot build."""
+    return unresolved_env_ids(env_ids)
 
 
 def _worker_peak(actor: Any) -> float | None:

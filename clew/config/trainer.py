@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from clew.config.algorithm import AlgorithmConfig
 from clew.config.section import Section
+from clew.errors import ConfigError
+
+# SkyRL's placement-group timeout variable, read when trainer.placement.timeout_s is unset.
+PG_TIMEOUT_VAR = "SKYRL_RAY_PG_TIMEOUT_IN_S"
+DEFAULT_PG_TIMEOUT_S = 120.0
 
 # Logger backends ``trainer.logger`` may name.
 KNOWN_LOGGERS: tuple[str, ...] = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "ray")
@@ -85,11 +92,13 @@ class PlacementConfig(Section):
         description="On a machine without GPUs, the number of CPU workers (Ray actors on an "
         "embedded or joined Ray) for laptops and tests; 1 runs in the driver's process.",
     )
-    timeout_s: float = Field(
-        120.0,
+    timeout_s: float | None = Field(
+        None,
         gt=0,
         description="Seconds to wait for Ray to place the workers (one bundle each) before "
-        "failing with what was asked and what the cluster has free.",
+        "failing with what was asked and what the cluster has free. null: SkyRL's "
+        f"{PG_TIMEOUT_VAR} environment variable when it is set, else "
+        f"{DEFAULT_PG_TIMEOUT_S:g}; a value set here wins over the variable.",
     )
     ref_num_nodes: int = Field(1, description="SkyRL: nodes for the reference model.")
     ref_num_gpus_per_node: int = Field(1, description="SkyRL: GPUs per node for the reference.")
@@ -103,6 +112,28 @@ class PlacementConfig(Section):
     def num_workers(self) -> int:
         """Data-parallel policy workers: one per GPU, or the CPU workers."""
         return max(self.num_gpus, self.num_cpu_workers)
+
+    def placement_timeout(self) -> tuple[float, str]:
+        """Seconds to wait for the workers' placement group, and where that number came
+        from: ``timeout_s`` when set, else ``SKYRL_RAY_PG_TIMEOUT_IN_S`` (SkyRL's variable,
+        600 in the walkthrough's train_job.sh) when set, else 120. A variable that is not
+        a positive number of seconds is a ``ConfigError`` naming it."""
+        if self.timeout_s is not None:
+            return float(self.timeout_s), "trainer.placement.timeout_s"
+        raw = os.environ.get(PG_TIMEOUT_VAR, "").strip()
+        if not raw:
+            return DEFAULT_PG_TIMEOUT_S, "trainer.placement.timeout_s (default)"
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(
+                f"{PG_TIMEOUT_VAR}={raw!r} is not a placement timeout: give a positive number "
+                "of seconds (e.g. 600), unset it, or set trainer.placement.timeout_s, which "
+                "wins over it"
+            )
+        return value, f"{PG_TIMEOUT_VAR} (trainer.placement.timeout_s unset)"
 
 
 class TrainerConfig(Section):

@@ -8,12 +8,15 @@ failure at once, each tagged with the rule's name and the values involved, and r
 
 Batch sizes are counted the SkyRL way: ``train_batch_size`` and ``policy_mini_batch_size`` are
 in prompts, and each prompt yields ``n_samples_per_prompt`` trajectories; micro batches are
-in trajectories per GPU. So one optimizer step sees ``policy_mini_batch_size *
+in trajectories per worker. So one optimizer step sees ``policy_mini_batch_size *
 n_samples_per_prompt`` trajectories, which must split evenly into micro batches of
-``micro_train_batch_size_per_gpu`` on each of the ``policy_num_nodes *
-policy_num_gpus_per_node`` GPUs, or on the ``num_cpu_workers`` CPU workers of a machine
-without GPUs (``PlacementConfig.num_workers``). Whether the GPUs asked for exist is known only
-at launch (``clew.cluster.placement``), which refuses a placement it cannot make.
+``micro_train_batch_size_per_gpu``. The rule does not involve the worker count: the workers
+(GPUs, or the CPU workers of a machine without GPUs) take shares of each mini batch that
+differ by at most one trajectory, each cut into micro batches of that size with a smaller
+last one, and take the step one worker takes on the whole mini batch
+(``TrainingBatch.split``), so any mini batch splits over any number of workers. Whether the
+GPUs asked for exist is known only at launch (``clew.cluster.placement``), which refuses a
+placement it cannot make.
 
 On success ``validate`` warns about the SkyRL keys clew accepts but ignores
 (``clew.config.ignored``).
@@ -253,29 +256,34 @@ def _rules(cfg: ClewConfig) -> list[str]:
             "but trainer.device is cuda: use policy_num_gpus_per_node for GPU workers",
         )
 
-    # Batch arithmetic, checked once the counts are positive.
+    # Batch arithmetic, checked once the counts are positive. Any mini batch splits over
+    # any number of workers (see the module's docstring): the worker count is not in it.
     n, mini = gen.n_samples_per_prompt, tr.policy_mini_batch_size
-    micro, gpus, traj = tr.micro_train_batch_size_per_gpu, tr.placement.num_workers, mini * n
-    if min(n, mini, micro, gpus, tr.train_batch_size) >= 1:
+    micro, traj = tr.micro_train_batch_size_per_gpu, mini * n
+    if min(n, mini, micro, tr.train_batch_size) >= 1:
         if tr.train_batch_size % mini:
             fail(
                 "batch-divisible",
                 f"trainer.train_batch_size ({tr.train_batch_size}) must be a multiple of "
                 f"trainer.policy_mini_batch_size ({mini})",
             )
-        if micro * gpus > traj:
+        minibatch = (
+            f"a mini batch of {traj} trajectories (trainer.policy_mini_batch_size {mini} x "
+            f"generator.n_samples_per_prompt {n})"
+        )
+        if micro > traj:
             fail(
                 "micro-batch-size",
-                f"trainer.micro_train_batch_size_per_gpu ({micro}) x {gpus} GPUs = "
-                f"{micro * gpus} trajectories is more than one mini batch: "
-                f"policy_mini_batch_size ({mini}) x n_samples_per_prompt ({n}) = {traj}",
+                f"trainer.micro_train_batch_size_per_gpu ({micro}) is more than {minibatch}: "
+                f"give at most {traj}",
             )
-        elif traj % (micro * gpus):
+        elif traj % micro:
+            fits = [d for d in range(1, traj + 1) if traj % d == 0]
             fail(
                 "micro-batch-divisible",
-                f"a mini batch of {traj} trajectories (policy_mini_batch_size {mini} x "
-                f"n_samples_per_prompt {n}) does not split into micro batches of {micro} "
-                f"on {gpus} GPUs ({micro * gpus} per pass)",
+                f"{minibatch} does not split into micro batches of "
+                f"trainer.micro_train_batch_size_per_gpu ({micro}); accepted sizes: "
+                f"{', '.join(map(str, fits))}",
             )
     estimator = _estimator(alg.advantage_estimator, fail)
     if estimator is not None and n < estimator.min_group_size:

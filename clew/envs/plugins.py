@@ -12,6 +12,12 @@ An env registers itself when its module is imported (``clew.envs.register``). cl
 
 Both load once per process, on the first lookup in the registry. A module that fails to
 import is an ``EnvError`` naming it and the cause.
+
+A run resolves every env id of its data before its first step, in the driver
+(``check_env_ids``) and in each of its workers (``unresolved_env_ids``, through the worker
+group's ``check_envs``): an env registered only in the driver's process (by a script's own
+``register`` call) is unknown to a Ray worker, whose every episode would otherwise end as
+``env_error`` and leave the run nothing to learn from.
 """
 
 from __future__ import annotations
@@ -19,13 +25,18 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from importlib.metadata import entry_points
 
 from clew.errors import EnvError
 
 ENTRY_POINT_GROUP = "clew.envs"
 MODULES_VAR = "CLEW_ENV_MODULES"
+REGISTER_HINT = (
+    "register it with clew.envs.register in a module named in environment.modules (the "
+    "driver and every Ray worker import those), or in an installed package that declares "
+    f"the module as an entry point of the {ENTRY_POINT_GROUP!r} group"
+)
 
 _loaded: set[str] = set()
 _entry_points_loaded = False
@@ -75,3 +86,30 @@ def modules_env(modules: Sequence[str]) -> dict[str, str]:
         return {}
     path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
     return {MODULES_VAR: ",".join(modules), "PYTHONPATH": path}
+
+
+def unresolved_env_ids(env_ids: Iterable[str]) -> dict[str, str]:
+    """The ids of ``env_ids`` this process cannot build an env for, each with why (its
+    plugins loaded first): an empty dict when every one is registered here."""
+    from clew.envs.base import spec
+
+    missing: dict[str, str] = {}
+    for env_id in sorted(set(env_ids)):
+        try:
+            spec(env_id)
+        except EnvError as exc:
+            missing[env_id] = str(exc)
+    return missing
+
+
+def check_env_ids(env_ids: Iterable[str], where: str = "the run's data") -> None:
+    """Raise an ``EnvError`` naming the first id of ``env_ids`` (found in ``where``) that
+    is registered nowhere this process looks, and how to register it."""
+    missing = unresolved_env_ids(env_ids)
+    if missing:
+        env_id, why = next(iter(missing.items()))
+        others = f" (unregistered too: {', '.join(map(repr, list(missing)[1:]))})"
+        raise EnvError(
+            f"environment id {env_id!r} of {where} is not registered: {why}. To train on it, "
+            f"{REGISTER_HINT}" + (others if len(missing) > 1 else "")
+        )

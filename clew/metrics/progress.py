@@ -9,13 +9,20 @@ a file, so :class:`Progress` writes whole lines when the stream is not a termina
 at most one every ``every_s`` seconds, plus a final one when the phase ends. A phase shorter
 than ``every_s`` prints nothing: the step's own metrics line already says how long it took.
 On a terminal the same text is redrawn in place and ends with a newline.
+
+transformers draws tqdm bars of its own while it loads and saves weights ("Loading
+weights", "Writing model shards"): redrawn with carriage returns, every load and export
+leaves a run's log file or ``ray job logs`` one long line of them. ``library_bars_off``
+turns them off; a run keeps them only where its stderr is a terminal
+(``library_bars_unless_tty``), and Ray workers, which have none, never draw them.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TextIO
 
 EVERY_S = 5.0
@@ -82,3 +89,27 @@ class Progress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def library_bars_off() -> None:
+    """Turn off transformers' progress bars (weight loading and saving) in this process."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+@contextmanager
+def library_bars_unless_tty(stream: TextIO | None = None) -> Iterator[None]:
+    """Inside: transformers' progress bars only when ``stream`` (``sys.stderr``, where they
+    are drawn) is a terminal; as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    out = stream if stream is not None else sys.stderr
+    was_on = hf_logging.is_progress_bar_enabled()
+    if was_on and not getattr(out, "isatty", lambda: False)():
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
