@@ -379,7 +379,8 @@ class GRPOTrainer:
         self, rows: Sequence[Row], settings: RolloutSettings, seed: int, phase: str, part: str = ""
     ) -> list[Trajectory]:
         """``group.generate`` with progress lines when it is long ("step 3 generate: 96/192
-        episodes, 12.3 s"; with the console logger) and the phase's peak device memory."""
+        episodes" and the seconds so far; with the console logger) and the phase's peak
+        device memory."""
         label = f"step {self.state.global_step} {phase}" + (f" ({part})" if part else "")
         total = len(rows) * settings.n_samples_per_prompt
         with (

@@ -67,16 +67,16 @@ class InferenceEngineConfig(Section):
         "'triton' on a CUDA device where the triton package is installed (torch's CUDA builds "
         "bring it), else 'varlen'. 'varlen' is "
         "torch's variable-length memory-efficient kernel reading each row's own columns, one "
-        "graph per row count (steps while images are hidden use 'sdpa'; at Qwen3-VL-8B's "
-        "shape on an H200 it took 1.3-1.6x less time a step than 'sdpa': BENCHMARKS.md); "
+        "graph per row count (steps while images are hidden use 'sdpa'; measured faster "
+        "than 'sdpa' at Qwen3-VL-8B's shape, as rows of unequal lengths skip the padding); "
         "'sdpa' reads every row's keys to the longest row's width (rounded up to 256); "
-        "'flex' is compiled FlexAttention reading each row's own 128-column blocks (on an "
-        "H100 it took 1.7-2x as long a step as 'sdpa'); 'flash' reads each row's own columns "
-        "through FlashAttention's decoding path (as fast as 'varlen' on an H100); 'triton' "
+        "'flex' is compiled FlexAttention reading each row's own 128-column blocks "
+        "(measured slower than 'sdpa'); 'flash' reads each row's own columns through "
+        "FlashAttention's decoding path (measured no faster than 'varlen'); 'triton' "
         "reads each row's own columns through clew's split-KV Triton kernel "
         "(clew.inference.split_decode; Triton's interpreter on a CPU), each KV head read "
-        "once for its query heads: on an H100 one layer's attention took 146 against 184 us "
-        "with 'varlen' at Qwen3-VL-8B's shape and batch 192 (BENCHMARKS.md).",
+        "once for its query heads, so less KV traffic than 'varlen' and measured faster "
+        "at Qwen3-VL-8B's shape (BENCHMARKS.md, benchmarks/decode_attention.py).",
     )
     prefill_attention: Literal["auto", "sdpa", "varlen", "triton"] = Field(
         "auto",
@@ -84,9 +84,10 @@ class InferenceEngineConfig(Section):
         "default) is 'triton' on a CUDA device where the triton package is installed, else "
         "'varlen'. 'triton' reads each row's own columns, causally, through clew's Triton "
         "kernel, which packs the query heads of each KV head into one block of queries "
-        "(clew.inference.prefill_triton; Triton's interpreter on a CPU): on an H100 one "
-        "layer's attention at 15-turn widths took 2.1x less time than with 'varlen' "
-        "(BENCHMARKS.md). 'varlen' reads the same columns through FlashAttention's "
+        "(clew.inference.prefill_triton; Triton's interpreter on a CPU), so each KV block is "
+        "read once for all its query heads; measured faster than 'varlen' at many-turn "
+        "widths (BENCHMARKS.md, benchmarks/prefill_attention.py). 'varlen' reads the same "
+        "columns through FlashAttention's "
         "variable-length kernel on a GPU that runs it (bf16 or fp16, Ampere on; masked SDPA "
         "over the same layout elsewhere); 'sdpa' is SDPA under a mask over every row's keys "
         "to the longest row's width. All take the masked prefill while images are hidden. "
@@ -96,9 +97,8 @@ class InferenceEngineConfig(Section):
         True,
         description="On a GPU, a turn's prefill runs the rows' new tokens alone, one row after "
         "another in one sequence, instead of left-padded to the longest chunk, so no padding "
-        "passes through the products, norms and element-wise kernels: on an H100 a 15-turn "
-        "Qwen3-VL-8B rollout's prefill forwards took 188 against 197 ms of device time each, "
-        "and a GRPO step generated in 26.3 against 27.2 s (BENCHMARKS.md). Forwards stay "
+        "passes through the products, norms and element-wise kernels (measured faster than "
+        "padded prefills in a many-turn Qwen3-VL-8B rollout: BENCHMARKS.md). Forwards stay "
         "padded where the attention does not read rows by their lengths (prefill_attention="
         "sdpa, kv_cache=dynamic), with per-row adapters, while images are hidden, and on a CPU.",
     )
@@ -108,9 +108,9 @@ class InferenceEngineConfig(Section):
         "pixel (the samples of a prompt start from one frame; refused moves and shared paths "
         "show a frame again) go through the vision tower once, their outputs copied to each "
         "(clew.models.distinct_images): the same values, up to the rounding of kernels sized "
-        "by the batch, for the tower's work on the distinct images only. On an H100 a 15-turn "
-        "Qwen3-VL-8B rollout at random weights encoded 360 of its 2,880 images, and a prefill "
-        "forward took 163 against 188 ms of device time (BENCHMARKS.md).",
+        "by the batch, for the tower's work on the distinct images only. A GRPO group's "
+        "episodes share many frames, so a rollout encodes a fraction of its images and its "
+        "prefill forwards were measured faster (BENCHMARKS.md).",
     )
     fused_pointwise: bool = Field(
         True,
@@ -118,18 +118,19 @@ class InferenceEngineConfig(Section):
         "gate as one torch.compile'd kernel each in the engine's forwards on a GPU (about "
         "ten element-wise kernels a layer fewer in a decode step; decode steps run eagerly "
         "leave them out, as their host cost outweighs them there); compiled on first use, in "
-        "a CUDA-graph step's warm-up (a failed compilation warns and stays eager). On an H100 "
-        "a 15-turn Qwen3-VL-8B rollout took 22.5 s with it against 26.0 s without "
-        "(BENCHMARKS.md). No effect on a CPU or in the trainer's forwards.",
+        "a CUDA-graph step's warm-up (a failed compilation warns and stays eager). Measured "
+        "faster in a many-turn Qwen3-VL-8B rollout (BENCHMARKS.md). No effect on a CPU or in "
+        "the trainer's forwards.",
     )
     merged_projections: bool = Field(
         False,
         description="Each text layer's query, key and value products (and its MLP's gate and "
         "up) as one product each in the engine's forwards, the separate weights becoming "
-        "views of one buffer (no memory added; the trainer's forwards unchanged). On an H100 a "
-        "Qwen3-VL-8B decode step's products took 0.7 ms less at batch 192, but the strided "
-        "slices cost about 0.4 ms of copies: a step 17.6 -> 17.3 ms at 192, 13.0 -> 13.4 ms "
-        "at 96 (BENCHMARKS.md), hence off. Needs whole weights: refused where trainer.strategy="
+        "views of one buffer (no memory added; the trainer's forwards unchanged). At "
+        "Qwen3-VL-8B's shape the merged products were measured faster, but the copies of "
+        "their strided slices took back most of it: a decode step gained little at large "
+        "batches and lost at smaller ones "
+        "(BENCHMARKS.md), hence off. Needs whole weights: refused where trainer.strategy="
         "fsdp shards a fully fine-tuned policy over several workers.",
     )
     engine_init_kwargs: dict[str, Any] = Field(

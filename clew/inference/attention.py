@@ -35,10 +35,9 @@ column is hidden (the rows' visible columns are then exactly their first ``lengt
 ``clew.inference.cuda_graphs`` steps with the mask otherwise. On a CPU the same lengths
 build a mask over the capacity for SDPA (what the tests compare). FlashAttention's
 variable-length form (``seqused_k``) reads the same flattening; inside a CUDA-graph step at
-Qwen3-VL-8B's shape on an H200 it was no faster (12.3 against 12.2 ms at batch 96, 19.2
-against 17.3 ms at 192), and its bf16 rounding of the attention weights flipped greedy
-tokens of the tiny test policy, so ``varlen`` keeps the memory-efficient kernel
-(``benchmarks/decode_attention.py`` times both).
+Qwen3-VL-8B's shape it was measured no faster (slower at the larger batch), and its bf16
+rounding of the attention weights flipped greedy tokens of the tiny test policy, so
+``varlen`` keeps the memory-efficient kernel (``benchmarks/decode_attention.py`` times both).
 
 ``decode_attention=flash`` gives FlashAttention the shape of its decoding path instead: each
 (row, KV head) one query of the group's heads over one KV head, the shape for which

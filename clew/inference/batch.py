@@ -328,8 +328,8 @@ class CacheBatch:
         if self.graphs is not None and not any(self.adapters):
             return self.graphs.step(ids, pos, active, active_host, self._forward)
         # An eager step's tensors are a row each: a compiled kernel's call costs more host
-        # time than the kernels it replaces (clew.models.fused_pointwise). On an H100 a GRPO
-        # rollout's eager steps took 68.8 s with them against 45.9 s without (BENCHMARKS.md).
+        # time than the kernels it replaces (clew.models.fused_pointwise), so eager steps leave
+        # them out: a GRPO rollout's eager steps were measured slower with them (BENCHMARKS.md).
         return self._forward(ids, pos, self.kv.decode(active, active_host), fused=False)
 
     def _record(

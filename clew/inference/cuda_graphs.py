@@ -2,8 +2,8 @@
 
 A decode step of an 8B policy in eager mode launches about a thousand small kernels (36
 layers of norms, projections, rotary embeddings, cache writes and attention), and the host
-time to launch them was most of the step: at batch 192 on an H200 a step took 50-80 ms
-where the GPU's own work is under 10. A CUDA graph records the step's kernels once and
+time to launch them was most of the step, several times the GPU's own work at large batches
+(BENCHMARKS.md). A CUDA graph records the step's kernels once and
 replays them with one launch. vLLM and SGLang do the same; clew captures the step of its own
 engine (transformers' model forward over ``SlotCache``) rather than compiling the model, so
 nothing is traced or compiled and the graph runs exactly the eager step's kernels.
@@ -61,7 +61,7 @@ from clew.inference.kv_cache import SlotCache
 from clew.inference.slot_views import row_lengths
 
 # Attention width granularity: at 8B and 192 rows each extra column costs about 28 MB of
-# KV reads a step, while each distinct width is one more capture (about 0.1 s at 8B).
+# KV reads a step, while each distinct width is one more capture (its time and graph memory).
 WIDTH_STEP = 256
 # FlexAttention's key block: a row reads its length rounded up to this.
 FLEX_BLOCK = 128

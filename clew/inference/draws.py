@@ -9,7 +9,7 @@ opened with that seed, and the batch generator's draws for the other rows are th
 would have made without it. A row that joins without a seed draws with the batch.
 
 On an accelerator the draws stay there: copying ``[rows, vocab]`` probabilities to the host
-and drawing there was 1.5 s of a 10.5 s rollout batch.
+and drawing there was a sizeable share of a rollout batch's time.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def resolve_prefill_attention(name: str, device: torch.device) -> str:
 def resolve_packed_prefill(packed: bool, device: torch.device) -> bool:
     """``packed_prefill`` as the engine runs it on ``device``: on CUDA only. On a CPU the
     packed attention is the masked reference, and a tiny-model rollout of 8 x 8 episodes,
-    10 turns, was no faster packed (12.8 against 11.6 s, ``benchmarks/rollout.py``)."""
+    10 turns, was measured slower packed (``benchmarks/rollout.py``)."""
     return packed and device.type == "cuda"
 
 

@@ -1,9 +1,9 @@
 """A turn's prefill attention over the ``SlotCache``'s slots as one Triton kernel, each KV
 head's query heads folded into the kernel's query block.
 
-Why written here: at 15-turn widths a Qwen3-VL-8B prefill forward spent 15% of its device
-time in attention, at 16% of the matrix rate (``benchmarks/rollout.py --prefill-kernels``,
-H100). torch's FlashAttention build (``prefill_attention=varlen``) computes each query
+Why written here: at many-turn widths the attention of a Qwen3-VL-8B prefill forward ran far
+below the card's matrix rate (``benchmarks/rollout.py --prefill-kernels``; BENCHMARKS.md).
+torch's FlashAttention build (``prefill_attention=varlen``) computes each query
 head's chunk as its own sequence in blocks of 128 queries, so a chunk of 140 tokens fills
 two blocks, the second with 12; FlashAttention 3 and FlashInfer, which pack a KV head's
 query heads into one block, do not install beside the GPU image's torch. The plan here is

@@ -27,10 +27,10 @@ def limit_host_threads(device: torch.device) -> None:
 
     torch sizes its pool to every core. A GPU process's host side is per-row Python and
     small tensors, so the pool buys nothing alone, and two such processes on one machine
-    spin their pools against each other: on a 16-core H200 host two rollouts at once took
-    25 times as long each (about 44 s a batch of 24 x 8 episodes against 1.8 s), and 2.2-2.6 s
-    with four threads each, while one process plays as fast with 1, 4 or 16 threads
-    (measured 2026-12-01). Ray does the same for its workers (OMP_NUM_THREADS).
+    spin their pools against each other: two rollouts at once on one 16-core host were
+    measured many times slower each than one alone, and close to it with four threads each,
+    while one process plays as fast with 1, 4 or 16 threads. Ray does the same for its
+    workers (OMP_NUM_THREADS).
     An explicit ``OMP_NUM_THREADS`` wins; the CPU keeps torch's default.
     """
     if device.type != "cpu" and "OMP_NUM_THREADS" not in os.environ:

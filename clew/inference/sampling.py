@@ -4,8 +4,8 @@ The vocabulary masks that sampling and training share (banned vision ids, ``allo
 are ``clew.models.logit_masks``. Top-k/top-p differ from ``allowed_tokens``: they shape only
 the draw while the logprobs stay those of the full distribution, so a negative advantage on a
 drawn token pushes mass onto tokens that are never drawn and so never pushed back (with
-``top_k=5`` the replies that were not an action rose from 0.1% to 70% of the sampled turns in
-25 GRPO steps on ``maze_2d/easy``; docs/learning-easy.md).
+``top_k=5`` the replies that were not an action rose from almost none to most of the sampled
+turns within a short GRPO run on ``maze_2d/easy``; docs/learning-easy.md).
 """
 
 from __future__ import annotations

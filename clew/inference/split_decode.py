@@ -1,10 +1,10 @@
 """Grouped-query decode attention over the ``SlotCache``'s slots, each row's keys split
 over several programs (split-KV, "flash-decoding"), as two Triton kernels.
 
-Why written here: a decode step of an 8B policy at batch 192 spends about 40% of its time
-in attention, and torch ships no kernel for this shape. Its memory-efficient kernel
-(``decode_attention=varlen``) read the KV cache at 2.0 TB/s on an H100 whose copies run at
-3.0 TB/s, and its FlashAttention build was no faster (BENCHMARKS.md); the decode kernels of
+Why written here: a decode step of an 8B policy at large batches spends a large share of its
+time in attention, and torch ships no kernel for this shape. Its memory-efficient kernel
+(``decode_attention=varlen``) read the KV cache well below the rate the card's own copies
+reach, and its FlashAttention build was no faster (BENCHMARKS.md); the decode kernels of
 FlashInfer and vLLM do not install beside the GPU image's torch. This is the plan of
 SGLang's and vLLM's Triton decode kernels, written for clew's cache layout:
 
@@ -21,9 +21,9 @@ How many splits (``splits_for``): enough programs to fill the card when the rows
 one when rows x KV heads already do; fixed per row count, so a CUDA graph keeps its grid.
 An empty split (a short row) writes a log-sum-exp of minus infinity and weighs nothing.
 
-Measured one layer at Qwen3-VL-8B's shape, replayed from a CUDA graph on an H100
-(``benchmarks/decode_attention.py``): 146 against the memory-efficient kernel's 184 us at
-batch 192, 86% against 68% of the bound its KV bytes set.
+Measured one layer at Qwen3-VL-8B's shape, replayed from a CUDA graph
+(``benchmarks/decode_attention.py``; BENCHMARKS.md): faster than the memory-efficient kernel,
+and closer to the bound its KV bytes set.
 
 On a CPU, Triton's interpreter runs the same kernels (``interpret=True``): what the tests
 compare with SDPA, and what the engine runs there when asked for ``decode_attention=triton``

@@ -99,7 +99,7 @@ class ChatFormat:
 
     def _encode(self, text: str) -> list[int]:
         # Turn texts repeat (the same headers and feedback lines, episode after episode);
-        # tokenizing each anew was a third of the time of building SFT demonstrations.
+        # tokenizing each anew was a large share of the time of building SFT demonstrations.
         ids = self._token_cache.get(text)
         if ids is None:
             if len(self._token_cache) >= _TOKEN_CACHE_SIZE:

@@ -4,8 +4,8 @@ An agent's observations repeat: the samples of one GRPO prompt all start from th
 frame, a maze shows the same frame again whenever a move is refused or a cell is revisited,
 and an evaluation replays the same fixed mazes. Where the image processor resizes frames
 (Qwen3-VL's patch 16 x merge 2 takes ``maze_2d/easy``'s 252 px frames to 256 px), the
-resize was most of the host work of a turn: about 1.1 ms a frame on a 2-core CPU, against
-0.14 ms to fingerprint the frame. In a 192-episode, 5-turn rollout of the untrained tiny
+resize was most of the host work of a turn, several times the cost of fingerprinting the
+frame. In a 192-episode, 5-turn rollout of the untrained tiny
 Qwen3-VL policy on ``maze_2d/easy`` (whose moves are mostly refused) 25 of 962 frames were
 distinct; a trained policy moves more, but its samples of a prompt still start alike and
 follow much the same path.

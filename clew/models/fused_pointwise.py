@@ -29,7 +29,7 @@ transformers' own code runs as before.
 A function compiles on its first fused call; a CUDA-graph decode step makes that call in
 its warm-up run, before the capture. If that compilation fails (no Triton, no compiler), a
 warning says so and the function stays eager. Each fused call costs some host time (the
-compiled function's guards, about 20 us on a CPU core), which a replayed graph does not pay
+compiled function's guards), which a replayed graph does not pay
 and a prefill's large kernels hide; a decode step run eagerly (``enforce_eager=true``, rows
 with their own adapters) would pay it in every layer, so the engine leaves the fused kernels
 out of those (``clew.inference.batch``).
@@ -116,7 +116,7 @@ def _active(t: torch.Tensor) -> bool:
 def _no_duck_shapes() -> Iterator[None]:
     """Sizes that happen to be equal at a compilation (8 rows and 8 KV heads) stay separate
     symbols, so another row count does not compile the kernel again. A plain set and
-    restore: ``fx_config.patch`` costs five times as much host time a call."""
+    restore: ``fx_config.patch`` costs much more host time a call."""
     saved = fx_config.use_duck_shape
     fx_config.use_duck_shape = False
     try:

@@ -3,13 +3,13 @@
 A Qwen-VL text layer multiplies the same input by three weights for its queries, keys and
 values, and by two for its MLP's gate and up. In a decode step each product reads its
 weight once for a few hundred rows, so five small products leave the matrix units idle
-between them where two larger ones would not: on an H100, one layer of the 8B preset took
-1.16-1.24x less time with the products merged (``benchmarks/decode_linears.py``). vLLM
+between them where two larger ones would not: one layer of the 8B preset was measured faster
+with the products merged (``benchmarks/decode_linears.py``). vLLM
 builds its models with merged projections (``QKVParallelLinear``,
 ``MergedColumnParallelLinear``); clew keeps transformers' models and merges them in place.
 In a whole decode step most of that gain goes to copies of the merged product's strided
-slices (the query and key norms want contiguous rows): 17.6 -> 17.3 ms at batch 192, 13.0 ->
-13.4 ms at 96 (BENCHMARKS.md), so the switch is off by default.
+slices (the query and key norms want contiguous rows): a step gained little at large batches
+and lost at smaller ones (BENCHMARKS.md), so the switch is off by default.
 
 ``merge_projections(model)`` lays each group's weights (and biases) out in one buffer, one
 after the other along the output axis, and points each ``Linear``'s weight at its rows of

@@ -4,7 +4,7 @@ Qwen2-VL and Qwen3-VL embed each patch with ``nn.Conv3d`` whose kernel equals it
 (``temporal_patch_size x patch_size x patch_size``) over inputs already cut into patches:
 every output is one dot product of a whole patch with each filter, i.e. a linear layer over
 the flattened patch. The convolution pays for generality it does not use (on the CPU it was
-about 40% of a serving prefill of one image a row, tiny preset), and on CUDA its kernels are
+a large share of a serving prefill of one image a row, tiny preset), and on CUDA its kernels are
 a known slow path for this shape; ``F.linear`` on the same weights, viewed as
 ``[embed_dim, in_channels * t * p * p]``, computes the same dot products (equal up to
 summation order).

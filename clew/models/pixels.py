@@ -1,9 +1,9 @@
 """Qwen-VL pixel patches for a batch of same-size images, in one vectorised pass.
 
-transformers' Qwen2-VL image processors encode image by image in Python: the PIL one about
-0.6 ms per 126 px image, which made image encoding the largest host-side cost of an SFT step
-on the GPU (0.58 s of a 2.6 s step at 64 demonstrations, profiled on an H200) and capped
-demonstration building at 40 per second; the torchvision-backed one 29.5 ms per maze frame.
+transformers' Qwen2-VL image processors encode image by image in Python: with the PIL one,
+image encoding was the largest host-side cost of an SFT step on the GPU and bounded how fast
+demonstrations were built; the torchvision-backed one is slower still per maze frame
+(``benchmarks/sft_inputs.py``, ``benchmarks/pixel_path.py``).
 Maze frames are all the same size, so what the processor does (resize to a multiple of
 patch x merge, rescale, normalise, cut into patches, repeat each patch over the temporal
 axis) is one resize per frame, a table lookup and one copy over the whole stack. This module
@@ -28,9 +28,9 @@ Whether a reproduced resize (and, for the torchvision one, every path) gives the
 values is checked once per processor and frame size on a random probe image (``_agrees``);
 where it does not, those frames are left to the processor. The resize matters for Qwen3-VL:
 its patch 16 x merge 2 does not divide the 252 px frames of ``maze_2d/easy`` (cells of
-28 px), so the processor resizes each to 256 px, and that path through the processor took
-3 ms a frame, 36% of an 8B rollout's wall time on an H100 (``benchmarks/rollout.py
---profile``: "outside the engine"); Qwen2-VL's patch 14 takes 225 px frames to 224 px.
+28 px), so the processor resizes each to 256 px, and that path through the processor was a
+large share of an 8B rollout's wall time (``benchmarks/rollout.py --profile``: "outside the
+engine"); Qwen2-VL's patch 14 takes 225 px frames to 224 px.
 
 A frame shown again (the samples of a prompt start alike, a refused move shows the same
 frame) is resized once: ``clew.models.frame_cache`` keeps resized frames by content.
@@ -318,7 +318,7 @@ class Frames:
         """``pixel_values [N * gh * gw, C * T * P * P]`` float32 on ``device``."""
         shape = (self.patch, self.merge, self.temporal)
         if device is None or torch.device(device).type == "cpu":
-            # numpy's strided copy is about twice torch's on a CPU for this layout.
+            # numpy's strided copy is faster than torch's on a CPU for this layout.
             return torch.from_numpy(_patch_numpy(self.data.numpy(), self.table.numpy(), *shape))
         return _patch_torch(self.data.to(device), self.table.to(device), *shape)
 

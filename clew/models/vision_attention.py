@@ -3,8 +3,8 @@
 transformers' Qwen2-VL and Qwen3-VL vision towers attend image by image unless flash
 attention is installed (it is not, here or on the GPU image): the packed patches are split
 at ``cu_seqlens`` and each image gets its own attention call, in every vision layer. An
-SFT step of 64 maze episodes held 912 frames, so 3,654 separate calls (forward alone,
-profiled on an H200), each too small to use the GPU. Maze frames
+SFT step of 64 maze episodes held 912 frames, so 3,654 separate calls (forward alone),
+each too small to use the GPU. Maze frames
 all have one size, so the split pieces stack into one ``[images, heads, patches, dim]``
 batch and one ``scaled_dot_product_attention`` call computes the same attention.
 

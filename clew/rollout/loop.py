@@ -12,9 +12,9 @@ env ends that episode with reward 0 (``env_error``) and never takes down the bat
 
 Between two turns the GPU waits for every episode's env step and the encoding of its next
 observation (a frame resized and cut into patches, its text tokenized). On one core that
-was about 3.5 ms an episode, a third of an 8B rollout's time on an H100 at 192 episodes
-(BENCHMARKS.md), and is about 1.5 ms since frames the processor resizes take the fast path
-(``clew.models.pixels``). ``env_workers`` threads do this per episode at once (Pillow and
+was a large share of an 8B rollout's time at 192 episodes (BENCHMARKS.md), less since frames
+the processor resizes take the fast path (``clew.models.pixels``), but still time the GPU
+waits. ``env_workers`` threads do this per episode at once (Pillow and
 numpy release the GIL for their work), and likewise start episodes (``START_AHEAD`` at a
 time: env resets and first observations) before the waves admit them; each episode's
 results are the same whichever thread ran it, and they are gathered in the episodes'
@@ -56,8 +56,9 @@ from clew.rollout.trajectory import Trajectory, apply_reward_rule, state_key
 # Episodes started together ahead of the wave that admits them (their envs reset and first
 # observations encoded on the env threads).
 START_AHEAD = 64
-# The default's cap: 192 episodes of ~1.5 ms take ~36 ms on 8 threads, and a many-core host
-# keeps its other cores for the processes beside the trainer (Ray's, data loading).
+# The default's cap: 8 threads already spread a 192-episode turn's host work thin, and a
+# many-core host keeps its other cores for the processes beside the trainer (Ray's, data
+# loading).
 ENV_WORKERS_MAX = 8
 
 
@@ -92,7 +93,7 @@ class RolloutSettings:
     reply_prefix: str = ""
     reply_suffix: str = ""
     # Record a state key per turn (Trajectory.state_keys) for per-turn credit (gigpo); off
-    # otherwise: hashing every frame costs about 0.1 ms a turn on the host.
+    # otherwise: hashing every frame adds host work to every turn.
     state_keys: bool = False
     # Threads that step the envs and encode their observations (module docstring); 0: one
     # per CPU core, at most ENV_WORKERS_MAX.

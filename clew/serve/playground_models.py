@@ -3,9 +3,9 @@ episode may cost the server.
 
 An episode's cost is its frames: each step renders one and encodes it as a PNG, and a step
 that this replica did not answer before replays every frame so far. So the playground
-bounds the frame (``MAX_FRAME_PIXELS``, about a 1024 x 1024 frame, a few tens of ms a step
-on a CPU) and the frames of a whole episode (``MAX_EPISODE_PIXELS``: max turns times frame
-pixels, so that a replay stays around half a second of CPU), besides each number in the
+bounds the frame (``MAX_FRAME_PIXELS``, about a 1024 x 1024 frame, cheap to render and
+encode on a CPU) and the frames of a whole episode (``MAX_EPISODE_PIXELS``: max turns times
+frame pixels, so that a replay's CPU time stays bounded), besides each number in the
 options (``MAX_OPTION_NUMBER``). Larger episodes are ``clew play``'s, which runs the env on
 the client.
 """

@@ -9,7 +9,8 @@ at a micro-batch of 8,192 tokens a pass over them moves 0.64 GB. ``torch.addmm(r
 B.T, alpha=scaling)`` with ``h = lora_A(x)`` does the scaled sum in the product's epilogue,
 reading ``result`` once and writing the sum once, and its backward passes the gradient of
 ``result`` through unchanged: six passes fewer a layer, about 0.14 TB fewer bytes an
-8,192-token micro-batch over 36 layers (some 40 ms at an H100's 3.35 TB/s). The values are
+8,192-token micro-batch over 36 layers, time an update spends on memory traffic alone. The
+values are
 the same up to rounding (the scaling applied to the accumulator rather than to the rounded
 product).
 

@@ -14,9 +14,8 @@ of names is passed to peft unchanged, for anyone who wants different modules.
 Rollouts sample from the adapter merged into its base (``merged_for_rollouts``): an
 unmerged LoRA layer runs three matmuls where a merged one runs one, and a small policy's
 decode step is bound by kernel launches, so with the adapter unmerged the GRPO generate
-phase took 5.7 s a step on the H200 against 3.8 s for full weights (BENCHMARKS.md, "LoRA
-rollouts with the adapter merged"; ``benchmarks/lora_rollout.py`` compares the two in one
-run). peft's
+phase was measured much slower than with full weights (BENCHMARKS.md, LoRA rollouts;
+``benchmarks/lora_rollout.py`` compares the two in one run). peft's
 ``merge_adapter`` / ``unmerge_adapter`` do the arithmetic. Over float32 base weights adding
 and then subtracting the delta gives the weights back to float rounding (about 1e-7 of
 each). Over bfloat16 ones (the frozen base of a LoRA run on a GPU) it would not: each
