@@ -5,11 +5,12 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 RUN_DIR ?= runs/demo
 
-.PHONY: setup test test-all test-oldest lint format demo bench clean device-wheels
+.PHONY: setup test test-all test-oldest lint format demo bench clean docs
 
 $(BIN)/clew: pyproject.toml
 	$(PY) -m venv $(VENV)
-	# torch first, pinned: a range alone would pull a multi-GB CUDA build (see NOTES).
+	# torch first, pinned, so that resolving the other dependencies never swaps in another
+	# (multi-GB) torch build.
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev,ray,serve,s3]"
@@ -23,7 +24,7 @@ test: setup
 test-all: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m "not gpu"
 
-# The model-facing tests against the oldest transformers clew claims (the GPU image's 5.17),
+# The model-facing tests against the oldest transformers clew claims (5.17),
 # in a venv of their own (.venv-oldest).
 OLDEST := .venv-oldest
 test-oldest:
@@ -47,14 +48,6 @@ demo: setup
 
 bench: setup
 	$(BIN)/python benchmarks/env.py
-
-# Wheels for a GPU machine without network access whose image lacks pydantic (Python 3.12):
-# copy `.whl` there and `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`.
-device-wheels:
-	rm -rf .whl
-	$(PY) -m pip download -q pydantic --only-binary=:all: --python-version 3.12 \
-		--platform manylinux2014_x86_64 -d .whl
-	ls .whl
 
 clean:
 	rm -rf $(VENV) $(OLDEST) runs .pytest_cache .ruff_cache

@@ -8,7 +8,7 @@ same run:
 
 - ``Qwen2VLImageProcessorPil``, the PIL one clew loads everywhere;
 - ``Qwen2VLImageProcessor``, the torchvision-backed one that transformers builds and loads
-  where torchvision is installed (the GPU image). Where torchvision cannot be imported its
+  where torchvision is installed. Where torchvision cannot be imported its
   rows are skipped with a message.
 
 Columns: milliseconds per frame of the processor (``ip(images=..., return_tensors="pt")``),

@@ -167,7 +167,7 @@ def test_the_seeds_six_gpu_placement_is_accepted_as_six_workers() -> None:
 def test_a_mini_batch_splits_over_any_number_of_cpu_workers() -> None:
     cfg = load_config(None, ["trainer.placement.num_cpu_workers=2"])
     assert cfg.trainer.placement.num_workers == 2
-    # 3 trajectories over 2 workers: split by count, one worker takes two (README, "On a cluster")
+    # 3 trajectories over 2 workers: split by count, one worker takes two (docs/cluster.md)
     cfg = load_config(
         None,
         [

@@ -1,6 +1,6 @@
 """deploy/kuberay applied together in one namespace: the Services KubeRay derives from the
 training RayCluster, its RayJob and the serving RayService have distinct names and select
-the pods of their own cluster only; the README reaches each by those names; and the Ray the
+the pods of their own cluster only; docs/kubernetes.md reaches each by those names; and the Ray the
 manifests and pyproject ask for has token authentication.
 
 KubeRay's naming (v1.7, ray-operator/controllers/ray/utils/util.go and common/service.go):
@@ -27,7 +27,7 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERAY = ROOT / "deploy" / "kuberay"
-README = (ROOT / "README.md").read_text()
+GUIDE = (ROOT / "docs" / "kubernetes.md").read_text()  # the KubeRay guide
 GENERATED = None  # stands for KubeRay's 5 random characters in a name
 RANDOM_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
@@ -149,16 +149,16 @@ def test_the_job_runs_on_the_training_cluster_and_no_other() -> None:
     assert not may_equal((selector["ray.io/cluster"],), cluster_label(service))
 
 
-def test_the_readme_reaches_the_training_and_serving_clusters_by_their_names() -> None:
+def test_the_kubernetes_guide_reaches_the_training_and_serving_clusters_by_their_names() -> None:
     cluster, service = only("RayCluster")["metadata"]["name"], only("RayService")
-    found = re.findall(r"kubectl port-forward svc/(\S+) (\d+):\d+", README)
+    found = re.findall(r"kubectl port-forward svc/(\S+) (\d+):\d+", GUIDE)
     forwards = {int(port): svc for svc, port in found}
     assert forwards[8265] == f"{cluster}-head-svc"  # the training cluster's job API
     assert forwards[8000] == f"{service['metadata']['name']}-serve-svc"
-    assert set(re.findall(r"-l ray\.io/cluster=([\w-]+)", README)) == {cluster}
+    assert set(re.findall(r"-l ray\.io/cluster=([\w-]+)", GUIDE)) == {cluster}
     # KubeRay keeps a cluster's token in a Secret named after the cluster.
-    assert set(re.findall(r"kubectl get secret ([\w-]+) -o", README)) == {cluster}
-    assert f"RayCluster `{cluster}`" in README
+    assert set(re.findall(r"kubectl get secret ([\w-]+) -o", GUIDE)) == {cluster}
+    assert f"RayCluster `{cluster}`" in GUIDE
 
 
 def test_the_ray_extra_asks_for_a_ray_with_token_authentication() -> None:

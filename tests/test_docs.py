@@ -22,17 +22,24 @@ def test_every_benchmark_script_is_listed_in_the_benchmarks_index():
     assert not missing, f"list them in benchmarks/README.md: {missing}"
 
 
-# README's serving examples: every command parses with clew's own flags, the keyword
-# flags come with the env option that reads keyword replies, and the adapter names are the
-# ones a LoRA GRPO run exports.
-README = Path(__file__).parent.parent / "README.md"
+# The serving manual's examples (docs/serving.md, and serving on Kubernetes in
+# docs/kubernetes.md): every command parses with clew's own flags, the keyword flags come
+# with the env option that reads keyword replies, and the adapter names are the ones a LoRA
+# GRPO run exports.
 
 
-def _section(title: str) -> str:
-    text = README.read_text()
+def _section(page: str, title: str) -> str:
+    text = (DOCS / page).read_text()
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end > 0 else len(text)]
+
+
+def _serving() -> str:
+    """docs/serving.md up to its limits and refusals, and docs/kubernetes.md's serving."""
+    text = (DOCS / "serving.md").read_text()
+    manual = text[: text.index("\n## Limits and refusals\n")]
+    return manual + _section("kubernetes.md", "Serving")
 
 
 def _commands(section: str) -> list[list[str]]:
@@ -58,16 +65,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         with contextlib.redirect_stderr(err):
             return build_parser().parse_args(argv[1:])
     except SystemExit:
-        raise AssertionError(
-            f"README: `{' '.join(argv)}` does not parse: {err.getvalue()}"
-        ) from None
+        raise AssertionError(f"docs: `{' '.join(argv)}` does not parse: {err.getvalue()}") from None
 
 
 def test_every_clew_command_of_the_serving_section_parses_and_reads_its_replies():
     from clew.commands.registry import _env_options
     from clew.envs import make
 
-    section = _section("Serving")
+    section = _serving()
     for paragraph in section.split("\n\n"):
         if "--reply-prefix '<action>'" in paragraph:  # keyword replies: the env must read them
             assert "action_format=keyword" in paragraph, paragraph
@@ -82,7 +87,7 @@ def test_every_clew_command_of_the_serving_section_parses_and_reads_its_replies(
         env = make(args.env_id, **_env_options(args))
         env.reset(args.seed)
         _, _, _, info = env.step(args.reply_prefix + "up" + args.reply_suffix)
-        assert not info["parse_error"], f"README: `{' '.join(argv)}` cannot read its replies"
+        assert not info["parse_error"], f"docs: `{' '.join(argv)}` cannot read its replies"
 
 
 def test_the_serving_sections_adapter_names_are_the_ones_a_grpo_run_exports(tmp_path):
@@ -103,7 +108,7 @@ def test_the_serving_sections_adapter_names_are_the_ones_a_grpo_run_exports(tmp_
     exported = {re.sub(r"\d+", "N", n) for n in AdapterStore(exports.export_path).names()}
     assert exported == {"best", "global_step_N"}
 
-    section = _section("Serving")
+    section = _serving()
     commands = _commands(section)
     model_ids = {_parse(a).model_id for a in commands if a[:2] == ["clew", "serve"]}
     model_ids |= set(re.findall(r"model_id=([\w.-]+)", section))
@@ -125,7 +130,7 @@ def test_the_serving_sections_adapter_names_are_the_ones_a_grpo_run_exports(tmp_
     assert names, "the section names no adapter"
     for name in names - set(copied):
         assert re.sub(r"\d+", "N", name) in exported, (
-            f"README serves {name!r}, which a GRPO run does not export (it exports "
+            f"docs/serving.md serves {name!r}, which a GRPO run does not export (it exports "
             f"{sorted(exported)}; an SFT run's final policy is full weights, served as --model)"
         )
 
@@ -134,9 +139,9 @@ def test_the_commands_tables_flags_exist():
     from clew.cli import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    rows = re.findall(r"^\| `clew ([a-z][a-z-]*)(.*)$", _section("Commands"), re.M)
+    rows = re.findall(r"^\| `clew ([a-z][a-z-]*)(.*)$", _section("commands.md", "`clew`"), re.M)
     assert rows
     for command, rest in rows:
         flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", rest))
         missing = flags - set(sub.choices[command]._option_string_actions)
-        assert not missing, f"README's Commands table gives `clew {command}` {sorted(missing)}"
+        assert not missing, f"docs/commands.md's table gives `clew {command}` {sorted(missing)}"

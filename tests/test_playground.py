@@ -3,7 +3,7 @@ model standing for two replicas), and the page in a real headless Chromium (Debi
 `chromium`, driven by Playwright) playing mazes with the tiny model.
 
 Set CLEW_PLAYGROUND_SCREENSHOT=PATH to save the comparison test's page as a PNG (the
-README's screenshot is made so)."""
+screenshot in docs/serving.md is made so)."""
 
 from __future__ import annotations
 

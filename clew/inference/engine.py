@@ -1,10 +1,10 @@
 """clew's rollout engine: batched multi-turn sampling with the KV cache kept across turns.
 
-Why clew carries its own engine rather than vLLM: vLLM is not installable on the machines
-clew is built and tested on (it needs a newer torch and an older transformers than they
-have), and an engine inside the training process shares the policy's weights, LoRA
-adapters included, as the very module objects the optimizer updates, so "weight sync"
-after each step costs nothing and can never go stale.
+Why clew carries its own engine rather than vLLM: vLLM cannot share an environment with
+clew (it needs a newer torch and an older transformers than clew supports), and an engine
+inside the training process shares the policy's weights, LoRA adapters included, as the
+very module objects the optimizer updates, so "weight sync" after each step costs nothing
+and can never go stale.
 
 How it works. A ``CacheBatch`` (``clew.inference.batch``) holds a batch of sequences in one
 KV cache. Each turn

@@ -6,7 +6,7 @@ below the card's matrix rate (``benchmarks/rollout.py --prefill-kernels``; BENCH
 torch's FlashAttention build (``prefill_attention=varlen``) computes each query
 head's chunk as its own sequence in blocks of 128 queries, so a chunk of 140 tokens fills
 two blocks, the second with 12; FlashAttention 3 and FlashInfer, which pack a KV head's
-query heads into one block, do not install beside the GPU image's torch. The plan here is
+query heads into one block, do not install beside every torch clew supports. The plan here is
 theirs, for clew's cache layout:
 
 - one program a (block of ``BLOCK_M`` queries, KV head, row); a row's queries are its

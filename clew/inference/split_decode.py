@@ -5,7 +5,7 @@ Why written here: a decode step of an 8B policy at large batches spends a large 
 time in attention, and torch ships no kernel for this shape. Its memory-efficient kernel
 (``decode_attention=varlen``) read the KV cache well below the rate the card's own copies
 reach, and its FlashAttention build was no faster (BENCHMARKS.md); the decode kernels of
-FlashInfer and vLLM do not install beside the GPU image's torch. This is the plan of
+FlashInfer and vLLM do not install beside every torch clew supports. This is the plan of
 SGLang's and vLLM's Triton decode kernels, written for clew's cache layout:
 
 - ``split_kernel``, one program a (row, KV head, split): it loads the ``group`` query heads

@@ -11,7 +11,7 @@ kernel that reads its inputs once and rounds once, in float32 inside.
 Why compile two small functions rather than the model: transformers' layers run clew's
 cache, attention and adapter hooks, which a whole-model graph would have to trace through;
 a pure function of tensors compiles in seconds and cannot break on them. Why not a library
-of fused kernels (Liger, vLLM's): neither is in the GPU image, and both duplicate what
+of fused kernels (Liger, vLLM's): neither is a dependency of clew, and both duplicate what
 Inductor generates here.
 
 The vision tower's rotary embedding is the same computation in float32 with four casts

@@ -25,7 +25,7 @@ no real model's processor changes). After ``import clew.models``,
 imported clew it falls back to ``Qwen2VLProcessor``, which needs torchvision.
 ``ClewVLProcessor.from_pretrained`` always works.
 
-Written against transformers 5.17 (the GPU image) and checked on 5.24.
+Written against transformers 5.17 (the oldest supported) and checked on 5.24.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class ClewVLProcessor(Qwen2VLProcessor):
     ) -> ClewVLProcessor:
         """Load as ``ProcessorMixin.from_pretrained`` does, then pin the PIL image processor.
 
-        Where torchvision is installed (the GPU image has it), ``AutoImageProcessor`` picks
+        Where torchvision is installed, ``AutoImageProcessor`` picks
         the torchvision ``Qwen2VLImageProcessor``, whose pixel values differ from the PIL
         one's in the last float bits; a policy must see the same pixels on every machine
         it is trained, rolled out and served on, so the PIL twin is loaded instead.

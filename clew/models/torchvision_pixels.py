@@ -1,6 +1,6 @@
 """What transformers' torchvision-backed Qwen-VL image processor does to a frame, without torchvision.
 
-Where torchvision is installed (the GPU image has it), ``AutoImageProcessor`` and
+Where torchvision is installed, ``AutoImageProcessor`` and
 ``Qwen2VLImageProcessor(...)`` give the torchvision-backed class (transformers 5:
 ``TorchvisionBackend``; checkpoints that name the older ``Qwen2VLImageProcessorFast`` get it
 too), and Qwen2.5-VL, Qwen3-VL and Qwen3.5 checkpoints use that same class. Called frame by

@@ -1,7 +1,7 @@
 """One attention call for all the images of a batch when they share a size.
 
 transformers' Qwen2-VL and Qwen3-VL vision towers attend image by image unless flash
-attention is installed (it is not, here or on the GPU image): the packed patches are split
+attention is installed (clew does not require it): the packed patches are split
 at ``cu_seqlens`` and each image gets its own attention call, in every vision layer. An
 SFT step of 64 maze episodes held 912 frames, so 3,654 separate calls (forward alone),
 each too small to use the GPU. Maze frames

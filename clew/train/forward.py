@@ -80,7 +80,7 @@ def logits_at(
     Only those positions go through the output projection (see the module docstring).
     ``dtype`` is the dtype attention computes in (for the additive attention mask).
     """
-    # Older transformers (5.17 on the GPU image) take only positions shared by the whole
+    # Older transformers (5.17, the oldest supported) take only positions shared by the whole
     # batch; project the union of the rows' positions there and pick each row's own.
     cols = None if BOOLEAN_LOGITS_TO_KEEP else keep.any(0).nonzero().squeeze(-1)
     out = _run(model, batch, keep, dtype, keep if cols is None else cols)
