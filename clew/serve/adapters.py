@@ -192,9 +192,9 @@ class AdapterStore:
             seen = self._checked.get(name)
         return None if seen is None else seen[1]
 
-    def _stamp(self, name: str) -> tuple[str, Stamp]:
-        """Where ``name``'s config lies (``""`` or ``policy/``) and its files' stamp: size
-        and modification time (or ETag) of the config and the weights."""
+    def _listing(self, name: str) -> tuple[str, Any, str]:
+        """``name``'s folder under the prefix, the files in it, and where its config lies
+        (``""`` or ``policy/``); ``ModelNotFound`` or ``AdapterUnavailable`` otherwise."""
         check_name(name)
         if self.storage is None or self.prefix is None:
             raise self._missing(name)
@@ -207,6 +207,12 @@ class AdapterStore:
         sub = "" if CONFIG_FILE in files else f"{EXPORT_SUBDIR}/"
         if f"{sub}{CONFIG_FILE}" not in files or not self._inside(f"{name}/{sub}{CONFIG_FILE}"):
             raise self._missing(name)
+        return folder, files, sub
+
+    def _stamp(self, name: str) -> tuple[str, Stamp]:
+        """Where ``name``'s config lies (``""`` or ``policy/``) and its files' stamp: size
+        and modification time (or ETag) of the config and the weights."""
+        folder, files, sub = self._listing(name)
         parts: list[Any] = [sub]
         for file in (CONFIG_FILE, WEIGHTS_FILE):
             if f"{sub}{file}" not in files:
@@ -279,18 +285,7 @@ class AdapterStore:
     def read(self, name: str, stamp: Stamp = ()) -> AdapterFiles:
         """``name``'s config and tensors; ``ModelNotFound`` if it is not under the prefix,
         ``AdapterUnavailable`` if its files cannot be read as a LoRA adapter."""
-        check_name(name)
-        if self.storage is None or self.prefix is None:
-            raise self._missing(name)
-        folder = join(self.prefix, name)
-        try:
-            files = self.storage.list_files(folder)
-        except (ClewError, OSError) as exc:
-            log.warning("cannot list adapter %s at %s: %s", name, folder, exc)
-            raise AdapterUnavailable(f"adapter {name!r} cannot be listed") from exc
-        sub = "" if CONFIG_FILE in files else f"{EXPORT_SUBDIR}/"
-        if f"{sub}{CONFIG_FILE}" not in files or not self._inside(f"{name}/{sub}{CONFIG_FILE}"):
-            raise self._missing(name)
+        folder, files, sub = self._listing(name)
         where = join(folder, sub) if sub else folder
         source = f"{name}/{sub}".rstrip("/")
         weights = f"{sub}{WEIGHTS_FILE}"
