@@ -24,7 +24,7 @@ from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.models.pixels import Pixels, as_patches
 from clew.train.agreement import decision_tokens
-from clew.train.batch import ModelBatch, Sample, collate
+from clew.train.model_batch import ModelBatch, Sample, collate
 
 # The keyword reply of each move, indexed by direction id, and of stop.
 MOVE_WORDS = [format_action(Action("move", d), "keyword") for d in range(len(DIRECTIONS))]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-import clew.inference.batch as batch_module
+import clew.inference.cache_batch as batch_module
 import clew.inference.engine as engine_module
 from clew.data.rows import generate_rows
 from clew.envs.base import text_corpus

@@ -56,8 +56,8 @@ from clew.envs.maze.generate import DIRECTIONS
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.train.agreement import decision_tokens
-from clew.train.batch import collate
 from clew.train.demonstrations import play_demonstration
+from clew.train.model_batch import collate
 from clew.train.worker import logits_at
 
 BINS = (0.0, 0.05, 0.15, 0.3, 0.5, 1.01)

@@ -46,8 +46,8 @@ from clew.models import build_model
 from clew.models.chat import ChatFormat
 from clew.models.pixels import as_patches
 from clew.models.visibility import visibility_mask
-from clew.train.batch import collate, encode_vision
 from clew.train.demonstrations import demonstrations
+from clew.train.model_batch import collate, encode_vision
 
 
 class BaselineChat(ChatFormat):

@@ -6,7 +6,7 @@ frame) varies in length by a factor of two or more, and every row of a forward i
 its longest episode. Baseline: one episode a row (sorted by length into micro-batches, as
 ``PolicyWorker`` does). clew: ``WorkerSettings(pack_sequences=True)``, short episodes laid
 end to end in rows over the whole batch, ``--micro`` rows a forward
-(``clew.train.batch.collate(pack=True)``). Prints the rows and padded
+(``clew.train.model_batch.collate(pack=True)``). Prints the rows and padded
 tokens each forward computes, the seconds per step of each (alternating, after one warm-up
 step each) and the two losses, which must agree.
 
@@ -24,8 +24,8 @@ import torch
 
 from clew.data.rows import generate_rows
 from clew.models import build_model
-from clew.train.batch import collate
 from clew.train.demonstrations import demonstrations
+from clew.train.model_batch import collate
 from clew.train.worker import PolicyWorker, WorkerSettings
 
 OPTIONS = {"cell_px": 14, "border_px": 7, "max_turns": 32, "action_format": "keyword"}

@@ -30,8 +30,8 @@ from clew.data.rows import Row
 from clew.envs.media import replay, write_episode
 from clew.envs.rewards import passes
 from clew.inference.engine import InferenceEngine
+from clew.rollout.episode_stats import event_shares
 from clew.rollout.loop import RolloutSettings, play
-from clew.rollout.metrics import event_shares
 from clew.rollout.trajectory import Trajectory
 
 

@@ -36,6 +36,7 @@ from clew.evaluation import dump_eval, eval_metrics
 from clew.metrics import MetricsCollector
 from clew.metrics.catalog import peak_memory_metric
 from clew.metrics.progress import Progress
+from clew.rollout.episode_stats import rollout_metrics
 from clew.rollout.filtering import (
     batches_needed,
     learning_rewards,
@@ -44,7 +45,6 @@ from clew.rollout.filtering import (
     take_groups,
 )
 from clew.rollout.loop import RolloutSettings
-from clew.rollout.metrics import rollout_metrics
 from clew.rollout.trajectory import Trajectory
 from clew.stopping import GracefulStop
 from clew.train.optim import MAX_DROPPED_STEPS

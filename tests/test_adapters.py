@@ -8,7 +8,7 @@ import torch
 from clew.cli import main
 from clew.errors import ModelError
 from clew.models import build_model, load_policy
-from clew.models.adapters import load_adapter
+from clew.models.adapter_loading import load_adapter
 from clew.train.lora import apply_lora
 
 

@@ -11,7 +11,7 @@ from rollout_support import assert_same_samples, ending_at_different_turns
 
 from clew.data.rows import generate_rows
 from clew.errors import ConfigError
-from clew.inference import batch as batch_module
+from clew.inference import cache_batch as batch_module
 from clew.inference import cuda_graphs
 from clew.inference.cuda_graphs import DecodeGraphs, rows_bucket, width_bucket
 from clew.inference.engine import InferenceEngine

@@ -92,7 +92,7 @@ def test_every_clew_command_of_the_serving_section_parses_and_reads_its_replies(
 
 def test_the_serving_sections_adapter_names_are_the_ones_a_grpo_run_exports(tmp_path):
     from clew.checkpoint.state import Checkpointer
-    from clew.serve.adapters import AdapterStore
+    from clew.serve.adapter_store import AdapterStore
 
     # What a LoRA GRPO run writes (clew/grpo.py: export every hf_save_interval steps and
     # at the end, export_best), listed as the server lists an adapter prefix.

@@ -35,7 +35,7 @@ from clew.envs import make
 from clew.inference.runtime import open_policy
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy, load_processor
-from clew.models.adapters import load_adapter
+from clew.models.adapter_loading import load_adapter
 from clew.train.settings import WorkerSettings
 from clew.train.sft_policy import LocalSFTPolicy
 from clew.train.worker import PolicyWorker

@@ -30,7 +30,7 @@ from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models import load_policy
 from clew.rollout.loop import RolloutSettings, play
-from clew.train.batch import Sample
+from clew.train.model_batch import Sample
 from clew.train.training_batch import TrainingBatch
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
 

@@ -16,7 +16,7 @@ from rollout_support import assert_same_samples
 from transformers.models.qwen3_vl import modeling_qwen3_vl
 
 from clew.data.rows import generate_rows
-from clew.inference import batch as batch_module
+from clew.inference import cache_batch as batch_module
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model, fused_pointwise, load_policy

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from PIL import Image
 
 from clew.errors import ConfigError
-from clew.inference import batch as batch_module
+from clew.inference import cache_batch as batch_module
 from clew.inference.engine import InferenceEngine
 from clew.inference.kv_cache import kv_bytes_per_token
 from clew.inference.sampling import SamplingParams

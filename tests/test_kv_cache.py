@@ -13,7 +13,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.errors import ConfigError
-from clew.inference import batch as batch_module
+from clew.inference import cache_batch as batch_module
 from clew.inference import engine as engine_module
 from clew.inference.attention import gqa_sdpa_attention, text_config
 from clew.inference.engine import InferenceEngine
@@ -21,8 +21,8 @@ from clew.inference.kv_cache import SlotCache, cache_budget_bytes
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
+from clew.rollout.episode_stats import rollout_metrics
 from clew.rollout.loop import RolloutSettings, play
-from clew.rollout.metrics import rollout_metrics
 from clew.train.lora import apply_lora, merged_for_rollouts
 
 IMAGE_SIZE = {"qwen2_vl": 196, "qwen3_vl": 224}  # 7 x 7 cells, one token each

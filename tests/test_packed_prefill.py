@@ -11,7 +11,7 @@ from test_prefill_attention import _chunk_case, policy  # noqa: F401
 
 from clew.config import load_config
 from clew.config.settings import engine_options
-from clew.inference import batch as batch_module
+from clew.inference import cache_batch as batch_module
 from clew.inference.attention import gqa_sdpa_attention
 from clew.inference.engine import InferenceEngine, resolve_packed_prefill
 from clew.inference.prefill_attention import varlen_prefill

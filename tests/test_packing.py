@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from clew.data.rows import generate_rows
-from clew.train.batch import collate, pack_rows
 from clew.train.demonstrations import demonstrations
+from clew.train.model_batch import collate, pack_rows
 from clew.train.objectives import sft_objective
 from clew.train.worker import PolicyWorker, WorkerSettings
 

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from clew.train.batch import Sample
+from clew.train.model_batch import Sample
 from clew.train.training_batch import TrainingBatch, share_sizes
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
 

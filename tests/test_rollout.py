@@ -15,8 +15,8 @@ from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.models.positions import sequence_positions
+from clew.rollout.episode_stats import rollout_metrics
 from clew.rollout.loop import RolloutSettings, play
-from clew.rollout.metrics import rollout_metrics
 from clew.rollout.trajectory import Trajectory
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
@@ -268,7 +268,7 @@ def test_keep_last_k_images_hides_old_images_the_same_way_in_engine_and_trainer(
 def test_hidden_images_leave_the_kv_cache_without_changing_any_logprob(policy, rows, monkeypatch):
     from dataclasses import replace
 
-    import clew.inference.batch as batch_module
+    import clew.inference.cache_batch as batch_module
     import clew.inference.engine as engine_module
 
     model, chat = policy

@@ -27,7 +27,7 @@ from serve_support import (
     serving,
 )
 
-from clew.inference.batch import CacheBatch
+from clew.inference.cache_batch import CacheBatch
 
 TEXT = [{"role": "user", "content": "Which way to the goal?"}]
 GOOD = [

@@ -20,8 +20,8 @@ from clew.launch import run_sft_stage
 from clew.metrics import read_history
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
-from clew.train.batch import collate
 from clew.train.demonstrations import demonstrations, play_demonstration
+from clew.train.model_batch import collate
 from clew.train.sft import DemonstrationStream
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}

@@ -14,8 +14,8 @@ from clew.envs.maze.solver import shortest_actions
 from clew.errors import ConfigError, EnvError
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
-from clew.train.batch import collate
 from clew.train.demonstrations import demonstrations, play_demonstration
+from clew.train.model_batch import collate
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 

@@ -19,8 +19,8 @@ from clew.models.logit_masks import keep_allowed, mask_banned
 from clew.models.packed_attention import PackedLayout, packed_attention, packed_sdpa
 from clew.models.token_logprobs import token_logprobs
 from clew.train import forward as forward_module
-from clew.train.batch import Sample, collate, token_micro_batches
 from clew.train.demonstrations import demonstrations
+from clew.train.model_batch import Sample, collate, token_micro_batches
 from clew.train.objectives import sft_objective
 from clew.train.training_batch import TrainingBatch
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings, logits_at

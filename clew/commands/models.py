@@ -302,7 +302,7 @@ def _export(p: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         from clew.models import load_policy
-        from clew.models.adapters import load_adapter
+        from clew.models.adapter_loading import load_adapter
         from clew.models.hf_export import DEFAULT_MAX_SHARD_SIZE, parse_shard_size, write_export
 
         if not args.merge:

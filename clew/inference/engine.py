@@ -6,7 +6,7 @@ inside the training process shares the policy's weights, LoRA adapters included,
 very module objects the optimizer updates, so "weight sync" after each step costs nothing
 and can never go stale.
 
-How it works. A ``CacheBatch`` (``clew.inference.batch``) holds a batch of sequences in one
+How it works. A ``CacheBatch`` (``clew.inference.cache_batch``) holds a batch of sequences in one
 KV cache. Each turn
 appends a chunk to every sequence (the previous reply's last token plus the new
 observation) and then decodes the reply one token per step, so a turn only prefills the
@@ -51,8 +51,8 @@ from dataclasses import dataclass
 import torch
 
 from clew.errors import ConfigError
-from clew.inference.batch import CacheBatch as CacheBatch  # its old home
-from clew.inference.batch import Generation as Generation
+from clew.inference.cache_batch import CacheBatch as CacheBatch  # its old home
+from clew.inference.cache_batch import Generation as Generation
 from clew.inference.kv_cache import cache_budget_bytes as cache_budget_bytes  # its old home
 from clew.inference.kv_cache import kv_bytes_per_token
 from clew.inference.multi_lora import AdapterSource, MultiLoRA
@@ -169,7 +169,7 @@ class InferenceEngine:
         # each row reading its own columns (FlashAttention's kernel or clew's Triton kernel,
         # clew.inference.attention); "auto": the Triton kernel on CUDA, if installed.
         self.prefill_attention = resolve_prefill_attention(prefill_attention, device)
-        # A prefill's real tokens alone, row after row (clew.inference.batch), where the
+        # A prefill's real tokens alone, row after row (clew.inference.cache_batch), where the
         # attention reads rows by their lengths.
         self.packed_prefill = packed_prefill
         # Each distinct image of a forward through the vision tower once

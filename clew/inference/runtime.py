@@ -58,7 +58,7 @@ def open_policy(
     """The policy of ``model_dir`` (with ``adapter_dir``'s adapter) and its engine;
     ``cuda_graphs``: decode steps replayed from CUDA graphs, where the device is CUDA."""
     from clew.models import load_policy
-    from clew.models.adapters import load_adapter
+    from clew.models.adapter_loading import load_adapter
 
     dev = pick_device(device)
     limit_host_threads(dev)

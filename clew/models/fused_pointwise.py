@@ -32,7 +32,7 @@ warning says so and the function stays eager. Each fused call costs some host ti
 compiled function's guards), which a replayed graph does not pay
 and a prefill's large kernels hide; a decode step run eagerly (``enforce_eager=true``, rows
 with their own adapters) would pay it in every layer, so the engine leaves the fused kernels
-out of those (``clew.inference.batch``).
+out of those (``clew.inference.cache_batch``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Attention over packed rows that stays within each sequence, with no dense mask.
 
-A packed row holds several sequences end to end (``clew.train.batch.collate(pack=True)``).
+A packed row holds several sequences end to end (``clew.train.model_batch.collate(pack=True)``).
 Each must attend only to its own causal past, as if it were alone. Expressed as one
 attention mask, that is a block-diagonal ``[W, W]`` mask per row: ``W**2`` entries to build
 and hold (a micro-batch of 16 trajectories of 2,000 tokens packed into one row of 32,000

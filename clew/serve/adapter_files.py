@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import torch
 
 from clew.errors import ClewError
-from clew.serve.errors import BadRequest, shorten
+from clew.serve.openai_errors import BadRequest, shorten
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

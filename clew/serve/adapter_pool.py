@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterable
 
 from clew.errors import ClewError
 from clew.inference.engine import InferenceEngine
-from clew.serve.adapters import AdapterFiles, AdapterStore, Stamp
-from clew.serve.errors import AdapterUnavailable, ServeError
+from clew.serve.adapter_store import AdapterFiles, AdapterStore, Stamp
+from clew.serve.openai_errors import AdapterUnavailable, ServeError
 
 
 class LoadedAdapters:

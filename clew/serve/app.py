@@ -43,7 +43,6 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clew.serve.errors import BadRequest, ServeError, error_body
 from clew.serve.middleware import (
     REQUEST_ID_HEADER,
     ApiKey,
@@ -53,6 +52,7 @@ from clew.serve.middleware import (
     error_response,
     request_id_of,
 )
+from clew.serve.openai_errors import BadRequest, ServeError, error_body
 from clew.serve.openapi import document_errors, errors
 from clew.serve.playground import playground_router
 from clew.serve.protocol import (

@@ -32,7 +32,7 @@ from typing import Any
 from clew.agent import EpisodeTurns, Reply, chat_body, data_url
 from clew.errors import ClewError
 from clew.rollout.trajectory import Trajectory
-from clew.serve.errors import BadRequest, ServeError
+from clew.serve.openai_errors import BadRequest, ServeError
 from clew.serve.playground_models import (
     MAX_EPISODE_PIXELS,
     MAX_FRAME_PIXELS,

@@ -22,7 +22,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from clew.serve.errors import ServeError, TooLarge, Unauthorized
+from clew.serve.openai_errors import ServeError, TooLarge, Unauthorized
 
 REQUEST_ID_HEADER = "X-Request-Id"
 REQUEST_ID_RE = re.compile(rb"[A-Za-z0-9._:/+=-]{1,128}")

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 from clew.models.chat import ChatFormat, Chunk, join_chunks
-from clew.serve.errors import BadRequest
+from clew.serve.openai_errors import BadRequest
 from clew.serve.protocol import ImagePart, Message, TextPart
 
 _DATA_URL = re.compile(

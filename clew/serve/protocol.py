@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from clew.serve.errors import BadRequest
+from clew.serve.openai_errors import BadRequest
 
 
 class _Strict(BaseModel):

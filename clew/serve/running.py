@@ -17,8 +17,8 @@ from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
 from clew.serve.adapter_pool import LoadedAdapters
 from clew.serve.batches import Batch, Row, isolate, rows_of
-from clew.serve.errors import ServeError, ServerFault
-from clew.serve.metrics import ServeMetrics
+from clew.serve.openai_errors import ServeError, ServerFault
+from clew.serve.prometheus import ServeMetrics
 from clew.serve.tickets import Delta, Event, Failed, Finished, Ticket
 
 log = logging.getLogger("clew.serve.scheduler")

@@ -67,8 +67,8 @@ from clew.errors import ConfigError
 from clew.inference.engine import InferenceEngine
 from clew.serve.adapter_pool import LoadedAdapters
 from clew.serve.batches import Batch, batch_key, longest
-from clew.serve.errors import BadRequest, Overloaded, ServeError, ServerFault, ShuttingDown
-from clew.serve.metrics import ServeMetrics
+from clew.serve.openai_errors import BadRequest, Overloaded, ServeError, ServerFault, ShuttingDown
+from clew.serve.prometheus import ServeMetrics
 from clew.serve.running import RunningBatches
 from clew.serve.tickets import Admitted, Delta, Event, Failed, Finished, GenerationRequest, Ticket  # noqa: F401
 

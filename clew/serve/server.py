@@ -32,9 +32,9 @@ from clew.errors import ClewError
 from clew.inference.engine import InferenceEngine
 from clew.models.chat import ChatFormat
 from clew.serve.adapter_pool import LoadedAdapters
-from clew.serve.adapters import AdapterStore, check_name
-from clew.serve.errors import AdapterUnavailable, BadRequest, ModelNotFound, shorten
-from clew.serve.metrics import ServeMetrics
+from clew.serve.adapter_store import AdapterStore, check_name
+from clew.serve.openai_errors import AdapterUnavailable, BadRequest, ModelNotFound, shorten
+from clew.serve.prometheus import ServeMetrics
 from clew.serve.prompt import PromptLimits, build_prompt
 from clew.serve.protocol import ChatCompletionRequest, model_card
 from clew.serve.scheduler import GenerationRequest, Scheduler

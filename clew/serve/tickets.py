@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from clew.models.chat import Chunk
-from clew.serve.errors import ClientClosed, ServeError
+from clew.serve.openai_errors import ClientClosed, ServeError
 
 if TYPE_CHECKING:
     from clew.serve.scheduler import Scheduler

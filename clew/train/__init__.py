@@ -5,9 +5,9 @@ learns from a ``TrainingBatch`` (data) under ``PPOSettings``, so a Ray actor can
 with the same methods.
 """
 
-from clew.train.batch import ModelBatch, Sample, collate, micro_batches, target_values
 from clew.train.demonstrations import Demonstration, demonstrations
 from clew.train.lora import apply_lora
+from clew.train.model_batch import ModelBatch, Sample, collate, micro_batches, target_values
 from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.sft import SFTResult, SFTTrainer
 from clew.train.training_batch import TrainingBatch

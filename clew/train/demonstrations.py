@@ -30,7 +30,7 @@ from clew.data.rows import Row
 from clew.envs import DetourExpert, Expert, StartsAnywhere, expert_for, make
 from clew.errors import ConfigError
 from clew.models.chat import ChatFormat
-from clew.train.batch import Sample
+from clew.train.model_batch import Sample
 
 
 @dataclass

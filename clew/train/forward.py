@@ -33,7 +33,7 @@ from clew.models.packed_attention import packed_attention
 from clew.models.pixels import as_patches
 from clew.models.precision import bf16_autocast
 from clew.models.token_logprobs import token_logprobs
-from clew.train.batch import (
+from clew.train.model_batch import (
     ModelBatch,
     SequenceLike,
     Vision,
@@ -42,7 +42,7 @@ from clew.train.batch import (
     pack_rows,
     token_micro_batches,
 )
-from clew.train.batch import micro_batches as chunked
+from clew.train.model_batch import micro_batches as chunked
 from clew.train.objectives import TargetOutputs
 from clew.train.settings import WorkerSettings
 

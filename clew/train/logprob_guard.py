@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from clew.algorithms.logprob_gap import LogprobGap
-from clew.train.batch import ModelBatch, SequenceLike, target_values
+from clew.train.model_batch import ModelBatch, SequenceLike, target_values
 from clew.train.objectives import Objective, TargetOutputs
 
 __all__ = ["gap_of_scores", "guard_metrics", "observing"]

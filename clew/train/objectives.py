@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from clew.algorithms import compute_policy_loss, entropy_from_logits, kl_loss, reduce_loss
-from clew.train.batch import ModelBatch
+from clew.train.model_batch import ModelBatch
 from clew.train.settings import PPOSettings
 
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 from clew.algorithms import LogprobGap
-from clew.train.batch import Vision
-from clew.train.batch import micro_batches as chunked
 from clew.train.logprob_guard import gap_of_scores, guard_metrics, observing
+from clew.train.model_batch import Vision
+from clew.train.model_batch import micro_batches as chunked
 from clew.train.objectives import ppo_objective
 from clew.train.settings import PPOSettings
 from clew.train.training_batch import TrainingBatch

@@ -23,14 +23,14 @@ class WorkerSettings:
     ``autocast_bf16`` computes in bfloat16 over the weights' own dtype (float32 master
     weights: ``clew.models.precision``); bfloat16 weights on CUDA always compute so.
     ``pack_sequences`` packs an SFT batch's sequences into rows
-    (``clew.train.batch.collate(pack=True)``): the same loss and gradient with less compute
+    (``clew.train.model_batch.collate(pack=True)``): the same loss and gradient with less compute
     spent on padding; the micro-batch size then counts packed rows.
 
     The shape of every forward the worker runs (updates and ``compute_logprobs`` alike, so
     recomputed logprobs match the update's): ``remove_padding`` lays each micro-batch's
     sequences end to end in one row with no padding, each attending only to itself
     (``clew.models.packed_attention``); ``max_tokens_per_microbatch`` forms micro-batches by
-    tokens instead of by sequence count (``clew.train.batch.token_micro_batches``);
+    tokens instead of by sequence count (``clew.train.model_batch.token_micro_batches``);
     ``logprobs_chunk_size`` computes logprobs and entropies from the final hidden states
     that many tokens at a time (``clew.models.token_logprobs``), never holding the whole
     ``[tokens, vocabulary]`` logits. ``gradient_checkpointing`` recomputes each decoder

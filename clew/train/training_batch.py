@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from clew.algorithms.step_advantages import turn_token_advantages
-from clew.train.batch import SequenceLike
+from clew.train.model_batch import SequenceLike
 
 
 class SampledSequence(SequenceLike, Protocol):
@@ -32,7 +32,7 @@ class TrainingBatch:
     ``advantages``: ``Float[N]`` (one per sequence, on each of its loss-mask tokens) or N
     tensors ``Float[T_i]`` (one per turn, on that turn's reply tokens, a turn being a run
     of 1s in the loss mask); ``old_logprobs``: the sampler's logprob of each token, token-
-    or target-aligned (``clew.train.batch.target_values``).
+    or target-aligned (``clew.train.model_batch.target_values``).
     """
 
     sequences: Sequence[SequenceLike]

@@ -41,9 +41,9 @@ from clew.cluster import fsdp
 from clew.errors import ClewError
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
-from clew.train.batch import Sample, SequenceLike, Vision, collate
 from clew.train.forward import PolicyForward, logits_at
 from clew.train.lora import apply_lora, is_lora
+from clew.train.model_batch import Sample, SequenceLike, Vision, collate
 from clew.train.objectives import Objective, sft_objective
 from clew.train.optim import build_optimizer, clipped_step
 from clew.train.ppo_update import accumulate_ppo_gradients, train_ppo

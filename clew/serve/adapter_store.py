@@ -66,7 +66,7 @@ from clew.serve.adapter_files import (
     check_name,
     lasting,
 )
-from clew.serve.errors import AdapterUnavailable, ModelNotFound, ServeError, shorten
+from clew.serve.openai_errors import AdapterUnavailable, ModelNotFound, ServeError, shorten
 
 __all__ = ["AdapterFiles", "AdapterStore", "Stamp", "check_name"]
 
