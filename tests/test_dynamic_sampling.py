@@ -114,7 +114,7 @@ def test_filter_plays_batches_until_enough_groups_have_spread(tmp_path):
 
 
 def test_the_next_step_plays_as_many_batches_at_once_as_the_last_one_needed(tmp_path):
-    group, loggers, trainer = _run(tmp_path, "trainer.algorithm.dynamic_sampling.type=filter")
+    group, loggers, _ = _run(tmp_path, "trainer.algorithm.dynamic_sampling.type=filter")
     first = int(
         next(m for m in loggers.logged if "train/dynamic_sampling/batches" in m)[
             "train/dynamic_sampling/batches"
@@ -125,7 +125,6 @@ def test_the_next_step_plays_as_many_batches_at_once_as_the_last_one_needed(tmp_
     needed = batches_needed(spread, 4)
     assert needed > 1
     assert len(group.played[first]) == 4 * needed  # then that many batches in one play
-    assert trainer.state.sample_batches >= 1
 
 
 def test_batches_needed_counts_spread_groups_batch_by_batch():
