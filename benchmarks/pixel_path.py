@@ -33,25 +33,11 @@ import torch
 from clew.envs import make
 from clew.models.frame_cache import frame_cache
 from clew.models.pixels import fast_frames, fast_patches
-from clew.models.processor import make_image_processor
+from clew.models.processor import image_processor_kwargs, make_image_processor
 from clew.models.torchvision_pixels import is_torchvision_processor
 
 # name: (patch size, image mean and std; None: CLIP's, the processor's default)
 GEOMETRIES: dict[str, tuple[int, float | None]] = {"qwen2_vl": (14, None), "qwen3_vl": (16, 0.5)}
-
-
-def _kwargs(patch: int, norm: float | None) -> dict[str, Any]:
-    factor = patch * 2
-    kwargs: dict[str, Any] = {
-        "patch_size": patch,
-        "merge_size": 2,
-        "temporal_patch_size": 2,
-        "min_pixels": factor * factor,
-        "max_pixels": factor * factor * 1280,
-    }
-    if norm is not None:
-        kwargs.update(image_mean=[norm] * 3, image_std=[norm] * 3)
-    return kwargs
 
 
 def _torchvision_processor(kwargs: dict[str, Any]) -> tuple[Any | None, str]:
@@ -105,7 +91,11 @@ def main() -> None:
     )
     print(header)
     for name, (patch, norm) in GEOMETRIES.items():
-        kwargs = _kwargs(patch, norm)
+        kwargs = image_processor_kwargs(
+            patch_size=patch,
+            image_mean=None if norm is None else [norm] * 3,
+            image_std=None if norm is None else [norm] * 3,
+        )
         tv_ip, why = _torchvision_processor(kwargs)
         for ip in (make_image_processor(**kwargs), tv_ip):
             if ip is None:

@@ -21,7 +21,7 @@ from transformers import AutoImageProcessor
 from clew.envs import make
 from clew.models.frame_cache import frame_cache
 from clew.models.pixels import as_patches, cat_pixels, fast_frames, fast_grid, fast_patches
-from clew.models.processor import make_image_processor
+from clew.models.processor import image_processor_kwargs, make_image_processor
 from clew.models.torchvision_pixels import interpolation, is_torchvision_processor
 
 # (patch, image_mean / image_std): Qwen2-VL's and Qwen2.5-VL's geometry, and Qwen3-VL's.
@@ -38,17 +38,8 @@ def _image(height: int, width: int, seed: int = 0) -> Image.Image:
 
 def _kwargs(geometry: str) -> dict[str, Any]:
     patch, norm = GEOMETRIES[geometry]
-    factor = patch * 2
-    kwargs: dict[str, Any] = {
-        "patch_size": patch,
-        "merge_size": 2,
-        "temporal_patch_size": 2,
-        "min_pixels": factor * factor,
-        "max_pixels": factor * factor * 1280,
-    }
-    if norm is not None:
-        kwargs.update(image_mean=[norm] * 3, image_std=[norm] * 3)
-    return kwargs
+    mean = None if norm is None else [norm] * 3
+    return image_processor_kwargs(patch_size=patch, image_mean=mean, image_std=mean)
 
 
 def _pil(geometry: str, **extra: Any) -> Any:

@@ -38,7 +38,7 @@ from typing import Any
 from transformers import AutoProcessor, PreTrainedConfig, Qwen2VLImageProcessorPil, Qwen2VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
-__all__ = ["ClewVLProcessor", "make_image_processor"]
+__all__ = ["ClewVLProcessor", "image_processor_kwargs", "make_image_processor"]
 
 _IMAGE_TOKEN = "<|image_pad|>"
 _VIDEO_TOKEN = "<|video_pad|>"
@@ -93,7 +93,7 @@ class ClewVLProcessor(Qwen2VLProcessor):
         return processor
 
 
-def make_image_processor(
+def image_processor_kwargs(
     *,
     patch_size: int = 14,
     merge_size: int = 2,
@@ -102,8 +102,9 @@ def make_image_processor(
     max_pixels: int | None = None,
     image_mean: Sequence[float] | None = None,
     image_std: Sequence[float] | None = None,
-) -> Qwen2VLImageProcessorPil:
-    """A PIL Qwen2-VL image processor with the given patch geometry and pixel budget.
+) -> dict[str, Any]:
+    """The settings of a Qwen2-VL image processor (PIL or torchvision-backed alike) with the
+    given patch geometry and pixel budget.
 
     The processor resizes every image to a multiple of ``patch_size * merge_size`` with its
     pixel count inside ``[min_pixels, max_pixels]``; images already a multiple and inside
@@ -114,19 +115,23 @@ def make_image_processor(
     class, so it serves both architectures.
     """
     factor = patch_size * merge_size
-    normalize: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {
+        "patch_size": patch_size,
+        "merge_size": merge_size,
+        "temporal_patch_size": temporal_patch_size,
+        "min_pixels": factor * factor if min_pixels is None else min_pixels,
+        "max_pixels": factor * factor * 1280 if max_pixels is None else max_pixels,
+    }
     if image_mean is not None:
-        normalize["image_mean"] = list(image_mean)
+        kwargs["image_mean"] = list(image_mean)
     if image_std is not None:
-        normalize["image_std"] = list(image_std)
-    return Qwen2VLImageProcessorPil(
-        patch_size=patch_size,
-        merge_size=merge_size,
-        temporal_patch_size=temporal_patch_size,
-        min_pixels=factor * factor if min_pixels is None else min_pixels,
-        max_pixels=factor * factor * 1280 if max_pixels is None else max_pixels,
-        **normalize,
-    )
+        kwargs["image_std"] = list(image_std)
+    return kwargs
+
+
+def make_image_processor(**settings: Any) -> Qwen2VLImageProcessorPil:
+    """A PIL Qwen2-VL image processor with ``image_processor_kwargs(**settings)``."""
+    return Qwen2VLImageProcessorPil(**image_processor_kwargs(**settings))
 
 
 class _ClewVLProcessorKey(PreTrainedConfig):
