@@ -49,9 +49,9 @@ def _prompt(p: argparse.ArgumentParser) -> Any:
             raise ClewError(f"--turns must be >= 0, got {args.turns}")
         cfg = load_config(args.config, args.overrides)
         env_id, options = episode_env(cfg, args.env_id, _env_options(args))
-        parts = expert_episode(env_id, options, args.seed, args.turns)
+        parts, env = expert_episode(env_id, options, args.seed, args.turns)
         model = args.model or cfg.trainer.policy.model.path or cfg.sft.model_path
-        fmt = getattr(_env(env_id, options), "format", None)
+        fmt = getattr(env, "format", None)
         played = sum(p.role == "assistant" for p in parts)
         head = f"{env_id} seed {args.seed}"
         head += f", prompt format {fmt.name}" if fmt is not None else ""
@@ -101,32 +101,29 @@ def episode_env(cfg: Any, env_id: str | None, options: dict[str, Any]) -> tuple[
     return env_id, {**base, **options}
 
 
-def _env(env_id: str, options: dict[str, Any]) -> Any:
-    from clew.envs import make
-
-    return make(env_id, **options)
-
-
-def expert_episode(env_id: str, options: dict[str, Any], seed: int, turns: int) -> list[Part]:
+def expert_episode(
+    env_id: str, options: dict[str, Any], seed: int, turns: int
+) -> tuple[list[Part], Any]:
     """The conversation of ``turns`` expert turns at ``seed``, ending on the observation the
-    next reply would answer (or on the last reply, where the episode ended before)."""
-    from clew.envs import expert_for
+    next reply would answer (or on the last reply, where the episode ended before), and
+    the env that played it."""
+    from clew.envs import expert_for, make
 
     expert = expert_for(env_id)
-    env = _env(env_id, options)
+    env = make(env_id, **options)
     obs = env.reset(seed)
     parts: list[Part] = []
     for turn in range(1, turns + 1):
         parts.append(Part("user", turn, obs=obs))
         best = expert.best_actions(env)
         if not best:
-            return parts
+            return parts, env
         parts.append(Part("assistant", turn, reply=best[0]))
         obs, _, done, _ = env.step(best[0])
         if done:
-            return parts
+            return parts, env
     parts.append(Part("user", turns + 1, obs=obs))
-    return parts
+    return parts, env
 
 
 def render_text(parts: list[Part]) -> str:
