@@ -1,7 +1,7 @@
 """GRPO steps on 1 and N data-parallel workers in one run: step time, tokens/s, speed-up.
 
 Runs the same short GRPO job once per worker count (``--workers 1 2``), each a real
-``clew train`` run (``clew.launch.run_grpo``): one worker in this process (the baseline,
+``clew train`` run (``clew.trainer.launch.run_grpo``): one worker in this process (the baseline,
 no Ray), more as Ray actors, one per GPU (``trainer.placement.policy_num_gpus_per_node``)
 or, with ``--device cpu``, per CPU (``num_cpu_workers``). Prints each run's median step
 time and phases after a warm-up step, generated tokens/s, the peak device memory of a
@@ -34,8 +34,8 @@ from bounds import add_hardware_flags, grpo_step_floor, hardware, model_sizes  #
 from clew.config import load_config  # noqa: E402
 from clew.data.rows import generate_rows, write_rows
 from clew.envs.base import text_corpus
-from clew.launch import run_dir_of, run_grpo
 from clew.models import build_model
+from clew.trainer.launch import run_dir_of, run_grpo
 
 PHASES = ("generate", "update", "step")
 

@@ -27,7 +27,7 @@ of rows whose lengths spread evenly over ``--min-width``..``--max-width``:
   stride ``D``, head stride ``capacity x D``); nothing is regrouped;
 - ``flex``: compiled FlexAttention with a block mask of each row's 128-column blocks;
 - ``triton``: clew's split-KV kernel (``decode_attention=triton``,
-  ``clew.inference.split_decode``) with its default settings, and ``triton_s1`` ... with
+  ``clew.kernels.split_decode``) with its default settings, and ``triton_s1`` ... with
   one of them changed (splits, columns a block, warps, pipeline stages); these replay a
   CUDA graph, as the engine's decode steps do, and so does ``efficient_graphed``, the
   ``efficient_seqlen`` call, for the comparison.
@@ -53,8 +53,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from clew.inference.attention import varlen_decode
-from clew.inference.slot_views import row_keys
-from clew.inference.split_decode import split_decode
+from clew.kernels.slot_views import row_keys
+from clew.kernels.split_decode import split_decode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, candidates_header, compare_candidates, hardware  # noqa: E402

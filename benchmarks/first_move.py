@@ -23,8 +23,8 @@ from clew.inference.runtime import limit_host_threads
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.models.pixels import Pixels, as_patches
-from clew.train.agreement import decision_tokens
 from clew.train.model_batch import ModelBatch, Sample, collate
+from clew.trainer.agreement import decision_tokens
 
 # The keyword reply of each move, indexed by direction id, and of stop.
 MOVE_WORDS = [format_action(Action("move", d), "keyword") for d in range(len(DIRECTIONS))]

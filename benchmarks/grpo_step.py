@@ -43,8 +43,8 @@ from rollout_sides import baseline  # noqa: E402
 from clew.config import load_config  # noqa: E402
 from clew.data.rows import generate_rows, write_rows  # noqa: E402
 from clew.envs.base import text_corpus  # noqa: E402
-from clew.launch import run_dir_of, run_grpo  # noqa: E402
 from clew.models import build_model  # noqa: E402
+from clew.trainer.launch import run_dir_of, run_grpo  # noqa: E402
 
 PHASES = ("generate", "score", "advantages", "update", "sync", "step")
 

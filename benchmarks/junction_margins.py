@@ -3,7 +3,7 @@ at every turn of its own greedy episodes.
 
 TRAJECTORIES is ``clew eval``'s trajectories.jsonl of MODEL's greedy play (keyword replies;
 ``--keep-last-k-images`` as the policy runs, 1 by default). Each episode's actions are
-replayed as a DAgger prefix (``clew.train.demonstrations.play_demonstration``), so every
+replayed as a DAgger prefix (``clew.trainer.demonstrations.play_demonstration``), so every
 turn's context is the one greedy play saw, and one forward pass per batch reads the
 distribution over the five action words at each turn's decision token (the other tokens
 masked, as ``generator.sampling_params.allowed_tokens`` samples). A check: the most likely
@@ -55,10 +55,10 @@ from clew.envs import expert_for, make
 from clew.envs.maze.generate import DIRECTIONS
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
-from clew.train.agreement import decision_tokens
-from clew.train.demonstrations import play_demonstration
 from clew.train.model_batch import collate
 from clew.train.worker import logits_at
+from clew.trainer.agreement import decision_tokens
+from clew.trainer.demonstrations import play_demonstration
 
 BINS = (0.0, 0.05, 0.15, 0.3, 0.5, 1.01)
 JUNCTION = "junction, first visit"

@@ -1,6 +1,6 @@
 """The engine-against-trainer logprob guard at a model's scale, and what each correction costs.
 
-Plays one batch of rollouts with the run's engine (``clew.launch.build_worker_group``: the
+Plays one batch of rollouts with the run's engine (``clew.trainer.launch.build_worker_group``: the
 same precision, KV cache and merged LoRA weights a GRPO run samples with), then takes the
 PPO update on it three times from the same weights: with the engine's logprobs as PPO's old
 policy (the baseline: the guard read off the update's first forward, no extra pass), with
@@ -29,9 +29,9 @@ from clew.config import load_config
 from clew.config.settings import ppo_settings, rollout_settings
 from clew.data.rows import generate_rows, write_rows
 from clew.envs.base import text_corpus
-from clew.launch import build_worker_group
 from clew.models import build_model
 from clew.train.training_batch import TrainingBatch
+from clew.trainer.launch import build_worker_group
 
 GUARD = ("logprob_diff_mean", "logprob_diff_max", "logprob_diff_frac_over_0.1")
 VARIANTS = {

@@ -2,7 +2,7 @@
 
 Times the patch-embedding module of ``--preset``'s vision tower on ``--frames`` frames of
 ``--image-size`` px (their patches as the processor lays them out), first with
-transformers' ``Conv3d`` forward (the baseline), then with ``clew.models.patch_embed``'s
+transformers' ``Conv3d`` forward (the baseline), then with ``clew.kernels.patch_embed``'s
 ``F.linear`` on the same weights, and prints milliseconds per call, patches/s and the
 speed-up, with the largest difference between the two outputs.
 
@@ -18,8 +18,8 @@ import time
 
 import torch
 
+from clew.kernels.patch_embed import linear_patch_embed
 from clew.models import build_model
-from clew.models.patch_embed import linear_patch_embed
 
 
 def _timed(module, x: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:

@@ -1,5 +1,5 @@
 """The element-wise work of a layer at Qwen3-VL-8B's shapes: transformers' code against the
-compiled kernels of ``clew.models.fused_pointwise``, in one run.
+compiled kernels of ``clew.kernels.fused_pointwise``, in one run.
 
 For each shape (a decode step of ``--batch`` rows, one query each; a prefill of
 ``--prefill-tokens`` tokens; the vision tower over ``--patches`` patches) it times, for one
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
 
-from clew.models import fused_pointwise
-from clew.models.fused_pointwise import pointwise_fused, rotary, rotary_vision, silu_mul
+from clew.kernels import fused_pointwise
+from clew.kernels.fused_pointwise import pointwise_fused, rotary, rotary_vision, silu_mul
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, call_seconds, hardware  # noqa: E402

@@ -5,7 +5,7 @@ and some text) over the row's whole cache. The engine's default
 (``generator.inference_engine.prefill_attention=sdpa``) gives SDPA a boolean mask
 ``[B, 1, T, W]`` over every row to the longest row's width ``W``, so the short rows' padding
 columns and the chunk's padding queries cost as much as real ones, through a kernel that
-reads a mask. ``varlen`` (``clew.inference.prefill_attention.varlen_prefill``) reads each row to its
+reads a mask. ``varlen`` (``clew.kernels.prefill_varlen.varlen_prefill``) reads each row to its
 own length, causally, through FlashAttention's variable-length kernel. This benchmark times,
 for one layer, on a batch whose rows' lengths spread evenly over
 ``--min-width``..``--max-width`` and whose chunks hold ``--chunk`` / 2 to ``--chunk`` new
@@ -21,7 +21,7 @@ tokens (left-padded to ``--chunk``):
   (row, KV head) of ``T`` queries x the group's heads, which costs a copy of the queries to
   regroup them and one of the output back (the kernel call alone is timed here);
 - ``triton``: clew's Triton kernel (``prefill_attention=triton``,
-  ``clew.inference.prefill_triton``), each KV head's query heads packed into one block of
+  ``clew.kernels.prefill_triton``), each KV head's query heads packed into one block of
   queries, read through the same strides as ``engine_varlen`` (Triton's interpreter on a
   CPU); ``--triton-configs M:N:WARPS:STAGES,...`` adds a candidate per kernel setting.
 
@@ -46,9 +46,9 @@ from pathlib import Path
 import torch
 
 from clew.inference.attention import gqa_sdpa_attention
-from clew.inference.prefill_attention import varlen_prefill
-from clew.inference.prefill_triton import prefill_triton
-from clew.inference.slot_views import varlen_index
+from clew.kernels.prefill_triton import prefill_triton
+from clew.kernels.prefill_varlen import varlen_prefill
+from clew.kernels.slot_views import varlen_index
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, candidates_header, compare_candidates, hardware  # noqa: E402

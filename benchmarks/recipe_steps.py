@@ -34,8 +34,8 @@ import tempfile
 from pathlib import Path
 
 from clew.config import load_config
-from clew.launch import run_dir_of, run_grpo
-from clew.pipeline import run_pipeline, updated
+from clew.trainer.launch import run_dir_of, run_grpo
+from clew.trainer.pipeline import run_pipeline, updated
 
 VARIANTS: dict[str, dict[str, object]] = {
     "before": {"generator.inference_engine.kv_cache": "dynamic"},

@@ -1,4 +1,4 @@
-"""Qwen-VL's RMSNorm (transformers' forward, the baseline) against ``clew.models.fused_norm``.
+"""Qwen-VL's RMSNorm (transformers' forward, the baseline) against ``clew.kernels.fused_norm``.
 
 The four norms of a Qwen3-VL-8B layer at a prefill's shape (``--tokens`` tokens: the hidden
 state's two norms of 4096, the query norm over 32 heads and the key norm over 8 heads of
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
-from clew.models.fused_norm import fused_rms_norm
+from clew.kernels.fused_norm import fused_rms_norm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, hardware  # noqa: E402

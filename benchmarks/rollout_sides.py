@@ -15,7 +15,7 @@ from clew.inference.engine import (
     resolve_prefill_attention,
 )
 from clew.inference.sampling import SamplingParams
-from clew.models.fused_pointwise import fuse_pointwise
+from clew.kernels.fused_pointwise import fuse_pointwise
 from clew.models.merged_projections import merge_projections
 from clew.rollout.loop import RolloutSettings, play
 

@@ -5,7 +5,7 @@
    sequence as the worker did before ``clew.models.pixels``; clew:
    ``ChatFormat.encode_images`` (the vectorised path for same-size frames). Both outputs
    are checked equal before timing.
-2. Demonstrations per second on ``maze_2d/easy`` (``clew.train.demonstrations.demonstrations``).
+2. Demonstrations per second on ``maze_2d/easy`` (``clew.trainer.demonstrations.demonstrations``).
    Baseline: the same code with a ``ChatFormat`` that encodes every frame with the image
    processor and tokenizes every text anew (what it did before); both must give the same
    tokens.
@@ -46,8 +46,8 @@ from clew.models import build_model
 from clew.models.chat import ChatFormat
 from clew.models.pixels import as_patches
 from clew.models.visibility import visibility_mask
-from clew.train.demonstrations import demonstrations
 from clew.train.model_batch import collate, encode_vision
+from clew.trainer.demonstrations import demonstrations
 
 
 class BaselineChat(ChatFormat):

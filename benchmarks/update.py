@@ -14,7 +14,7 @@ settings changed between them (``clew.train.settings.WorkerSettings``):
 - ``checkpointing`` (``trainer.gradient_checkpointing``);
 - ``all``: every switch on;
 - ``peft_lora``: ``packed_budget`` with peft's own LoRA forward instead of clew's fused one
-  (``clew.train.fused_lora``), to show what the fusion buys.
+  (``clew.kernels.fused_lora``), to show what the fusion buys.
 
 The episodes are expert demonstrations of ``--env`` (images and replies laid out as the
 rollout engine lays them out), ``--prompts`` of them each repeated ``--samples`` times as
@@ -57,12 +57,12 @@ from bounds import add_hardware_flags, hardware, model_sizes  # noqa: E402
 
 from clew.data.rows import generate_rows  # noqa: E402
 from clew.envs.base import text_corpus  # noqa: E402
+from clew.kernels.fused_lora import fuse_lora  # noqa: E402
 from clew.models import build_model  # noqa: E402
 from clew.models.chat import ChatFormat  # noqa: E402
-from clew.train.demonstrations import demonstrations  # noqa: E402
-from clew.train.fused_lora import fuse_lora  # noqa: E402
 from clew.train.training_batch import TrainingBatch  # noqa: E402
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings  # noqa: E402
+from clew.trainer.demonstrations import demonstrations  # noqa: E402
 
 CONFIGS = (
     "plain",

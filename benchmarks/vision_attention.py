@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from clew.kernels.vision_attention import batch_vision_attention, share_vision_positions
 from clew.models import build_model
 from clew.models.chat import ChatFormat
-from clew.models.vision_attention import batch_vision_attention, share_vision_positions
 
 
 def main() -> None:

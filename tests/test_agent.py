@@ -181,7 +181,7 @@ def test_play_outlasting_the_servers_image_limit_plays_every_turn_and_writes_its
 def test_the_image_limit_is_learnt_from_the_servers_refusal(served, tmp_path, capsys):
     from clew.agent import Endpoint, play_episode
     from clew.agent.episode import count_images
-    from clew.commands.agent import add_generation_args, rollout_settings
+    from clew.agent.flags import add_generation_args, rollout_settings
     from clew.serve.prompt import PromptLimits
 
     _, base, *_ = served

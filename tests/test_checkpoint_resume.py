@@ -19,8 +19,8 @@ from clew.checkpoint.layout import POINTER_FILE
 from clew.config import load_config
 from clew.data.rows import write_rows
 from clew.errors import CheckpointError
-from clew.launch import build_worker_group, run_grpo
 from clew.models import build_model
+from clew.trainer.launch import build_worker_group, run_grpo
 
 TESTS = Path(__file__).parent
 STEPS = 6
@@ -189,7 +189,7 @@ def test_corrupt_latest_checkpoint_falls_back_with_a_warning(setup):
     state.write_bytes(state.read_bytes()[:-100])  # truncated
     cfg = _cfg(setup, "corrupt", "trainer.epochs=2")
     from clew.checkpoint.state import Checkpointer
-    from clew.grpo import GRPOTrainer
+    from clew.trainer.grpo import GRPOTrainer
 
     trainer = GRPOTrainer(
         cfg,
@@ -224,9 +224,9 @@ def test_exported_adapter_loads_with_peft_and_matches_the_trainer(setup):
     from peft import PeftModel
 
     from clew.checkpoint.state import Checkpointer
-    from clew.grpo import GRPOTrainer
     from clew.metrics import make_loggers
     from clew.models import load_policy
+    from clew.trainer.grpo import GRPOTrainer
 
     cfg = _cfg(
         setup,

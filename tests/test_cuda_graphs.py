@@ -316,7 +316,7 @@ def test_an_opened_policy_replays_graphs_only_on_cuda(tmp_path):
 
 
 def test_a_varlen_step_builds_its_kernel_index_once_for_every_layer():
-    from clew.inference.slot_views import row_lengths, varlen_index
+    from clew.kernels.slot_views import row_lengths, varlen_index
 
     lengths = torch.tensor([3, 5])
     seqlens, cu_q, cu_k = varlen_index(lengths, kv_heads=2, cap=8, group=4)

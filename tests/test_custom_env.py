@@ -12,9 +12,9 @@ from envs_for_tests import LineEnv, LineExpert
 from clew.config import load_config
 from clew.data.rows import generate_rows, read_rows, write_rows
 from clew.envs import expert_for
-from clew.launch import run_grpo, run_sft_stage
 from clew.metrics import read_history
 from clew.models import build_model
+from clew.trainer.launch import run_grpo, run_sft_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

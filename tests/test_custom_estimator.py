@@ -1,4 +1,4 @@
-"""An advantage estimator registered outside clew trains through ``clew.launch.run_grpo``."""
+"""An advantage estimator registered outside clew trains through ``clew.trainer.launch.run_grpo``."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from clew.config import load_config
 from clew.config.settings import rollout_settings
 from clew.data.rows import write_rows
 from clew.errors import ConfigError
-from clew.launch import run_grpo
 from clew.models import build_model
+from clew.trainer.launch import run_grpo
 
 STEPS, PROMPTS, SAMPLES = 2, 2, 4
 CALLS: list[tuple[EstimatorBatch, EstimatorSettings]] = []

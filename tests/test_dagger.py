@@ -1,4 +1,4 @@
-"""DAgger for SFT (clew.train.dagger): the solver labels the states the policy went wrong in."""
+"""DAgger for SFT (clew.trainer.dagger): the solver labels the states the policy went wrong in."""
 
 from __future__ import annotations
 
@@ -15,15 +15,15 @@ from clew.envs.maze.generate import DIRECTIONS
 from clew.envs.maze.solver import shortest_actions
 from clew.errors import ConfigError
 from clew.inference.engine import EngineOptions, InferenceEngine
-from clew.launch import run_sft_stage
 from clew.metrics import read_history
-from clew.train.dagger import (
+from clew.trainer.dagger import (
     DaggerSettings,
     branch_demonstrations,
     branch_points,
     mix_in,
 )
-from clew.train.demonstrations import Demonstration, play_demonstration
+from clew.trainer.demonstrations import Demonstration, play_demonstration
+from clew.trainer.launch import run_sft_stage
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 

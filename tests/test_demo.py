@@ -1,4 +1,4 @@
-"""Tests for `clew pipeline` (clew.pipeline) on the CPU main job's recipe, made tiny."""
+"""Tests for `clew pipeline` (clew.trainer.pipeline) on the CPU main job's recipe, made tiny."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import yaml
 from clew.cli import main
 from clew.config import load_config
 from clew.errors import ConfigError
-from clew.pipeline import check_stages
+from clew.trainer.pipeline import check_stages
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cpu-demo.yaml"
 # The recipe at a size that runs in seconds: 16 train rows, 4 eval rows, 2 SFT steps,

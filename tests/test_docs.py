@@ -94,7 +94,7 @@ def test_the_serving_sections_adapter_names_are_the_ones_a_grpo_run_exports(tmp_
     from clew.checkpoint.state import Checkpointer
     from clew.serve.adapter_store import AdapterStore
 
-    # What a LoRA GRPO run writes (clew/grpo.py: export every hf_save_interval steps and
+    # What a LoRA GRPO run writes (clew/trainer/grpo.py: export every hf_save_interval steps and
     # at the end, export_best), listed as the server lists an adapter prefix.
     cfg = SimpleNamespace(trainer=SimpleNamespace(ckpt_path=None, export_path=None))
     exports = Checkpointer(cfg, tmp_path / "run")

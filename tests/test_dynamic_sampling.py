@@ -9,9 +9,9 @@ import pytest
 from clew.config import load_config
 from clew.data.rows import generate_rows
 from clew.errors import ConfigError
-from clew.grpo import GRPOTrainer
 from clew.rollout.filtering import batches_needed, spread_groups, spread_per_batch, take_groups
 from clew.rollout.trajectory import Trajectory
+from clew.trainer.grpo import GRPOTrainer
 
 
 def _traj(group: int, sample: int, reward: float, turns: int = 1) -> Trajectory:

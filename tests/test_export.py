@@ -31,13 +31,13 @@ import torch
 from safetensors import safe_open
 
 from clew.cli import main
+from clew.cluster.group import LocalWorkerGroup
 from clew.envs import make
 from clew.inference.runtime import open_policy
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy, load_processor
 from clew.models.adapter_loading import load_adapter
 from clew.train.settings import WorkerSettings
-from clew.train.sft_policy import LocalSFTPolicy
 from clew.train.worker import PolicyWorker
 
 PLAIN = Path(__file__).with_name("plain_transformers.py")
@@ -335,7 +335,7 @@ def test_sfts_export_is_standard_and_in_the_bases_dtype(case, tmp_path, lora_ran
     if case.name != "clew-qwen3_vl-bf16":
         pytest.skip("one case suffices")
     worker = PolicyWorker.from_pretrained(case.base, WorkerSettings(lora_rank=lora_rank))
-    LocalSFTPolicy(worker).write_policy(tmp_path / "policy")
+    LocalWorkerGroup(worker).write_policy(tmp_path / "policy")
     out = tmp_path / "policy"
     assert _json(out / "processor_config.json")["processor_class"] == "Qwen3VLProcessor"
     assert _weight_dtypes(out) == {"bfloat16"}

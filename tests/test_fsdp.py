@@ -20,8 +20,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from clew.cluster.data_parallel import DataParallelWorker, free_loopback_address
-from clew.cluster.fsdp import gathered, shards_policy
+from clew.cluster.data_parallel import DataParallelWorker
 from clew.config import load_config
 from clew.config.ignored import IgnoredKeyWarning, reset_ignored_warnings
 from clew.data.rows import generate_rows
@@ -30,6 +29,8 @@ from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models import load_policy
 from clew.rollout.loop import RolloutSettings, play
+from clew.train.fsdp import gathered, shards_policy
+from clew.train.grad_sync import free_loopback_address
 from clew.train.model_batch import Sample
 from clew.train.training_batch import TrainingBatch
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings

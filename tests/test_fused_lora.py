@@ -1,4 +1,4 @@
-"""The fused LoRA forward (clew.train.fused_lora) computes what peft's does."""
+"""The fused LoRA forward (clew.kernels.fused_lora) computes what peft's does."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft.tuners.lora.layer import Linear as PeftLinear
 
-from clew.train.fused_lora import FusedLoraLinear, fuse_lora
+from clew.kernels.fused_lora import FusedLoraLinear, fuse_lora
 from clew.train.lora import apply_lora
 
 

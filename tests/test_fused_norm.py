@@ -1,4 +1,4 @@
-"""Tests for clew.models.fused_norm: Qwen-VL's RMSNorms as one fused kernel."""
+"""Tests for clew.kernels.fused_norm: Qwen-VL's RMSNorms as one fused kernel."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
+from clew.kernels.fused_norm import fused_rms_norm
 from clew.models import build_model, load_policy
-from clew.models.fused_norm import fused_rms_norm
 
 
 def _norm(width: int = 64, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""Tests for clew.models.fused_pointwise: the rotary embedding and the SwiGLU gate compiled.
+"""Tests for clew.kernels.fused_pointwise: the rotary embedding and the SwiGLU gate compiled.
 
 On a CPU the kernels are compiled by Inductor's C++ backend when the tests add "cpu" to
 ``COMPILE_DEVICES``: the same compiled functions a GPU runs through Triton."""
@@ -19,9 +19,10 @@ from clew.data.rows import generate_rows
 from clew.inference import cache_batch as batch_module
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
-from clew.models import build_model, fused_pointwise, load_policy
+from clew.kernels import fused_pointwise
+from clew.kernels.fused_pointwise import fuse_pointwise, pointwise_fused, rotary, silu_mul
+from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
-from clew.models.fused_pointwise import fuse_pointwise, pointwise_fused, rotary, silu_mul
 from clew.rollout.loop import RolloutSettings, play
 
 

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from clew.stopping import GracefulStop
+from clew.trainer.stopping import GracefulStop
 
 
 def test_first_signal_requests_a_stop_and_the_second_interrupts():

@@ -17,13 +17,13 @@ from clew.data.rows import generate_rows, write_rows
 from clew.errors import ConfigError
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
-from clew.launch import run_grpo
 from clew.metrics.catalog import describe
 from clew.models import build_model
 from clew.rollout.loop import RolloutSettings, play
 from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.training_batch import TrainingBatch
 from clew.train.worker import PolicyWorker
+from clew.trainer.launch import run_grpo
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,10 +14,10 @@ from clew.config.settings import engine_options
 from clew.inference import cache_batch as batch_module
 from clew.inference.attention import gqa_sdpa_attention
 from clew.inference.engine import InferenceEngine, resolve_packed_prefill
-from clew.inference.prefill_attention import varlen_prefill
-from clew.inference.prefill_triton import prefill_triton
 from clew.inference.sampling import SamplingParams
-from clew.inference.slot_views import prefill_lengths
+from clew.kernels.prefill_triton import prefill_triton
+from clew.kernels.prefill_varlen import varlen_prefill
+from clew.kernels.slot_views import prefill_lengths
 from clew.models.chat import Chunk
 from clew.rollout.loop import RolloutSettings, play
 

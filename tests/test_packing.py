@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from clew.data.rows import generate_rows
-from clew.train.demonstrations import demonstrations
 from clew.train.model_batch import collate, pack_rows
 from clew.train.objectives import sft_objective
 from clew.train.worker import PolicyWorker, WorkerSettings
+from clew.trainer.demonstrations import demonstrations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""Tests for clew.models.patch_embed: the patch convolution as one matrix product."""
+"""Tests for clew.kernels.patch_embed: the patch convolution as one matrix product."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from clew.kernels.patch_embed import linear_patch_embed
 from clew.models import build_model, load_policy
-from clew.models.patch_embed import linear_patch_embed
 
 
 def _patch_embed(model: torch.nn.Module) -> torch.nn.Module:

@@ -58,7 +58,7 @@ def test_one_gpu_on_a_cluster_from_a_driver_without_gpus_goes_to_a_ray_gpu_worke
     # A `ray job submit` entrypoint runs on the head node, usually a CPU node: its one GPU
     # worker must be a Ray actor on a GPU node, not this process on its CPU. A cluster of CPU
     # nodes keeps the run in this process, unless trainer.device=cuda asks for a GPU.
-    import clew.launch as launch
+    import clew.trainer.launch as launch
 
     cluster_gpus = {"GPU": 2.0, "CPU": 8.0}
     monkeypatch.setattr(launch, "local_gpus", lambda: 0)

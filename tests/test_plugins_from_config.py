@@ -17,9 +17,9 @@ from clew.config.settings import ppo_settings
 from clew.data.rows import write_rows
 from clew.envs import plugins
 from clew.errors import ConfigError, EnvError
-from clew.launch import run_grpo
 from clew.metrics.loggers import LOGGERS
 from clew.models import build_model
+from clew.trainer.launch import run_grpo
 
 MODULE = "clew_test_plugin"
 SOURCE = """

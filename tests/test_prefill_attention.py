@@ -1,5 +1,5 @@
 """A turn's prefill reading each row's own columns (``prefill_attention=varlen``,
-``clew.inference.prefill_attention.varlen_prefill``): the same attention as the masked prefill for
+``clew.kernels.prefill_varlen.varlen_prefill``): the same attention as the masked prefill for
 every real token, the same samples from an engine, rows joining a running batch included."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from clew.errors import ConfigError
 from clew.inference import attention as attention_module
 from clew.inference.attention import gqa_sdpa_attention, text_config
 from clew.inference.engine import InferenceEngine
-from clew.inference.prefill_attention import _varlen_reference, varlen_prefill
 from clew.inference.sampling import SamplingParams
-from clew.inference.slot_views import prefill_lengths, varlen_index
+from clew.kernels.prefill_varlen import _varlen_reference, varlen_prefill
+from clew.kernels.slot_views import prefill_lengths, varlen_index
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat, Chunk
 from clew.rollout.loop import RolloutSettings, play
@@ -96,7 +96,7 @@ def test_the_config_key_reaches_the_engine_options_and_a_typo_lists_the_choices(
     # The dynamic cache has no slots to read by lengths: its default is masked SDPA.
     dynamic = load_config(None, ["generator.inference_engine.kv_cache=dynamic"])
     assert engine_options(dynamic).prefill_attention == "sdpa"
-    from clew.pipeline import updated
+    from clew.trainer.pipeline import updated
 
     again = updated(load_config(None, []), {"generator.inference_engine.kv_cache": "dynamic"})
     assert engine_options(again).prefill_attention == "sdpa"  # a default follows the cache

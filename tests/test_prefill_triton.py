@@ -1,4 +1,4 @@
-"""clew's Triton prefill kernel (``prefill_attention=triton``, ``clew.inference.prefill_triton``):
+"""clew's Triton prefill kernel (``prefill_attention=triton``, ``clew.kernels.prefill_triton``):
 the attention of the masked prefill for every real token, whatever the blocks, and the same
 samples from an engine. On a CPU Triton's interpreter runs the kernel."""
 
@@ -15,8 +15,8 @@ from clew.errors import ConfigError
 from clew.inference import attention as attention_module
 from clew.inference.attention import gqa_sdpa_attention, text_config
 from clew.inference.engine import resolve_prefill_attention
-from clew.inference.prefill_triton import prefill_triton
-from clew.inference.slot_views import prefill_lengths
+from clew.kernels.prefill_triton import prefill_triton
+from clew.kernels.slot_views import prefill_lengths
 
 pytest.importorskip("triton")
 
@@ -144,7 +144,7 @@ def eight_b_case(rows: int, cap: int = 2048, t: int = 140, seed: int = 0):
 def test_the_compiled_kernel_matches_flash_attention_at_the_8b_shape(rows):
     # Qwen3-VL-8B's attention (32 query heads over 8 KV heads of 128) and a 15-turn
     # rollout's widths: chunks of 140 new columns over rows of 150-2000.
-    from clew.inference.prefill_attention import varlen_prefill
+    from clew.kernels.prefill_varlen import varlen_prefill
 
     query, keys, values, lengths = eight_b_case(rows)
     got = prefill_triton(query, keys, values, lengths)

@@ -8,10 +8,10 @@ import io
 
 from clew.config import load_config
 from clew.data.rows import generate_rows
-from clew.grpo import GRPOTrainer
 from clew.metrics import progress as progress_module
 from clew.metrics.progress import Progress
 from clew.rollout.trajectory import Trajectory
+from clew.trainer.grpo import GRPOTrainer
 
 
 class Clock:

@@ -31,9 +31,9 @@ from clew.config import load_config
 from clew.data.rows import write_rows
 from clew.envs import register
 from clew.errors import ClewError, EnvError
-from clew.launch import run_grpo
 from clew.models import build_model
 from clew.train.settings import WorkerSettings
+from clew.trainer.launch import run_grpo
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
 

@@ -20,7 +20,6 @@ from clew.cluster.placement import start_local_ray
 from clew.config import load_config
 from clew.data.rows import write_rows
 from clew.errors import ConfigError
-from clew.launch import run_grpo
 from clew.metrics import (
     CATALOG,
     exported_name,
@@ -31,6 +30,7 @@ from clew.metrics import (
 from clew.metrics.catalog import MEMORY_PHASES, peak_memory_metric
 from clew.metrics.ray_metrics import REPORT_INTERVAL_ENV
 from clew.models import build_model
+from clew.trainer.launch import run_grpo
 
 DASHBOARD = Path(__file__).parents[1] / "deploy" / "grafana" / "clew-dashboard.json"
 PROMETHEUS_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")

@@ -19,14 +19,14 @@ from envs_for_tests import digits_rows
 from clew.config import load_config
 from clew.data.rows import generate_rows, write_rows
 from clew.errors import ClewError, ConfigError
-from clew.grpo import GRPOTrainer
 from clew.inference.sampling import SamplingParams
-from clew.launch import run_grpo, run_sft_stage
 from clew.metrics import read_history
 from clew.models import build_model
 from clew.rollout.loop import RolloutSettings
 from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.training_batch import TrainingBatch
+from clew.trainer.grpo import GRPOTrainer
+from clew.trainer.launch import run_grpo, run_sft_stage
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
 

@@ -9,7 +9,7 @@ import pytest
 from clew.config import load_config
 from clew.envs import make
 from clew.errors import ConfigError
-from clew.pipeline import check_stages, frame_side
+from clew.trainer.pipeline import check_stages, frame_side
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 

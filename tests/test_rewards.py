@@ -20,8 +20,8 @@ from clew.envs.rewards import (
     trajectory_reward,
 )
 from clew.errors import ConfigError
-from clew.evaluation import eval_metrics, headline
 from clew.metrics.catalog import describe
+from clew.rollout.evaluation import eval_metrics, headline
 from clew.rollout.trajectory import Trajectory
 
 GOOD = "<observation>a wall to the right</observation><justification>the goal is up</justification><action>('move', 1)</action>"

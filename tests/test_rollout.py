@@ -9,13 +9,13 @@ from clew.algorithms import turn_token_advantages
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.errors import ConfigError
-from clew.evaluation import eval_metrics, evaluate
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.models.positions import sequence_positions
 from clew.rollout.episode_stats import rollout_metrics
+from clew.rollout.evaluation import eval_metrics, evaluate
 from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
 

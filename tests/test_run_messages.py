@@ -14,10 +14,10 @@ from clew.checkpoint.state import Checkpointer
 from clew.config import load_config
 from clew.data.rows import generate_rows, write_rows
 from clew.errors import EnvError
-from clew.grpo import GRPOTrainer
 from clew.metrics.progress import library_bars_unless_tty
-from clew.pipeline import report
 from clew.rollout.trajectory import Trajectory
+from clew.trainer.grpo import GRPOTrainer
+from clew.trainer.pipeline import report
 
 
 class _Group:

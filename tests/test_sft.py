@@ -1,4 +1,4 @@
-"""The SFT stage (clew.train.sft, clew.launch.run_sft_stage); demonstrations:
+"""The SFT stage (clew.trainer.sft, clew.trainer.launch.run_sft_stage); demonstrations:
 test_sft_demonstrations; the command and resuming: test_sft_resume."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from safetensors.torch import load_file
 from clew.config import load_config
 from clew.data.rows import generate_rows, write_rows
 from clew.errors import ClewError, ConfigError
-from clew.launch import run_sft_stage
 from clew.metrics import read_history
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
-from clew.train.demonstrations import demonstrations, play_demonstration
 from clew.train.model_batch import collate
-from clew.train.sft import DemonstrationStream
+from clew.trainer.demonstrations import demonstrations, play_demonstration
+from clew.trainer.launch import run_sft_stage
+from clew.trainer.sft import DemonstrationStream
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
@@ -273,7 +273,7 @@ def test_teacher_forced_first_turn_is_what_the_greedy_policy_plays(model_dir, ro
     from clew.inference.engine import InferenceEngine
     from clew.inference.sampling import SamplingParams
     from clew.rollout.loop import RolloutSettings, play
-    from clew.train.agreement import solver_agreement, solver_predictions
+    from clew.trainer.agreement import solver_agreement, solver_predictions
 
     # A little SFT first, so that the greedy policy writes actions in the format.
     cfg = sft_config(

@@ -1,4 +1,4 @@
-"""Tests for clew.train.demonstrations: solver episodes, detours, batches, image windows."""
+"""Tests for clew.trainer.demonstrations: solver episodes, detours, batches, image windows."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from clew.envs.maze.solver import shortest_actions
 from clew.errors import ConfigError, EnvError
 from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
-from clew.train.demonstrations import demonstrations, play_demonstration
 from clew.train.model_batch import collate
+from clew.trainer.demonstrations import demonstrations, play_demonstration
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 

@@ -1,4 +1,4 @@
-"""clew.inference.split_decode: the split-KV decode kernel, run by Triton's interpreter on a
+"""clew.kernels.split_decode: the split-KV decode kernel, run by Triton's interpreter on a
 CPU (and compiled on a GPU), against SDPA over each row's first ``length`` columns."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from clew.errors import ConfigError
-from clew.inference.split_decode import split_decode, splits_for
+from clew.kernels.split_decode import split_decode, splits_for
 
 
 def _reference(q, k, v, lengths, scale):

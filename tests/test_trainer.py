@@ -11,12 +11,12 @@ from envs_for_tests import digits_rows, walk_rows
 from clew.config import load_config
 from clew.data.rows import generate_rows, write_rows
 from clew.errors import ClewError
-from clew.grpo import GRPOTrainer
-from clew.launch import run_grpo
 from clew.models import build_model
 from clew.rollout.trajectory import Trajectory
 from clew.train.settings import PPOSettings
 from clew.train.training_batch import TrainingBatch
+from clew.trainer.grpo import GRPOTrainer
+from clew.trainer.launch import run_grpo
 
 
 def _tiny_run(tmp_path, rows, corpus: str, run: str, *overrides: str) -> list[dict]:
@@ -96,7 +96,7 @@ def test_gigpo_updates_each_turn_with_its_own_advantage_end_to_end(tmp_path):
 
 
 def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch):
-    import clew.launch
+    import clew.trainer.launch
 
     model_dir = tmp_path / "tiny"
     build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28, overwrite=True)
@@ -107,8 +107,8 @@ def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch
         asked.append((name, lora))
         return "float32", True  # what CUDA gives for bf16-mixed without LoRA
 
-    monkeypatch.setattr(clew.launch, "policy_precision", precision)
-    group = clew.launch.build_worker_group(cfg, num_train_rows=8)
+    monkeypatch.setattr(clew.trainer.launch, "policy_precision", precision)
+    group = clew.trainer.launch.build_worker_group(cfg, num_train_rows=8)
     assert asked == [("bf16-mixed", False)]  # trainer.bf16 defaults to true
     assert group.worker.autocast and group.engine.autocast
     assert {p.dtype for p in group.worker.model.parameters()} == {torch.float32}
@@ -116,12 +116,12 @@ def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch
         None,
         [f"trainer.policy.model.path={model_dir}", "trainer.device=cpu", "trainer.bf16=false"],
     )
-    clew.launch.build_worker_group(cfg, num_train_rows=8)
+    clew.trainer.launch.build_worker_group(cfg, num_train_rows=8)
     assert asked[-1] == ("32-true", False)
 
 
 def test_an_allowed_token_of_several_tokens_fails_while_the_worker_group_is_built(tmp_path):
-    import clew.launch
+    import clew.trainer.launch
 
     model_dir = tmp_path / "tiny"
     build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28, overwrite=True)
@@ -134,7 +134,7 @@ def test_an_allowed_token_of_several_tokens_fails_while_the_worker_group_is_buil
         ],
     )
     with pytest.raises(ClewError, match="'23 45' is .* tokens"):
-        clew.launch.build_worker_group(cfg, num_train_rows=8)
+        clew.trainer.launch.build_worker_group(cfg, num_train_rows=8)
 
 
 class _DroppingGroup:

@@ -12,18 +12,18 @@ import torch.nn.functional as F
 from clew.config import load_config
 from clew.data.rows import generate_rows, write_rows
 from clew.errors import ClewError
-from clew.launch import build_worker_group, run_sft_stage
 from clew.metrics import read_history
 from clew.models import build_model
 from clew.models.logit_masks import keep_allowed, mask_banned
 from clew.models.packed_attention import PackedLayout, packed_attention, packed_sdpa
 from clew.models.token_logprobs import token_logprobs
 from clew.train import forward as forward_module
-from clew.train.demonstrations import demonstrations
 from clew.train.model_batch import Sample, collate, token_micro_batches
 from clew.train.objectives import sft_objective
 from clew.train.training_batch import TrainingBatch
 from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings, logits_at
+from clew.trainer.demonstrations import demonstrations
+from clew.trainer.launch import build_worker_group, run_sft_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""Tests for clew.models.vision_attention: one attention call for same-size images."""
+"""Tests for clew.kernels.vision_attention: one attention call for same-size images."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-import clew.models.vision_attention as va
+import clew.kernels.vision_attention as va
+from clew.kernels.vision_attention import batch_vision_attention
 from clew.models import build_model
 from clew.models.chat import ChatFormat
-from clew.models.vision_attention import batch_vision_attention
 
 
 def _images(sizes: list[int]) -> list[Image.Image]:

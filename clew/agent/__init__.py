@@ -2,7 +2,7 @@
 
 ``play_episode`` plays one episode with the rollouts' env-side code and the conversation
 encoded as the rollouts encode it (``clew.agent.messages``); ``evaluate_endpoint`` plays
-an eval set concurrently and reports ``clew.evaluation``'s metrics. ``clew play`` and
+an eval set concurrently and reports ``clew.rollout.evaluation``'s metrics. ``clew play`` and
 ``clew eval --endpoint`` are their commands. ``EpisodeTurns`` is the same episode driven one
 request at a time by whoever sends it (the playground page of ``clew serve``), and
 ``chat_body`` the request body ``Endpoint`` sends.

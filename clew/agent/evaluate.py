@@ -2,7 +2,7 @@
 
 Each episode is a sequence of requests, so episodes run on a pool of threads, ``concurrency``
 at a time; the server batches the requests in flight together. The metrics and the dump
-(``metrics.json``, ``trajectories.jsonl``, GIFs) are ``clew.evaluation``'s, so a policy
+(``metrics.json``, ``trajectories.jsonl``, GIFs) are ``clew.rollout.evaluation``'s, so a policy
 evaluated through its server reads as one evaluated in-process: with greedy decoding the
 same episodes, actions and pass@1 (replies that re-encode to their sampled tokens, see
 ``clew.agent.messages``). An episode the server cuts short ends as ``server_error`` and is
@@ -21,7 +21,7 @@ from tqdm import tqdm
 from clew.agent.endpoint import Endpoint
 from clew.agent.episode import play_episode
 from clew.data.rows import Row
-from clew.evaluation import dump_eval, eval_metrics
+from clew.rollout.evaluation import dump_eval, eval_metrics
 from clew.rollout.loop import RolloutSettings
 from clew.rollout.trajectory import Trajectory, apply_reward_rule
 
@@ -38,7 +38,7 @@ def evaluate_endpoint(
     seed: int = 0,
 ) -> tuple[dict[str, float], list[Trajectory]]:
     """Metrics and trajectories of one pass over ``rows`` (``n_samples_per_prompt`` episodes
-    each), in (row, sample) order as ``clew.evaluation.evaluate`` gives them."""
+    each), in (row, sample) order as ``clew.rollout.evaluation.evaluate`` gives them."""
     endpoint.check()
     specs = [
         (g, s, row) for g, row in enumerate(rows) for s in range(settings.n_samples_per_prompt)

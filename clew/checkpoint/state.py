@@ -268,7 +268,7 @@ class Checkpointer:
     # -- exports ----------------------------------------------------------------------
     def dump_eval(self, trajs: Any, metrics: dict[str, float], name: str) -> str:
         """Eval trajectories, metrics and a few GIFs under ``export_path/eval/NAME``."""
-        from clew.evaluation import dump_eval
+        from clew.rollout.evaluation import dump_eval
 
         dest = join(self.export_path, "eval", name)
         with tempfile.TemporaryDirectory(prefix="clew-eval-") as tmp:

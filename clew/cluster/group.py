@@ -1,10 +1,12 @@
-"""The worker-group interface the training loop drives, and its single-process form.
+"""The worker-group interface the training loops drive, and its single-process form.
 
-The loop never touches a model: it asks a worker group to generate trajectories, to
-update the policy from them, and to save or restore its state. ``LocalWorkerGroup`` runs
-one plain ``PolicyWorker`` in this process with the rollout engine sharing its weights;
+The loops never touch a model: GRPO asks a worker group to generate trajectories, to
+update the policy from them, and to save or restore its state; SFT asks it for one step on
+a batch of demonstrations, to run a function on the current weights (evaluation, DAgger's
+episodes) and to write the policy. ``LocalWorkerGroup`` runs one plain ``PolicyWorker`` in
+this process with the rollout engine sharing its weights;
 ``clew.cluster.ray_group.RayWorkerGroup`` runs several on Ray with the same methods, so
-the loop does not change (``trainer.placement`` picks, ``clew.launch.build_worker_group``).
+the loop does not change (``trainer.placement`` picks, ``clew.trainer.launch.build_worker_group``).
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import torch
 
 from clew.data.rows import Row
 from clew.envs.plugins import check_env_ids
-from clew.inference.engine import InferenceEngine
-from clew.rollout.loop import RolloutSettings, play
+from clew.inference.engine import EngineOptions, InferenceEngine
+from clew.models.chat import ChatFormat
+from clew.models.hf_export import write_companion_files
+from clew.rollout.loop import RolloutSettings, play, play_model
 from clew.rollout.trajectory import Trajectory
 from clew.train.lora import merged_for_rollouts
+from clew.train.model_batch import SequenceLike
 from clew.train.settings import PPOSettings
 from clew.train.training_batch import TrainingBatch
+from clew.train.worker import PolicyWorker
 
 
 class WorkerGroup(Protocol):
@@ -32,9 +38,12 @@ class WorkerGroup(Protocol):
     ``progress(n)`` as ``n`` more episodes finish (``clew.metrics.progress``).
     A group that cannot measure device memory may leave ``peak_memory_gb`` out.
     ``check_envs`` raises an ``EnvError`` unless every worker can build the envs of the
-    ids given (``clew.envs.plugins``)."""
+    ids given (``clew.envs.plugins``). SFT uses ``chat`` (demonstrations are encoded in
+    the driver), ``sft_step``, ``with_policy`` and ``write_policy``, with the state
+    methods."""
 
     world_size: int
+    chat: ChatFormat
 
     def generate(
         self,
@@ -58,6 +67,20 @@ class WorkerGroup(Protocol):
 
     def shutdown(self) -> None: ...
 
+    def sft_step(self, seqs: Sequence[SequenceLike], micro_batch_size: int) -> dict[str, float]:
+        """One optimizer step on ``seqs`` (the whole batch, however it is spread)."""
+        ...
+
+    def with_policy(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(model, chat, *args)`` on the current weights, wherever they live."""
+        ...
+
+    def write_policy(self, directory: Path) -> None:
+        """Full weights (LoRA merged in) and the processor: a standard Hugging Face
+        directory (``clew.models.hf_export``), loadable by ``load_policy`` and by plain
+        transformers."""
+        ...
+
 
 def peak_memory_gb(device: torch.device) -> float | None:
     """Peak memory tensors took on CUDA ``device`` since the previous call, in GB (10^9
@@ -70,13 +93,21 @@ def peak_memory_gb(device: torch.device) -> float | None:
 
 
 class LocalWorkerGroup:
-    """One policy worker in this process; the engine samples from the very modules it trains."""
+    """One policy worker in this process; the engine samples from the very modules it
+    trains (built on first ``generate`` when none is given, as SFT needs none)."""
 
     world_size = 1
 
-    def __init__(self, worker: Any, engine: InferenceEngine) -> None:
+    def __init__(self, worker: PolicyWorker, engine: InferenceEngine | None = None) -> None:
         self.worker = worker
-        self.engine = engine
+        self.chat = worker.chat
+        self._engine = engine
+
+    @property
+    def engine(self) -> InferenceEngine:
+        if self._engine is None:
+            self._engine = InferenceEngine(self.worker.model, self.worker.chat)
+        return self._engine
 
     def generate(
         self, rows: Sequence[Row], settings: RolloutSettings, seed: int, progress=None
@@ -98,8 +129,6 @@ class LocalWorkerGroup:
 
     def export(self, path: str | Path) -> None:
         """The inference-ready policy: the adapter (or full weights) plus processor files."""
-        from clew.models.hf_export import write_companion_files
-
         self.worker.save_pretrained(path)
         write_companion_files(self.worker.model, self.worker.chat.processor, path)
 
@@ -113,3 +142,27 @@ class LocalWorkerGroup:
 
     def shutdown(self) -> None:
         """Nothing to stop: the worker lives and ends with this process."""
+
+    def sft_step(self, seqs: Sequence[SequenceLike], micro_batch_size: int) -> dict[str, float]:
+        return self.worker.sft_step(seqs, micro_batch_size)
+
+    def with_policy(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(self.worker.model, self.worker.chat, *args)
+
+    def write_policy(self, directory: Path) -> None:
+        self.worker.save_pretrained(directory, merged=True)
+        write_companion_files(self.worker.model, self.worker.chat.processor, directory)
+
+
+def play_policy(
+    model: torch.nn.Module,
+    chat: ChatFormat,
+    rows: Sequence[Row],
+    settings: RolloutSettings,
+    seed: int,
+    autocast: bool,
+    engine: EngineOptions | None = None,
+) -> list[Trajectory]:
+    """``rows`` played by ``model`` (a ``with_policy`` function: DAgger's episodes), on an
+    engine built with ``engine`` (``clew.rollout.loop.play_model``)."""
+    return play_model(model, chat, rows, settings, seed=seed, autocast=autocast, engine=engine)

@@ -5,7 +5,7 @@ it loads the policy itself and joins a ``torch.distributed`` group. Workers sit 
 group (``clew.cluster.placement``), one bundle each, and meet on the node of the first
 bundle, or through a store file when all run on this machine (no port opened). The same
 workers run SFT (``sft_step``, ``with_policy``, ``write_policy``:
-``clew.train.sft_policy.SFTPolicy``).
+``clew.cluster.group.WorkerGroup``).
 
 ``generate`` spreads the rows over the workers in whole GRPO groups (a row is one group of
 ``n_samples_per_prompt`` episodes), balanced by expected cost (``clew.cluster.balance``),
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from clew.cluster.balance import assign_rows, count_split, expected_cost
-from clew.cluster.data_parallel import DataParallelWorker, local_rendezvous, remove_rendezvous
+from clew.cluster.data_parallel import DataParallelWorker
 from clew.cluster.placement import rendezvous_in
 from clew.cluster.ray_calls import (
     SHUTDOWN_WAIT_S,
@@ -57,6 +57,7 @@ from clew.envs.plugins import REGISTER_HINT, unresolved_env_ids
 from clew.errors import ClewError, EnvError
 from clew.rollout.loop import RolloutSettings
 from clew.rollout.trajectory import Trajectory
+from clew.train.grad_sync import local_rendezvous, remove_rendezvous
 from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.training_batch import TrainingBatch, share_sizes
 
@@ -284,7 +285,7 @@ class RayWorkerGroup:
         worker 0."""
         return self.workers if self.sharded else self.workers[:1]
 
-    # -- SFT (``clew.train.sft_policy.SFTPolicy``) ------------------------------------
+    # -- SFT (``clew.cluster.group.WorkerGroup``) ------------------------------------
     @property
     def chat(self) -> Any:
         """The policy's chat format, loaded here from the model's processor: SFT encodes

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from clew.commands.registry import Handler, _add_env_args, _env_options, command, positive_int
+from clew.agent.flags import positive_int
+from clew.commands.registry import Handler, _add_env_args, _env_options, command
 from clew.errors import ClewError
 
 

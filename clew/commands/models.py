@@ -8,13 +8,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from clew.commands.agent import (
-    add_endpoint_args,
-    add_generation_args,
-    eval_through_endpoint,
-    rollout_settings,
-)
-from clew.commands.registry import Handler, command, positive_int
+from clew.agent.flags import add_generation_args, positive_int, rollout_settings
+from clew.commands.agent import add_endpoint_args, eval_through_endpoint
+from clew.commands.registry import Handler, command
 from clew.errors import ClewError
 
 # Fields of the language / vision config a user sets with --text / --vision; the rest (ids,
@@ -229,8 +225,8 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
                 "adapter in --model ID:ADAPTER"
             )
         from clew.data.rows import read_rows
-        from clew.evaluation import evaluate
         from clew.inference.runtime import open_policy
+        from clew.rollout.evaluation import evaluate
 
         rows = read_rows(args.data)
         if args.prompt_format is not None:
@@ -265,7 +261,7 @@ def _eval(p: argparse.ArgumentParser) -> Handler:
 def _print_eval(metrics: dict[str, float], output_dir: str) -> None:
     """Every metric on its own line, then the walkthrough's pass rule and clew's solve rate
     together on one line."""
-    from clew.evaluation import headline
+    from clew.rollout.evaluation import headline
 
     for k, v in metrics.items():
         print(f"{k}: {v:.4f}")

@@ -24,7 +24,7 @@ def _pipeline(p: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         from clew.config import load_config
-        from clew.pipeline import check_stages, run_pipeline
+        from clew.trainer.pipeline import check_stages, run_pipeline
 
         aliases = flag_overrides("pipeline", args)
         cfg = load_config(args.config, [*aliases, *args.overrides])

@@ -38,16 +38,6 @@ def parse_option(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _env_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(parse_option(o) for o in (args.option or []))
 

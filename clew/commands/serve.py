@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from clew.commands.registry import Handler, command, positive_int
-
-API_KEY_ENV = "CLEW_SERVE_API_KEY"
+from clew.agent.flags import API_KEY_ENV, positive_int
+from clew.commands.registry import Handler, command
 
 
 @command(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from clew.commands.registry import Handler, command, positive_int
+from clew.agent.flags import positive_int
+from clew.commands.registry import Handler, command
 
 # Short flags of `clew sft` and `clew pipeline`, each an alias of one config key (applied
 # before the KEY=VALUE overrides, which win). docs/config.md lists them.
@@ -50,7 +51,7 @@ def _train(p: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         from clew.config import load_config
-        from clew.launch import run_grpo
+        from clew.trainer.launch import run_grpo
 
         cfg = load_config(args.config, args.overrides)
         if printed(cfg, args):
@@ -87,7 +88,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         from clew.config import load_config
-        from clew.launch import run_sft_stage
+        from clew.trainer.launch import run_sft_stage
 
         cfg = load_config(args.config, [*flag_overrides("sft", args), *args.overrides])
         if printed(cfg, args):

@@ -74,7 +74,7 @@ class InferenceEngineConfig(Section):
         "(measured slower than 'sdpa'); 'flash' reads each row's own columns through "
         "FlashAttention's decoding path (measured no faster than 'varlen'); 'triton' "
         "reads each row's own columns through clew's split-KV Triton kernel "
-        "(clew.inference.split_decode; Triton's interpreter on a CPU), each KV head read "
+        "(clew.kernels.split_decode; Triton's interpreter on a CPU), each KV head read "
         "once for its query heads, so less KV traffic than 'varlen' and measured faster "
         "at Qwen3-VL-8B's shape (BENCHMARKS.md, benchmarks/decode_attention.py).",
     )
@@ -84,7 +84,7 @@ class InferenceEngineConfig(Section):
         "default) is 'triton' on a CUDA device where the triton package is installed, else "
         "'varlen'. 'triton' reads each row's own columns, causally, through clew's Triton "
         "kernel, which packs the query heads of each KV head into one block of queries "
-        "(clew.inference.prefill_triton; Triton's interpreter on a CPU), so each KV block is "
+        "(clew.kernels.prefill_triton; Triton's interpreter on a CPU), so each KV block is "
         "read once for all its query heads; measured faster than 'varlen' at many-turn "
         "widths (BENCHMARKS.md, benchmarks/prefill_attention.py). 'varlen' reads the same "
         "columns through FlashAttention's "

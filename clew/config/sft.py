@@ -15,7 +15,7 @@ class SFTDaggerConfig(Section):
         0,
         description="DAgger rounds during SFT: every this many SFT steps the policy plays "
         "training rows and the environment's expert labels the states it went wrong in "
-        "(clew.train.dagger); 0: off.",
+        "(clew.trainer.dagger); 0: off.",
     )
     rows: int = Field(64, description="Training rows the policy plays in each DAgger round.")
     share: float = Field(

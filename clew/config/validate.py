@@ -405,7 +405,7 @@ def _engine_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
 
 def _shards(strategy: str, workers: int, lora_rank: int) -> bool:
     # Imported here: the rest of config validation needs no torch.
-    from clew.cluster.fsdp import shards_policy
+    from clew.train.fsdp import shards_policy
 
     return shards_policy(strategy, workers, lora_rank)
 

@@ -45,7 +45,7 @@ FlashAttention may split the keys over several blocks (flash-decoding) when the 
 few for the card; whether torch's build does is what ``benchmarks/decode_attention.py``'s
 ``flash_decode`` measures. It falls back to the memory-efficient kernel where flash cannot
 run (float32, cards before Ampere). ``decode_attention=triton`` reads the same columns through
-clew's split-KV kernel (``clew.inference.split_decode``), which loads each KV head once for
+clew's split-KV kernel (``clew.kernels.split_decode``), which loads each KV head once for
 its group of query heads.
 
 A turn's prefill may read each row's own columns too (``prefill_attention=varlen``,
@@ -55,14 +55,14 @@ row's real tokens are its last queries and its last columns). FlashAttention's
 variable-length kernel takes that shape with ``seqused_k`` and does the grouped-query heads
 itself, so no row reads past its length, none is masked and nothing is copied: the queries
 ``[B * T, H, D]`` are the projection's output as it is, the keys a strided view of the
-slots (``clew.inference.slot_views.row_keys``), and the output is already ``[B, T, H, D]``.
-Elsewhere the same flat tensors go through masked SDPA (``clew.inference.prefill_attention``,
+slots (``clew.kernels.slot_views.row_keys``), and the output is already ``[B, T, H, D]``.
+Elsewhere the same flat tensors go through masked SDPA (``clew.kernels.prefill_varlen``,
 what the tests compare). As for decode steps, the rows' visible columns must be their first
 ``length``: the engine takes the masked prefill while an image is hidden. Packed chunks
 (``prefill_lengths(starts=)``, ``packed_prefill``: the rows' real tokens one after another
 in a batch of one) take the same kernels with one sequence a row of its own length,
 FlashAttention's ``cu_seqlens_q`` being the rows' starts. ``prefill_attention=triton`` reads
-the same columns through clew's kernel (``clew.inference.prefill_triton``), which packs each
+the same columns through clew's kernel (``clew.kernels.prefill_triton``), which packs each
 KV head's query heads into one block of queries where FlashAttention's blocks hold one head.
 
 The function is registered in transformers' ``AttentionInterface`` under ``ATTENTION`` and
@@ -79,9 +79,9 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
-from clew.inference.prefill_attention import varlen_prefill
-from clew.inference.prefill_triton import prefill_triton
-from clew.inference.slot_views import (
+from clew.kernels.prefill_triton import prefill_triton
+from clew.kernels.prefill_varlen import varlen_prefill
+from clew.kernels.slot_views import (
     DECODE,
     PREFILL,
     flash_runs,
@@ -89,7 +89,7 @@ from clew.inference.slot_views import (
     slot_layout,
     varlen_index,
 )
-from clew.inference.split_decode import split_decode
+from clew.kernels.split_decode import split_decode
 
 ATTENTION = "clew_gqa_sdpa"
 

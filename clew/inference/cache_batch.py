@@ -45,10 +45,10 @@ from clew.inference.draws import RowDraws
 from clew.inference.dynamic_kv import DynamicKV
 from clew.inference.kv_cache import SlotCache
 from clew.inference.sampling import SamplingParams
-from clew.inference.slot_views import prefill_lengths
+from clew.kernels.fused_pointwise import pointwise_fused
+from clew.kernels.slot_views import prefill_lengths
 from clew.models.chat import Chunk
 from clew.models.distinct_images import images_deduplicated
-from clew.models.fused_pointwise import pointwise_fused
 from clew.models.logit_masks import keep_allowed, mask_banned
 from clew.models.merged_projections import projections_merged
 from clew.models.pixels import as_patches, cat_pixels
@@ -328,7 +328,7 @@ class CacheBatch:
         if self.graphs is not None and not any(self.adapters):
             return self.graphs.step(ids, pos, active, active_host, self._forward)
         # An eager step's tensors are a row each: a compiled kernel's call costs more host
-        # time than the kernels it replaces (clew.models.fused_pointwise), so eager steps leave
+        # time than the kernels it replaces (clew.kernels.fused_pointwise), so eager steps leave
         # them out: a GRPO rollout's eager steps were measured slower with them (BENCHMARKS.md).
         return self._forward(ids, pos, self.kv.decode(active, active_host), fused=False)
 

@@ -34,14 +34,14 @@ width (one capture per row bucket). Its ``mask_mod`` reads the cache's ``visible
 hidden image columns stay hidden; padding rows read one block of their free slot.
 
 With ``attention="varlen"`` (``decode_attention=varlen``) the width is the whole capacity
-too, and the step passes each row's length (``clew.inference.slot_views.row_lengths``, a
+too, and the step passes each row's length (``clew.kernels.slot_views.row_lengths``, a
 static tensor updated before each replay): each row reads its own columns through the
 variable-length kernel, with no mask and no block table, and one graph per row count serves
 every width. While an image column is hidden anywhere in the cache (``SlotCache.hidden_any``)
 a row's visible columns are no longer its first ``length``, so those steps take the masked
 SDPA step instead (graphs of their own). ``attention="flash"`` is the same step through
 FlashAttention's decoding path (``clew.inference.attention``), ``attention="triton"``
-through clew's split-KV kernel (``clew.inference.split_decode``).
+through clew's split-KV kernel (``clew.kernels.split_decode``).
 
 On a device without CUDA graphs (the CPU), ``capture=False`` runs the same bucketed,
 padded step eagerly: what the CPU tests check against the plain path.
@@ -58,7 +58,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from clew.errors import ClewError
 from clew.inference.kv_cache import SlotCache
-from clew.inference.slot_views import row_lengths
+from clew.kernels.slot_views import row_lengths
 
 # Attention width granularity: at 8B and 192 rows each extra column costs about 28 MB of
 # KV reads a step, while each distinct width is one more capture (its time and graph memory).

@@ -56,8 +56,8 @@ from clew.inference.cache_batch import Generation as Generation
 from clew.inference.kv_cache import cache_budget_bytes as cache_budget_bytes  # its old home
 from clew.inference.kv_cache import kv_bytes_per_token
 from clew.inference.multi_lora import AdapterSource, MultiLoRA
+from clew.kernels.fused_pointwise import fuse_pointwise
 from clew.models.chat import ChatFormat
-from clew.models.fused_pointwise import fuse_pointwise
 from clew.models.logit_masks import AllowedIds, banned_token_ids
 from clew.models.merged_projections import merge_projections
 
@@ -176,7 +176,7 @@ class InferenceEngine:
         # (clew.models.distinct_images).
         self.dedup_images = dedup_images
         # The rotary embedding and the SwiGLU gate as one compiled kernel each, in the
-        # engine's forwards on CUDA (clew.models.fused_pointwise); None: on a CUDA device.
+        # engine's forwards on CUDA (clew.kernels.fused_pointwise); None: on a CUDA device.
         on_cuda = device.type == "cuda"
         self.fused_pointwise = on_cuda if fused_pointwise is None else fused_pointwise
         if self.fused_pointwise:

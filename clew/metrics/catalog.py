@@ -227,10 +227,10 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec(
         "eval/agreement/<group>",
         "SFT evaluations: share of turns on the solver's own path where the policy's most "
-        "likely action is an optimal one (clew.train.agreement); groups: all, corridor, "
+        "likely action is an optimal one (clew.trainer.agreement); groups: all, corridor, "
         "junction, dead_end, goal, dist_0_3, dist_4_7, dist_8_11, dist_12_plus.",
     ),
-    # sft/: the SFT stage (`clew sft`, clew.train.sft).
+    # sft/: the SFT stage (`clew sft`, clew.trainer.sft).
     MetricSpec(
         "sft/loss", "Cross-entropy of the expert's replies (token mean over the batch).", "sft_loss"
     ),

@@ -131,9 +131,14 @@ class RayMetricsLogger:
         if not ray.is_initialized():
             if not os.environ.get("RAY_ADDRESS"):
                 raise ConfigError(NOT_ON_RAY)
-            from clew.cluster.placement import connect_ray
-
-            self.owns_ray = connect_ray(None)
+            try:  # the run's job was submitted to a cluster: report to it
+                ray.init(address="auto", log_to_driver=True)
+            except Exception as e:  # an address that does not answer: say which
+                raise ConfigError(
+                    f"logger 'ray' could not join the Ray cluster at "
+                    f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}: {e}"
+                ) from e
+            self.owns_ray = True
         self.tags = {"project": ctx.project_name, "run": ctx.run_name}
         self._gauges: dict[str, Any] = {}  # clew name -> gauge; None for a name not sent
         self._sources: dict[str, str] = {}  # Ray name -> clew name, to catch two sharing one

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from transformers.utils import ModelOutput
 
-from clew.models.thread_switch import ThreadSwitch
+from clew.kernels.thread_switch import ThreadSwitch
 
 __all__ = ["IMAGES", "dedup_vision_images", "distinct_rows", "images_deduplicated"]
 

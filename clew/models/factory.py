@@ -48,9 +48,9 @@ from transformers import (
 )
 
 from clew.errors import ConfigError
-from clew.models.fused_norm import fused_rms_norm
+from clew.kernels.fused_norm import fused_rms_norm
+from clew.kernels.patch_embed import linear_patch_embed
 from clew.models.on_device import instantiate_on_device
-from clew.models.patch_embed import linear_patch_embed
 from clew.models.presets import PRESETS, QWEN_VOCAB_SIZE, Preset
 from clew.models.processor import ClewVLProcessor, make_image_processor
 from clew.models.qwen2 import build_qwen2_config, mrope_section

@@ -34,11 +34,11 @@ from transformers import AutoModelForImageTextToText, AutoProcessor, PreTrainedM
 from transformers.processing_utils import ProcessorMixin
 
 from clew.errors import CheckpointError, ConfigError, ModelError
+from clew.kernels.fused_norm import fused_rms_norm
+from clew.kernels.patch_embed import linear_patch_embed
+from clew.kernels.vision_attention import batch_vision_attention, share_vision_positions
 from clew.models.distinct_images import dedup_vision_images
-from clew.models.fused_norm import fused_rms_norm
-from clew.models.patch_embed import linear_patch_embed
 from clew.models.processor import ClewVLProcessor
-from clew.models.vision_attention import batch_vision_attention, share_vision_positions
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_policy", "resolve_dtype"]
 
@@ -188,10 +188,10 @@ def load_policy(
     "cuda:N" or a ``torch.device``. ``attn_implementation`` is passed to transformers
     ("sdpa", "eager", "flex_attention", ...); None keeps its default. The model is returned
     in eval mode, its vision attention batched over same-size images
-    (``clew.models.vision_attention``), each distinct image encoded once in the engine's
+    (``clew.kernels.vision_attention``), each distinct image encoded once in the engine's
     forwards (``clew.models.distinct_images``), its patch embedding a matrix product
-    (``clew.models.patch_embed``) and its RMSNorms one fused kernel
-    (``clew.models.fused_norm``); on CUDA, float32 matmuls use TF32. Raises
+    (``clew.kernels.patch_embed``) and its RMSNorms one fused kernel
+    (``clew.kernels.fused_norm``); on CUDA, float32 matmuls use TF32. Raises
     ``CheckpointError`` for a missing or incomplete directory, ``ModelError`` for a config
     that is not a supported VL model, ``ConfigError`` for a bad dtype or device.
     """

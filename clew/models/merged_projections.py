@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from clew.errors import ConfigError
-from clew.models.thread_switch import ThreadSwitch
+from clew.kernels.thread_switch import ThreadSwitch
 
 # Which modules hold which group of projections of one input (Qwen2-VL, Qwen2.5-VL and
 # Qwen3-VL text layers; Qwen2.5-VL's vision MLPs too).

@@ -158,7 +158,7 @@ def why_it_ended(traj: Trajectory, max_turns: int) -> str:
 def generation_defaults(max_images: int | None = None) -> dict[str, Any]:
     """The defaults of ``clew play``'s generation flags, which the page starts from; with
     ``max_images``, ``keep_last_k_images`` defaults to it (the server's image limit)."""
-    from clew.commands.agent import add_generation_args
+    from clew.agent.flags import add_generation_args
 
     parser = argparse.ArgumentParser(add_help=False)
     add_generation_args(parser)
@@ -174,7 +174,7 @@ def start_episode(body: NewEpisode, max_images: int) -> Episode:
 
     ``max_images``: the server's images per request; ``keep_last_k_images`` defaults to it
     and may not exceed it, so that no turn's request is refused for its images."""
-    from clew.commands.agent import rollout_settings
+    from clew.agent.flags import rollout_settings
     from clew.envs import make, spec
 
     try:

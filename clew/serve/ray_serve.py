@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
 from ray import serve
 from ray.serve import Application
 
-from clew.commands.serve import API_KEY_ENV
+from clew.agent.flags import API_KEY_ENV
 from clew.errors import ConfigError
 from clew.serve.server import Server, ServeSettings
 

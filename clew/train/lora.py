@@ -36,7 +36,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from clew.errors import ConfigError
-from clew.train.fused_lora import fuse_lora
+from clew.kernels.fused_lora import fuse_lora
 
 LANGUAGE_MODEL_TARGETS = (
     r"(.*\.)?language_model\.layers\.\d+\."
@@ -76,7 +76,7 @@ def apply_lora(
         peft_model = get_peft_model(model, config)
     except ValueError as error:  # peft: "Target modules ... not found in the base model"
         raise ConfigError(f"could not add LoRA adapters: {error}") from None
-    fuse_lora(peft_model)  # the scaled update inside one matmul (clew.train.fused_lora)
+    fuse_lora(peft_model)  # the scaled update inside one matmul (clew.kernels.fused_lora)
     return peft_model
 
 

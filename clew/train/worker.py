@@ -17,11 +17,11 @@ initial weights, taken when the worker is built (``WorkerSettings.kl_reference``
 first reference call before any optimizer step; it doubles the model's memory, so it is
 only made when KL is used.
 
-Data parallelism: with ``sync`` set (``clew.cluster.data_parallel.GradSync``), each worker
+Data parallelism: with ``sync`` set (``clew.train.grad_sync.GradSync``), each worker
 holds its share of every mini-batch, scales its losses by the mini-batch's counts over all
 workers and sums the gradients over them before clipping, so every worker takes the step
 one worker would take on the whole mini-batch. A policy sharded with FSDP
-(``clew.cluster.fsdp``) has its gradients summed by FSDP itself in backward; every worker
+(``clew.train.fsdp``) has its gradients summed by FSDP itself in backward; every worker
 then runs the same number of passes, and scores and samples with the weights gathered.
 """
 
@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from clew.cluster import fsdp
 from clew.errors import ClewError
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
+from clew.train import fsdp
 from clew.train.forward import PolicyForward, logits_at
 from clew.train.lora import apply_lora, is_lora
 from clew.train.model_batch import Sample, SequenceLike, Vision, collate
@@ -52,7 +52,7 @@ from clew.train.training_batch import TrainingBatch
 from clew.train.worker_state import load_worker_state, save_policy, worker_state
 
 if TYPE_CHECKING:
-    from clew.cluster.data_parallel import GradSync
+    from clew.train.grad_sync import GradSync
 
 __all__ = [
     "PPOSettings",

@@ -2,7 +2,7 @@
 
 The state holds the trainable weights only (the adapter, with LoRA) with the optimizer's
 and the schedule's state, on CPU, in one format whether the policy is sharded or not
-(``clew.cluster.fsdp`` gathers and cuts the tensors of a sharded one), so a checkpoint
+(``clew.train.fsdp`` gathers and cuts the tensors of a sharded one), so a checkpoint
 resumes on any number of workers. ``fitting_parameters`` is the check both loaders run
 before copying anything in.
 """
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from clew.cluster import fsdp
 from clew.errors import ClewError
 from clew.models.hf_export import base_dir_of, export_dtype, read_base_files, save_weights
 from clew.models.merged_projections import saveable_state_dict
+from clew.train import fsdp
 from clew.train.optim import to_cpu
 
 if TYPE_CHECKING:

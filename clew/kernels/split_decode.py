@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from clew.inference.triton_loading import interpreter, kernels
+from clew.kernels.triton_loading import interpreter, kernels
 
 BLOCK_H = 16  # query heads a program computes: the group padded to the matrix tile
 BLOCK_N = 64  # key columns a program reads at a time

@@ -1,6 +1,6 @@
-"""The Triton kernel of ``clew.inference.prefill_triton``, whose docstring gives the plan.
+"""The Triton kernel of ``clew.kernels.prefill_triton``, whose docstring gives the plan.
 
-Loaded by ``clew.inference.triton_loading.kernels`` alone, once compiled and once for
+Loaded by ``clew.kernels.triton_loading.kernels`` alone, once compiled and once for
 Triton's interpreter. As in ``split_decode_kernels``, reductions are ``tl.reduce`` with the
 combine functions ``MAX`` and ``SUM``, and there is no ``tl.cdiv`` or ``tl.zeros``: the
 interpreter cannot call the helpers that were jitted before it was switched on.

@@ -258,7 +258,7 @@ def _sft(cfg: ClewConfig, out: Path) -> ClewConfig:
     if _finished(out, "sft", settings, run_dir, present):
         say(f"sft: the final policy is already at {final}; skipped")
     else:
-        from clew.launch import run_sft_stage
+        from clew.trainer.launch import run_sft_stage
 
         say(f"sft: {cfg.sft.steps} steps of {cfg.sft.batch_size} expert episodes")
         result = run_sft_stage(cfg)
@@ -274,7 +274,7 @@ def _sft(cfg: ClewConfig, out: Path) -> ClewConfig:
 
 def _train(cfg: ClewConfig, out: Path) -> ClewConfig:
     """Runs GRPO (`clew train`), resuming its latest checkpoint."""
-    from clew.launch import run_grpo
+    from clew.trainer.launch import run_grpo
 
     t, g = cfg.trainer, cfg.generator
     say(

@@ -40,7 +40,7 @@ from clew.data.rows import Row
 from clew.envs import expert_for, make
 from clew.errors import ConfigError
 from clew.models.chat import ChatFormat
-from clew.train.demonstrations import Demonstration, play_demonstration
+from clew.trainer.demonstrations import Demonstration, play_demonstration
 
 if TYPE_CHECKING:
     from clew.rollout import RolloutSettings

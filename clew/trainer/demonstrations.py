@@ -91,7 +91,7 @@ def play_demonstration(
     budget (or it has no reply on the way).
 
     ``prefix``: replies played first, as given and out of the loss (the policy's own turns
-    of a DAgger branch, ``clew.train.dagger``); the expert plays on from where they lead.
+    of a DAgger branch, ``clew.trainer.dagger``); the expert plays on from where they lead.
     """
     expert = expert_for(row.env_id)
     env = make(row.env_id, **row.options())

@@ -29,7 +29,7 @@ __all__ = ["batch_vision_attention", "share_vision_positions"]
 
 def _rotary_for(module: torch.nn.Module) -> Callable | None:
     """The vision rotary of ``module``'s transformers file, looked up at each call (so a
-    replacement such as ``clew.models.fused_pointwise``'s is the one that runs)."""
+    replacement such as ``clew.kernels.fused_pointwise``'s is the one that runs)."""
     try:
         lib = importlib.import_module(type(module).__module__)
     except ImportError:  # pragma: no cover - the module's own file always imports

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from clew.inference.triton_loading import interpreter, kernels
+from clew.kernels.triton_loading import interpreter, kernels
 
 BLOCK_M = 128  # (position, query head) pairs a program computes
 BLOCK_N = 64  # key columns it reads at a time

@@ -1,6 +1,6 @@
 """The rotary embeddings and the SwiGLU gate of a Qwen-VL policy, each as one fused kernel.
 
-With the RMSNorms fused (``clew.models.fused_norm``), a Qwen-VL text layer still computes its
+With the RMSNorms fused (``clew.kernels.fused_norm``), a Qwen-VL text layer still computes its
 rotary embedding as ten element-wise kernels (for queries and for keys: a negation and a
 concatenation for ``rotate_half``, two products, a sum) and its gate as two (SiLU, product).
 In a decode step of the 8B preset replayed from a CUDA graph each of them is a launch over a
@@ -48,7 +48,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 
-from clew.models.thread_switch import ThreadSwitch
+from clew.kernels.thread_switch import ThreadSwitch
 
 __all__ = [
     "COMPILE_DEVICES",

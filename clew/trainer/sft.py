@@ -4,7 +4,7 @@ A policy trained from scratch starts by writing random tokens; GRPO then sees re
 every sample and has nothing to learn from. A few hundred steps of imitating the env's
 expert teach the action format and the basics of moving, so RL starts where rewards vary.
 The demonstrations (expert episodes with detours, starts anywhere) are
-``clew.train.demonstrations``; DAgger rounds are ``clew.train.dagger``. ``clew.launch.
+``clew.trainer.demonstrations``; DAgger rounds are ``clew.trainer.dagger``. ``clew.trainer.launch.
 run_sft_stage`` assembles a run of this loop from the config's ``sft`` section.
 
 One step: the step's demonstrations (played one batch ahead on a thread), a DAgger round
@@ -41,18 +41,18 @@ import numpy as np
 import torch
 from PIL import Image
 
+from clew.cluster.group import LocalWorkerGroup, WorkerGroup, play_policy
 from clew.config import ClewConfig
 from clew.data.rows import Row
 from clew.errors import ClewError, DataError
 from clew.inference.engine import EngineOptions
 from clew.metrics import MetricsCollector
 from clew.models.chat import ChatFormat
-from clew.stopping import GracefulStop
-from clew.train.dagger import DaggerSettings, dagger_round, mix_in
-from clew.train.demonstrations import Demonstration, demonstrations
 from clew.train.optim import MAX_DROPPED_STEPS
-from clew.train.sft_policy import LocalSFTPolicy, SFTPolicy, play_policy
 from clew.train.worker import PolicyWorker
+from clew.trainer.dagger import DaggerSettings, dagger_round, mix_in
+from clew.trainer.demonstrations import Demonstration, demonstrations
+from clew.trainer.stopping import GracefulStop
 
 EvalFn = Callable[[torch.nn.Module, ChatFormat, int], dict[str, float]]
 """``eval_fn(model, chat, step)``: evaluation metrics (``eval/all/pass_at_1`` among them).
@@ -159,7 +159,7 @@ def _unpng(data: bytes) -> Image.Image:
 
 
 class SFTTrainer:
-    """Drives a policy (``SFTPolicy``: a ``PolicyWorker`` or a worker group) through SFT
+    """Drives a policy (a ``PolicyWorker`` or a ``WorkerGroup``) through SFT
     steps on ``rows``' expert demonstrations.
 
     ``checkpointer`` (``clew.checkpoint.state.Checkpointer`` of the ``sft`` stage) saves and
@@ -171,7 +171,7 @@ class SFTTrainer:
     def __init__(
         self,
         cfg: ClewConfig,
-        policy: SFTPolicy | PolicyWorker,
+        policy: WorkerGroup | PolicyWorker,
         rows: Sequence[Row],
         checkpointer: Any,
         loggers: Any,
@@ -183,7 +183,7 @@ class SFTTrainer:
         s = cfg.sft
         self.cfg = cfg
         self.engine = engine  # what DAgger's episodes run on (clew.rollout.loop.play_model)
-        self.policy = LocalSFTPolicy(policy) if isinstance(policy, PolicyWorker) else policy
+        self.policy = LocalWorkerGroup(policy) if isinstance(policy, PolicyWorker) else policy
         self.checkpointer = checkpointer
         self.loggers = loggers
         self.eval_fn = eval_fn

@@ -25,18 +25,18 @@ from clew.config.settings import engine_options, optimizer_steps, worker_setting
 from clew.data.rows import read_rows, with_env_option
 from clew.envs.plugins import check_env_ids, import_env_modules, modules_env
 from clew.errors import ClewError, ConfigError
-from clew.evaluation import eval_metrics
-from clew.grpo import GRPOTrainer, seed_everything
 from clew.inference.engine import EngineOptions
 from clew.inference.runtime import limit_host_threads, pick_device
 from clew.inference.sampling import SamplingParams
 from clew.metrics import make_loggers, with_ray_metrics
 from clew.metrics.progress import library_bars_unless_tty
 from clew.models.precision import policy_precision
+from clew.rollout.evaluation import eval_metrics
 from clew.rollout.loop import RolloutSettings, play_model
-from clew.train.agreement import solver_agreement
-from clew.train.sft import EvalFn, SFTResult, SFTTrainer
 from clew.train.worker import PolicyWorker, WorkerSettings
+from clew.trainer.agreement import solver_agreement
+from clew.trainer.grpo import GRPOTrainer, seed_everything
+from clew.trainer.sft import EvalFn, SFTResult, SFTTrainer
 
 
 def run_dir_of(cfg: ClewConfig) -> Path:
@@ -295,7 +295,7 @@ def sft_eval_fn(
 ) -> EvalFn:
     """SFT's evaluation: greedy pass@1 on ``rows``, played on an engine built with
     ``engine``, and the policy's agreement with the expert on the expert's own path
-    (``clew.train.agreement``)."""
+    (``clew.trainer.agreement``)."""
     turns = max(r.max_turns for r in rows)
     settings = RolloutSettings(
         1,

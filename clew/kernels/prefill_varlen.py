@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from clew.inference.slot_views import flash_runs, row_keys, slot_layout, varlen_index
+from clew.kernels.slot_views import flash_runs, row_keys, slot_layout, varlen_index
 
 
 def varlen_prefill(

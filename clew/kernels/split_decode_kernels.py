@@ -1,4 +1,4 @@
-"""The Triton kernels of ``clew.inference.split_decode``, whose docstring gives the plan.
+"""The Triton kernels of ``clew.kernels.split_decode``, whose docstring gives the plan.
 
 Loaded by ``split_decode._kernels`` alone, once compiled and once for Triton's interpreter.
 Reductions are ``tl.reduce`` with the combine functions that ``tl.max`` and ``tl.sum`` pass

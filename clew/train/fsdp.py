@@ -57,7 +57,7 @@ from clew.train.optim import build_optimizer
 from clew.train.worker_state import fitting_parameters
 
 if TYPE_CHECKING:
-    from clew.cluster.data_parallel import GradSync
+    from clew.train.grad_sync import GradSync
     from clew.train.worker import PolicyWorker
 
 try:  # FSDP2's public API (torch >= 2.6); older torch trains with whole copies only

@@ -32,11 +32,11 @@ from clew.config.settings import ppo_settings, rollout_settings
 from clew.data.rows import Row
 from clew.data.sampler import ResumableSampler
 from clew.errors import ClewError, EnvError
-from clew.evaluation import dump_eval, eval_metrics
 from clew.metrics import MetricsCollector
 from clew.metrics.catalog import peak_memory_metric
 from clew.metrics.progress import Progress
 from clew.rollout.episode_stats import rollout_metrics
+from clew.rollout.evaluation import dump_eval, eval_metrics
 from clew.rollout.filtering import (
     batches_needed,
     learning_rewards,
@@ -46,9 +46,9 @@ from clew.rollout.filtering import (
 )
 from clew.rollout.loop import RolloutSettings
 from clew.rollout.trajectory import Trajectory
-from clew.stopping import GracefulStop
 from clew.train.optim import MAX_DROPPED_STEPS
 from clew.train.training_batch import TrainingBatch
+from clew.trainer.stopping import GracefulStop
 
 
 @dataclass
@@ -114,7 +114,7 @@ class GRPOTrainer:
         self.run_dir = run_dir
         self.checkpointer = checkpointer
         self.state = LoopState()
-        self.restarts = 0  # worker-group restarts so far (clew.launch.run_grpo sets it)
+        self.restarts = 0  # worker-group restarts so far (clew.trainer.launch.run_grpo sets it)
         self._saved_step = 0
         self._exported_step = -1  # the step of the latest global_step_N export
         self._dropped_updates = 0  # training steps in a row whose every optimizer step was dropped
