@@ -31,9 +31,9 @@ test-oldest:
 	test -x $(OLDEST)/bin/python || $(PY) -m venv $(OLDEST)
 	$(OLDEST)/bin/pip install -q torch==2.13.0
 	$(OLDEST)/bin/pip install -q "transformers==5.17.0" -e . pytest hypothesis pytest-timeout
-	HF_HUB_OFFLINE=1 $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider tests/test_rollout.py \
-		tests/test_sft.py tests/test_train_worker.py tests/test_qwen3vl.py tests/test_models.py \
-		tests/test_vision_attention.py tests/test_trainer.py
+	HF_HUB_OFFLINE=1 $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider tests/rollout/test_rollout.py \
+		tests/trainer/test_sft.py tests/train/test_train_worker.py tests/models/test_qwen3vl.py tests/models/test_models.py \
+		tests/kernels/test_vision_attention.py tests/trainer/test_trainer.py
 
 lint: setup
 	$(BIN)/ruff check clew tests benchmarks

@@ -1,6 +1,6 @@
 """Load a clew export as a user without clew would, and report what it computes.
 
-Run as a script in a process that never imports clew (``tests/test_export.py`` starts it),
+Run as a script in a process that never imports clew (``tests/models/test_export.py`` starts it),
 so that nothing clew registers with transformers (its processor class, its model patches)
 can make an export look loadable when it is not. Three commands, each writing JSON or a
 tensor file for the test to compare with clew's own results:

@@ -10,7 +10,7 @@ axis) is one resize per frame, a table lookup and one copy over the whole stack.
 does exactly those, in the processor's own order and layout; for anything it does not cover
 (mixed sizes, an image mode it does not convert, a processor without these settings, a
 resize it cannot reproduce) it returns ``None`` and the caller uses the processor.
-``tests/test_models.py`` and ``tests/test_pixels.py`` check the output against the
+``tests/models/test_models.py`` and ``tests/models/test_pixels.py`` check the output against the
 processor's, value for value.
 
 Both of transformers' Qwen2-VL image processor classes are covered (Qwen2.5-VL, Qwen3-VL and

@@ -4,7 +4,7 @@ Each route names its error statuses (``errors``), each documented with OpenAI's 
 FastAPI documents a 422 for every route that validates input, but this server answers
 invalid input with a 400 in OpenAI's format (``clew.serve.app``), so ``document_errors``
 takes the 422 out of the schema. A client generated from the schema, or a fuzzer checking
-the answers against it (``tests/test_serve_fuzz.py``), then sees the statuses the server
+the answers against it (``tests/serve/test_serve_fuzz.py``), then sees the statuses the server
 really sends.
 """
 

@@ -13,7 +13,7 @@ import clew
 from clew.cli import main
 from clew.config import load_config
 
-RECIPE = str(Path(__file__).parents[1] / "recipes" / "cpu-demo.yaml")
+RECIPE = str(Path(__file__).parents[2] / "recipes" / "cpu-demo.yaml")
 
 
 def _printed(capsys, argv: list[str], tmp_path: Path):

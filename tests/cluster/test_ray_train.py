@@ -45,7 +45,7 @@ def ray_local():
     ray = pytest.importorskip("ray")
     from clew.cluster.placement import start_local_ray
 
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     runtime_env = {
         "env_vars": {"PYTHONPATH": path},
@@ -216,7 +216,7 @@ def test_envs_of_a_module_named_in_the_config_reach_the_ray_workers(
         "register('plugin/digits', DigitsEnv, accepted_options=set())\n"
     )
     monkeypatch.chdir(tmp_path)
-    tests = str(Path(__file__).parent)  # the workers' PYTHONPATH keeps the test envs
+    tests = str(Path(__file__).parents[1])  # the workers' PYTHONPATH keeps the test envs
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
     rows = [dataclasses.replace(r, env_id="plugin/digits") for r in digits_rows(4)]
     write_rows(rows, tmp_path / "plugin.parquet")

@@ -5,7 +5,7 @@ with ``include_env_feedback=True``, as ``inference/run_experiments.sh`` runs it)
 VisGym env (``examples/train/visgym/env_sft.py``) on ``maze_2d/easy`` with scripted
 replies, and writes every text the model would see, where the agent stood after each reply
 and SkyRL's rewards to ``visgym_conversations.json`` beside this file.
-``tests/test_prompt_formats.py`` plays the same replies through clew's ``visgym`` and
+``tests/envs/test_prompt_formats.py`` plays the same replies through clew's ``visgym`` and
 ``skyrl-visgym`` formats and compares.
 
 Needs a VisGym checkout (its gymnasium fork; pygame, numpy, pillow, ipywidgets and
@@ -14,7 +14,7 @@ IPython installed) and a SkyRL checkout's ``examples/train/visgym`` with
 imports torch and model clients) is replaced by a stand-in ``BaseVLM`` that answers with
 the scripted replies::
 
-    python tests/data/make_visgym_conversations.py --visgym VISGYM_DIR --skyrl SKYRL_DIR \
+    python tests/recorded/make_visgym_conversations.py --visgym VISGYM_DIR --skyrl SKYRL_DIR \
         --visgym-commit SHA --skyrl-commit SHA
 """
 
@@ -124,7 +124,7 @@ def main() -> None:
             }
         )
     record = {
-        "made_by": "tests/data/make_visgym_conversations.py",
+        "made_by": "tests/recorded/make_visgym_conversations.py",
         "visgym": {"repository": "visgym/VisGym", "commit": args.visgym_commit},
         "skyrl": {"repository": "NovaSky-AI/SkyRL", "commit": args.skyrl_commit},
         "env_id": "maze_2d/easy",

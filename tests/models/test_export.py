@@ -11,7 +11,7 @@ never imports clew. Which test needs what:
   (transformers' Qwen-VL ``AutoProcessor`` builds a video processor, which imports it), and
   torchvision does not import beside the CPU torch clew installs. It carries the ``gpu``
   marker so it runs on the GPU machine, whose image has torchvision: ``pytest -m gpu
-  tests/test_export.py``. Elsewhere it is skipped unless ``CLEW_TORCHVISION_PYTHON`` names a
+  tests/models/test_export.py``. Elsewhere it is skipped unless ``CLEW_TORCHVISION_PYTHON`` names a
   Python that has torch, torchvision and transformers (then ``-m gpu`` runs it there too).
 - every other test runs on the CPU with clew's own venv.
 """
@@ -40,7 +40,7 @@ from clew.models.adapter_loading import load_adapter
 from clew.train.settings import WorkerSettings
 from clew.train.worker import PolicyWorker
 
-PLAIN = Path(__file__).with_name("plain_transformers.py")
+PLAIN = Path(__file__).parents[1] / "plain_transformers.py"
 MAX_NEW_TOKENS = 12
 
 # name -> how the base is made: clew's builder (arch, dtype, frame size), or the real-format

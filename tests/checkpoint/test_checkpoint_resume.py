@@ -22,7 +22,7 @@ from clew.errors import CheckpointError
 from clew.models import build_model
 from clew.trainer.launch import build_worker_group, run_grpo
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 STEPS = 6
 
 

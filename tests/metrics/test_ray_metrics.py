@@ -32,7 +32,7 @@ from clew.metrics.ray_metrics import REPORT_INTERVAL_ENV
 from clew.models import build_model
 from clew.trainer.launch import run_grpo
 
-DASHBOARD = Path(__file__).parents[1] / "deploy" / "grafana" / "clew-dashboard.json"
+DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "clew-dashboard.json"
 PROMETHEUS_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
 PROJECT, RUN = "obs", "scraped"
 
@@ -104,7 +104,7 @@ def ray_with_metrics():
     saved = os.environ.get(REPORT_INTERVAL_ENV)
     # Ray's exporter reports every 10 s by default; 1 s (its floor) keeps the test short.
     os.environ[REPORT_INTERVAL_ENV] = "1000"
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parents[1])
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
     runtime_env = {
         "env_vars": {"PYTHONPATH": path},

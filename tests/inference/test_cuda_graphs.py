@@ -58,8 +58,8 @@ def _play(model, chat, rows, temperature, graphs: bool, device_kw=None, keep_las
     )
     # Under a budget the slots are sized for the whole episode at once and never shrink,
     # so rows that leave leave free slots for padding. The decode paths are compared over
-    # one prefill, the masked one (tests/test_prefill_attention.py compares the two), and
-    # without the fused element-wise kernels (tests/test_fused_pointwise.py compares those).
+    # one prefill, the masked one (tests/kernels/test_prefill_attention.py compares the two), and
+    # without the fused element-wise kernels (tests/kernels/test_fused_pointwise.py compares those).
     kw = {"prefill_attention": "sdpa", "fused_pointwise": False, **(device_kw or {})}
     engine = InferenceEngine(model, chat, cuda_graphs=graphs, max_cache_bytes=2**30, **kw)
     return play(engine, rows, settings, seed=3, env_factory=ending_at_different_turns())
