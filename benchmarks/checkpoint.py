@@ -24,7 +24,7 @@ from clew.config import load_config
 from clew.data.sampler import ResumableSampler
 from clew.envs.base import text_corpus
 from clew.models import build_model
-from clew.train.worker import PolicyWorker, WorkerSettings
+from clew.train import PolicyWorker, WorkerSettings
 
 
 def main() -> None:

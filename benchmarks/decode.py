@@ -1,31 +1,27 @@
-"""Decode steps of the engine: the static KV cache against the dynamic one, in one run.
+"""Decode steps of the engine under each set of its switches, in one run.
 
 Each batch size gets a batch of text rows whose lengths spread evenly over
 ``--min-width``..``--max-width`` tokens (the shape of a 5-turn maze rollout's cache), one
-engine batch per KV cache (``generator.inference_engine.kv_cache``), and ``--steps`` decode steps
-timed after a warm-up (from the first decode step: the pending token's chunk before it is a
-prefill forward, as a turn's is in a rollout); no row stops early (no stop token).
-``graphs`` is the static cache with decode steps replayed from CUDA graphs
-(``generator.inference_engine.enforce_eager=false``), ``flex`` the same with FlexAttention
-reading each row's own blocks (``decode_attention=flex``) and ``varlen`` with the
-variable-length kernel reading each row's own columns (``decode_attention=varlen``; ``flash``
-through FlashAttention's decoding path; ``triton`` through clew's split-KV kernel,
-``decode_attention=triton``), and ``fused`` is ``varlen`` with the rotary
-embedding and the SwiGLU gate compiled into one kernel each
-(``generator.inference_engine.fused_pointwise=true``) and ``merged`` is ``varlen`` with each
-layer's q/k/v and gate/up products merged (``merged_projections=true``; the weights stay
-merged for the caches after it, which compute them apart); their captures (and compilations)
-are counted and their time left out of the step; ``triton+fused`` (an attention, then
-``+fused`` or ``+merged``) combines them. Printed per cache and batch: the decode
-step time, generated tokens/s, the bandwidth bound of a step (the text weights read once
-plus every row's live KV cache, at ``--bandwidth-tbs``) and the share of it reached, and
-the static cache's speed-up over the dynamic one. ``--generate`` adds the re-encoding
-baseline on the same rows: ``model.generate`` from the whole context (its prefill included,
-as a turn of ``benchmarks/rollout.py``'s ``baseline`` pays it). ``--kernels`` then plays
-``--steps`` more steps of each cache under ``torch.profiler`` (and the chunk before them
-apart, to take it out) and prints where the device's time goes in a decode step: kernel
-time by kind (matrix products, attention, norms, element-wise, copies, sampling), and the
-longest kernels by name.
+engine batch per entry of ``--caches``, and ``--steps`` decode steps timed after a warm-up
+(from the first decode step: the pending token's chunk before it is a prefill forward, as a
+turn's is in a rollout); no row stops early (no stop token). ``static`` steps eagerly
+(``generator.inference_engine.enforce_eager=true``), ``graphs`` replays the steps from CUDA
+graphs (``enforce_eager=false``) with masked SDPA (``decode_attention=sdpa``), ``varlen``
+the same with the variable-length kernel reading each row's own columns
+(``decode_attention=varlen``; ``triton`` through clew's split-KV kernel,
+``decode_attention=triton``), and ``fused`` is ``varlen`` with the rotary embedding and the
+SwiGLU gate compiled into one kernel each (``generator.inference_engine.fused_pointwise=true``);
+their captures (and compilations) are counted and their time left out of the step;
+``triton+fused`` (an attention, then ``+fused``) combines them. Printed per entry and batch:
+the decode step time, generated tokens/s, the bandwidth bound of a step (the text weights
+read once plus every row's live KV cache, at ``--bandwidth-tbs``), the share of it reached,
+and the speed-up over the first entry. ``--generate`` adds the re-encoding baseline on the
+same rows: ``model.generate`` from the whole context (its prefill included, as a turn of
+``benchmarks/rollout.py``'s ``baseline`` pays it). ``--kernels`` then plays ``--steps`` more
+steps of each entry under ``torch.profiler`` (and the chunk before them apart, to take it
+out) and prints where the device's time goes in a decode step: kernel time by kind (matrix
+products, attention, norms, element-wise, copies, sampling), and the longest kernels by
+name.
 
     python benchmarks/decode.py --preset tiny --batch 8,16 --min-width 40 --max-width 120 --steps 8
     python benchmarks/decode.py --preset qwen3vl-8b --device cuda --batch 96,192 --generate
@@ -91,8 +87,8 @@ def _decode(
         )
     empty = {i: Chunk([]) for i in range(len(rows))}
     batch.extend_and_generate(empty, SamplingParams(temperature=1.0, max_tokens=warmup))
-    # Room for the timed (and profiled) steps now: a growth of the static cache is a copy,
-    # not a step.
+    # Room for the timed (and profiled) steps now: a growth of the cache is a copy, not a
+    # step.
     batch.kv.reserve(batch.cache_tokens + (steps + 4) * (3 if kernels else 1))
     before = sum(batch.lengths)
     warm_capture_s = 0.0 if batch.graphs is None else batch.graphs.capture_s
@@ -195,9 +191,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument(
         "--caches",
-        default="dynamic,static,graphs",
-        help="or flex, varlen, flash, triton, fused, merged; an attention with +fused or "
-        "+merged (triton+fused) takes those too",
+        default="static,graphs",
+        help="or varlen, triton, fused; an attention with +fused (triton+fused) takes "
+        "the fused kernels too; speed-ups are over the first",
     )
     p.add_argument("--generate", action="store_true", help="add the model.generate baseline")
     p.add_argument(
@@ -230,7 +226,7 @@ def main() -> None:
     )
     print(
         f"{'cache':<9} {'batch':>5} {'widths':>9} {'step ms':>8} {'gen tok/s':>10} "
-        f"{'bound ms':>8} {'of bound':>8} {'vs dynamic':>10}"
+        f"{'bound ms':>8} {'of bound':>8} {'vs first':>10}"
     )
     for size in (int(b) for b in args.batch.split(",")):
         rows = _rows(chat, size, args.min_width, args.max_width)
@@ -238,24 +234,23 @@ def main() -> None:
         for cache in args.caches.split(","):
             # No stop token, so every row decodes every step.
             attention, *extras = cache.split("+")
-            if attention in ("fused", "merged"):  # on their own: the varlen attention's
+            if attention == "fused":  # on its own: the varlen attention's
                 attention, extras = "varlen", [attention, *extras]
-            graphs = attention in ("graphs", "flex", "varlen", "flash", "triton")
+            if attention not in ("static", "graphs", "varlen", "triton"):
+                p.error(f"--caches: no entry {cache!r}")
+            graphs = attention != "static"
             engine = InferenceEngine(
                 model,
                 chat,
-                kv_cache="static" if graphs else cache,
                 stop_token_ids=(-1,),
                 cuda_graphs=graphs,
                 decode_attention="sdpa" if attention in ("graphs", "static") else attention,
                 fused_pointwise="fused" in extras,
-                merged_projections="merged" in extras,
             )
+            first = next(iter(results.values()), None)
             r = results[cache] = _decode(engine, rows, args.steps, args.warmup, args.kernels)
             bound_s = (weights + size * r["mean_cache"] * kv_token) / (args.bandwidth_tbs * 1e12)
-            ratio = (
-                f"{results['dynamic']['step_s'] / r['step_s']:.2f}x" if "dynamic" in results else ""
-            )
+            ratio = "" if first is None else f"{first['step_s'] / r['step_s']:.2f}x"
             print(
                 f"{cache:<9} {size:>5} {r['widths'][0]:>4}-{r['widths'][1]:<4} "
                 f"{r['step_s'] * 1e3:>8.2f} {r['tokens_s']:>10.0f} {bound_s * 1e3:>8.3f} "

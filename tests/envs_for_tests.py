@@ -150,3 +150,25 @@ def digits_rows(n: int, split: str = "train") -> list[Row]:
         Row("test/digits", json.dumps({}), seed, split, "Write digits.", 1, facts)
         for seed in range(n)
     ]
+
+
+def on_ray_worker() -> None:
+    """Ray workers' setup hook (``ray_runtime_env``): importing this module, as Ray does to
+    call the hook, registers the test envs on the worker too."""
+
+
+def ray_runtime_env() -> dict:
+    """A Ray ``runtime_env`` whose workers know the test envs: the tests folder on their
+    ``PYTHONPATH`` (beside the driver's own) and ``on_ray_worker`` as their setup hook.
+
+    The hook lives here, at the top of the tests folder, and not in a test module: a test
+    module lies in a subfolder that is not on the workers' path."""
+    import os
+    from pathlib import Path
+
+    tests = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
+    return {
+        "env_vars": {"PYTHONPATH": path},
+        "worker_process_setup_hook": f"{__name__}.on_ray_worker",
+    }

@@ -22,15 +22,29 @@ IMAGE_SIZE = 56
 MODEL_ID = "visgym-tiny"
 
 
-def make_base(root: Path) -> Path:
-    from clew.models import build_model
+def make_base() -> Path:
+    """The tiny base the serve tests share (``support.tiny``: read only)."""
+    from support.tiny import tiny_policy
 
-    return build_model("tiny", root / "base", image_size=IMAGE_SIZE, overwrite=True).path
+    return tiny_policy(image_size=IMAGE_SIZE)
 
 
 def make_adapter(base: Path, out: Path, *, rank: int, seed: int) -> Path:
-    """A LoRA adapter exported as clew's worker group exports one (peft's files plus the
-    processor), its B factors random so that it changes the base's replies."""
+    """A LoRA adapter of ``base`` at ``out`` (the caller's to change), exported as clew's
+    worker group exports one (peft's files plus the processor), its B factors random so that
+    it changes the base's replies. Built once per process for the same arguments
+    (``support.tiny.cached_path``), then copied."""
+    from support.tiny import cached_path
+
+    args = {"base": str(base), "rank": rank, "seed": seed}
+    built = cached_path(
+        "adapter", args, lambda path: _build_adapter(base, path, rank, seed), f"r{rank}-s{seed}"
+    )
+    shutil.copytree(built, out)
+    return out
+
+
+def _build_adapter(base: Path, out: Path, rank: int, seed: int) -> None:
     from clew.models import load_policy
     from clew.train.lora import apply_lora
 
@@ -44,7 +58,6 @@ def make_adapter(base: Path, out: Path, *, rank: int, seed: int) -> Path:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     peft_model.save_pretrained(out)
     processor.save_pretrained(out)
-    return out
 
 
 def make_prefix(base: Path, root: Path) -> Path:
@@ -110,6 +123,34 @@ def client(url: str, api_key: str = "unused") -> Any:
     import openai
 
     return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+@contextlib.contextmanager
+def prompts(server: Any) -> Iterator[list[Any]]:
+    """The prompt (a ``clew.models.chat.Chunk``) of every request the server hands its
+    scheduler within the block."""
+    seen: list[Any] = []
+    submit = server.scheduler.submit
+
+    def recording(request, loop):
+        seen.append(request.prompt)
+        return submit(request, loop)
+
+    server.scheduler.submit = recording
+    try:
+        yield seen
+    finally:
+        del server.scheduler.submit
+
+
+def served_prompt(server: Any, url: str, messages: list[dict[str, Any]], **kw: Any) -> Any:
+    """The prompt ``server`` (served at ``url``) encodes ``messages`` to, as a ``Chunk``."""
+    with prompts(server) as seen:
+        r = client(url).chat.completions.create(
+            model=MODEL_ID, messages=messages, max_tokens=1, temperature=0, **kw
+        )
+    assert len(seen) == 1 and r.usage.prompt_tokens == len(seen[0].token_ids)
+    return seen[0]
 
 
 def post(url: str, body: bytes | dict, headers: dict[str, str] | None = None) -> tuple[int, dict]:

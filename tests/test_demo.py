@@ -58,19 +58,21 @@ def test_pipeline_runs_sft_then_grpo_and_reports_both_eval_figures(finished: Pat
         "best_pass_at_1",
         "best_step",
     }
-    assert 0.0 <= summary["sft_pass_at_1"] <= 1.0 and 0.0 <= summary["final_pass_at_1"] <= 1.0
+    run_dir = finished / "grpo"
+    history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = {h["step"]: h["eval/all/pass_at_1"] for h in history if "eval/all/pass_at_1" in h}
+    assert list(evals) == [0, 1, 2]
+    # The start's figure is GRPO's evaluation before its first step; the final one its last.
+    assert summary["sft_pass_at_1"] == history[0]["eval/all/pass_at_1"] == evals[0]
+    assert summary["final_pass_at_1"] == evals[2]
+    assert summary["best_pass_at_1"] == max(evals.values()) == evals[summary["best_step"]]
     assert summary["best_pass_at_1"] >= max(summary["sft_pass_at_1"], summary["final_pass_at_1"])
     assert summary["gain_points"] == pytest.approx(
         100 * (summary["final_pass_at_1"] - summary["sft_pass_at_1"])
     )
-    run_dir = finished / "grpo"
     best = json.loads((run_dir / "exports" / "best" / "best.json").read_text())
     assert best["step"] == summary["best_step"]
     assert (run_dir / "report.png").stat().st_size > 0
-    history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in history if "eval/all/pass_at_1" in h] == [0, 1, 2]
-    # The start's figure is GRPO's evaluation before its first step.
-    assert summary["sft_pass_at_1"] == history[0]["eval/all/pass_at_1"]
 
 
 def test_each_stage_runs_with_the_recipe_and_what_the_stage_before_made(finished: Path) -> None:

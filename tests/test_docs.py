@@ -5,9 +5,12 @@ import re
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from clew.docs import config_page, metrics_page
 
 DOCS = Path(__file__).parent.parent / "docs"
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
 
 def test_generated_reference_pages_are_up_to_date():
@@ -15,11 +18,41 @@ def test_generated_reference_pages_are_up_to_date():
     assert (DOCS / "metrics.md").read_text() == metrics_page(), "run `make docs`"
 
 
-def test_every_benchmark_script_is_listed_in_the_benchmarks_index():
-    folder = Path(__file__).parent.parent / "benchmarks"
-    index = (folder / "README.md").read_text()
-    missing = [p.name for p in sorted(folder.glob("*.py")) if f"`{p.name}`" not in index]
-    assert not missing, f"list them in benchmarks/README.md: {missing}"
+def _index_tables(index: Path) -> dict[str, list[str]]:
+    """The files an index's tables list (the first column's name), by section title."""
+    tables: dict[str, list[str]] = {}
+    title = ""
+    for line in index.read_text().splitlines():
+        if line.startswith("## "):
+            title = line[3:]
+        elif row := re.match(r"\| `([^`]+)` \|", line):
+            tables.setdefault(title, []).append(row.group(1))
+    return tables
+
+
+@pytest.mark.parametrize("folder", [BENCHMARKS, BENCHMARKS / "research"], ids=lambda p: p.name)
+def test_each_benchmarks_index_lists_every_file_of_its_folder_under_its_kind(folder):
+    tables = _index_tables(folder / "README.md")
+    listed = [name for names in tables.values() for name in names]
+    present = {p.name for p in folder.glob("*.py")}
+    index = folder.relative_to(BENCHMARKS.parent) / "README.md"
+    assert not present - set(listed), f"list them in {index}: {sorted(present - set(listed))}"
+    assert not set(listed) - present, f"{index} lists files not there: {set(listed) - present}"
+    assert len(listed) == len(set(listed)), f"{index} lists a file twice: {sorted(listed)}"
+    # A helper is imported by the scripts and never run; every other file is a script.
+    helpers = {
+        name for title, names in tables.items() if title.startswith("Helpers") for name in names
+    }
+    for name in listed:
+        runs = 'if __name__ == "__main__":' in (folder / name).read_text()
+        assert runs != (name in helpers), (
+            f"{index}: {name} is {'a script' if runs else 'a helper'}; list it "
+            + ("under a role" if runs else "under Helpers")
+        )
+
+
+def test_the_benchmarks_index_links_the_research_probes():
+    assert "(research/README.md)" in (BENCHMARKS / "README.md").read_text()
 
 
 # The serving manual's examples (docs/serving.md, and serving on Kubernetes in

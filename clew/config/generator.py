@@ -47,70 +47,43 @@ class InferenceEngineConfig(Section):
         description="On GPU, the share of device memory the KV cache may take, in (0, 1].",
     )
     max_cache_mb: int = Field(4096, description="On CPU, the memory budget of the KV cache in MiB.")
-    kv_cache: Literal["static", "dynamic"] = Field(
-        "static",
-        description="The engine's KV cache: 'static' writes each row's keys in place into "
-        "preallocated slots and attends over each row's live part with grouped-query SDPA "
-        "(its budget counts rows by their real lengths); 'dynamic' is transformers' "
-        "DynamicCache (concatenated every forward, rows padded to one width), the reference.",
-    )
     enforce_eager: bool = Field(
         False,
-        description="SkyRL/vLLM: true runs every decode step eagerly. false (the default) "
-        "replays decode steps from CUDA graphs on a GPU, captured per batch shape (rows "
-        "rounded up, attention width rounded up to 256 columns), with the static cache and "
-        "rows without per-row adapters; no effect on a CPU.",
+        description="SkyRL/vLLM: true runs every decode step eagerly (to rule CUDA graphs out "
+        "while debugging). false (the default) replays decode steps from CUDA graphs on a GPU, "
+        "captured per batch shape (rows rounded up, attention width rounded up to 256 "
+        "columns), for rows without per-row adapters; no effect on a CPU.",
     )
-    decode_attention: Literal["auto", "sdpa", "flex", "varlen", "flash", "triton"] = Field(
+    decode_attention: Literal["auto", "sdpa", "varlen", "triton"] = Field(
         "auto",
         description="The attention of CUDA-graph decode steps: 'auto' (the default) is "
         "'triton' on a CUDA device where the triton package is installed (torch's CUDA builds "
-        "bring it), else 'varlen'. 'varlen' is "
-        "torch's variable-length memory-efficient kernel reading each row's own columns, one "
-        "graph per row count (steps while images are hidden use 'sdpa'; measured faster "
-        "than 'sdpa' at Qwen3-VL-8B's shape, as rows of unequal lengths skip the padding); "
-        "'sdpa' reads every row's keys to the longest row's width (rounded up to 256); "
-        "'flex' is compiled FlexAttention reading each row's own 128-column blocks "
-        "(measured slower than 'sdpa'); 'flash' reads each row's own columns through "
-        "FlashAttention's decoding path (measured no faster than 'varlen'); 'triton' "
-        "reads each row's own columns through clew's split-KV Triton kernel "
-        "(clew.kernels.split_decode; Triton's interpreter on a CPU), each KV head read "
-        "once for its query heads, so less KV traffic than 'varlen' and measured faster "
-        "at Qwen3-VL-8B's shape (BENCHMARKS.md, benchmarks/decode_attention.py).",
+        "bring it), else 'varlen'. 'triton' reads each row's own columns through clew's "
+        "split-KV Triton kernel (clew.kernels.split_decode; Triton's interpreter on a CPU), "
+        "each KV head read once for its query heads, so less KV traffic than 'varlen' and "
+        "measured faster at Qwen3-VL-8B's shape (BENCHMARKS.md, "
+        "benchmarks/decode_attention.py). 'varlen' is torch's variable-length "
+        "memory-efficient kernel reading each row's own columns, one graph per row count "
+        "(for a device or build without triton). 'sdpa' reads every row's keys to the "
+        "longest row's width (rounded up to 256): the plain reference, for debugging. Steps "
+        "while images are hidden use 'sdpa'.",
     )
     prefill_attention: Literal["auto", "sdpa", "varlen", "triton"] = Field(
         "auto",
-        description="The attention of a turn's prefill with the static cache: 'auto' (the "
-        "default) is 'triton' on a CUDA device where the triton package is installed, else "
-        "'varlen'. 'triton' reads each row's own columns, causally, through clew's Triton "
-        "kernel, which packs the query heads of each KV head into one block of queries "
+        description="The attention of a turn's prefill: 'auto' (the default) is 'triton' on "
+        "a CUDA device where the triton package is installed, else 'varlen'. 'triton' reads "
+        "each row's own columns, causally, through clew's Triton kernel, which packs the "
+        "query heads of each KV head into one block of queries "
         "(clew.kernels.prefill_triton; Triton's interpreter on a CPU), so each KV block is "
         "read once for all its query heads; measured faster than 'varlen' at many-turn "
         "widths (BENCHMARKS.md, benchmarks/prefill_attention.py). 'varlen' reads the same "
-        "columns through FlashAttention's "
-        "variable-length kernel on a GPU that runs it (bf16 or fp16, Ampere on; masked SDPA "
-        "over the same layout elsewhere); 'sdpa' is SDPA under a mask over every row's keys "
-        "to the longest row's width. All take the masked prefill while images are hidden. "
-        "With kv_cache=dynamic, which has no slots, the default is 'sdpa'.",
-    )
-    packed_prefill: bool = Field(
-        True,
-        description="On a GPU, a turn's prefill runs the rows' new tokens alone, one row after "
-        "another in one sequence, instead of left-padded to the longest chunk, so no padding "
-        "passes through the products, norms and element-wise kernels (measured faster than "
-        "padded prefills in a many-turn Qwen3-VL-8B rollout: BENCHMARKS.md). Forwards stay "
-        "padded where the attention does not read rows by their lengths (prefill_attention="
-        "sdpa, kv_cache=dynamic), with per-row adapters, while images are hidden, and on a CPU.",
-    )
-    dedup_images: bool = Field(
-        True,
-        description="In the engine's forwards, images of one size that are equal pixel for "
-        "pixel (the samples of a prompt start from one frame; refused moves and shared paths "
-        "show a frame again) go through the vision tower once, their outputs copied to each "
-        "(clew.models.distinct_images): the same values, up to the rounding of kernels sized "
-        "by the batch, for the tower's work on the distinct images only. A GRPO group's "
-        "episodes share many frames, so a rollout encodes a fraction of its images and its "
-        "prefill forwards were measured faster (BENCHMARKS.md).",
+        "columns through FlashAttention's variable-length kernel on a GPU that runs it "
+        "(bf16 or fp16, Ampere on; masked SDPA over the same layout elsewhere). On a GPU, "
+        "with either, a turn's prefill runs the rows' new tokens alone, one row after "
+        "another in one sequence, instead of left-padded to the longest chunk (rows with "
+        "per-row adapters stay padded). 'sdpa' is SDPA under a mask over every row's keys "
+        "to the longest row's width, padded: the plain reference, for debugging. All take "
+        "the masked, padded prefill while images are hidden.",
     )
     fused_pointwise: bool = Field(
         True,
@@ -122,30 +95,11 @@ class InferenceEngineConfig(Section):
         "faster in a many-turn Qwen3-VL-8B rollout (BENCHMARKS.md). No effect on a CPU or in "
         "the trainer's forwards.",
     )
-    merged_projections: bool = Field(
-        False,
-        description="Each text layer's query, key and value products (and its MLP's gate and "
-        "up) as one product each in the engine's forwards, the separate weights becoming "
-        "views of one buffer (no memory added; the trainer's forwards unchanged). At "
-        "Qwen3-VL-8B's shape the merged products were measured faster, but the copies of "
-        "their strided slices took back most of it: a decode step gained little at large "
-        "batches and lost at smaller ones "
-        "(BENCHMARKS.md), hence off. Needs whole weights: refused where trainer.strategy="
-        "fsdp shards a fully fine-tuned policy over several workers.",
-    )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="SkyRL engine options; clew reads `max_model_len` (the engine's context "
         "limit in tokens) when present.",
     )
-
-    @model_validator(mode="after")
-    def _prefill_follows_the_cache(self) -> InferenceEngineConfig:
-        # An explicit prefill_attention=varlen or triton with the dynamic cache is refused instead
-        # (clew.config.validate).
-        if self.kv_cache == "dynamic" and "prefill_attention" not in self.model_fields_set:
-            self.prefill_attention = "sdpa"
-        return self
 
     @property
     def max_model_len(self) -> int | None:

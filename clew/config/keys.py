@@ -29,6 +29,42 @@ KEY_ALIASES: dict[str, str] = {
 # Other spellings of values, by key: alias value -> the value stored.
 VALUE_ALIASES: dict[str, dict[str, str]] = {"environment.env_class": ENV_CLASS_ALIASES}
 
+# Keys clew removed (docs/speed.md, "Removed switches"): key -> (the value that asks for
+# what clew does now, what clew does now). Set to that value (an old run's saved config.yaml
+# holds each at its old default), the key is dropped with a warning; set to another, the
+# config fails with that line instead of "unknown key", so an old config says what changed.
+RETIRED_KEYS: dict[str, tuple[Any, str]] = {
+    "generator.inference_engine.kv_cache": (
+        "static",
+        "the in-place slot cache is the only KV cache "
+        "(transformers' DynamicCache, 'dynamic', was measured slower)",
+    ),
+    "generator.inference_engine.merged_projections": (
+        False,
+        "each layer's projections stay separate "
+        "products (merged ones were measured no faster in a decode step or a rollout)",
+    ),
+    "generator.inference_engine.packed_prefill": (
+        True,
+        "a GPU prefill with prefill_attention "
+        "triton or varlen always runs the rows' new tokens packed (measured faster than padded)",
+    ),
+    "generator.inference_engine.dedup_images": (
+        True,
+        "the engine always runs each distinct image "
+        "of a forward through the vision tower once (measured faster than every copy)",
+    ),
+}
+
+# Values clew removed, by key: value -> what to set instead.
+RETIRED_VALUES: dict[str, dict[str, str]] = {
+    "generator.inference_engine.decode_attention": {
+        "flex": "FlexAttention decode steps were measured slower than 'sdpa'; set 'auto'",
+        "flash": "FlashAttention's decoding path was measured no faster than 'varlen'; "
+        "set 'auto' or 'varlen'",
+    },
+}
+
 
 @dataclass(frozen=True)
 class KeyInfo:
@@ -105,8 +141,43 @@ def suggest(key: str) -> list[str]:
     return list(dict.fromkeys(same_name + near))[:3]
 
 
+def retired_keys_message(keys: list[str]) -> str:
+    """The error text for keys of ``RETIRED_KEYS`` set to what clew no longer does."""
+    where = '(docs/speed.md, "Removed switches")'
+    if len(keys) == 1:
+        key = keys[0]
+        return (
+            f"config key {key!r} was removed from clew; what clew does now: "
+            f"{RETIRED_KEYS[key][1]}. Delete it from the config {where}"
+        )
+    lines = "; ".join(f"{key!r} (now: {RETIRED_KEYS[key][1]})" for key in keys)
+    return f"config keys removed from clew: {lines}. Delete them from the config {where}"
+
+
+def retired_key_kept(key: str, value: Any) -> bool:
+    """True when ``key`` was removed and ``value`` asks for what clew does now anyway: the
+    key is then dropped with a warning (``retired_key_warning``) rather than refused."""
+    return key in RETIRED_KEYS and value == RETIRED_KEYS[key][0]
+
+
+def retired_key_warning(key: str) -> str:
+    return (
+        f"config key {key!r} was removed from clew and is ignored: {RETIRED_KEYS[key][1]}. "
+        "Delete it from the config"
+    )
+
+
+def retired_value_message(key: str, value: Any) -> str | None:
+    """The error text for a removed value of ``key`` (``RETIRED_VALUES``), None for others."""
+    why = RETIRED_VALUES.get(key, {}).get(value) if isinstance(value, str) else None
+    return None if why is None else f"{key}={value!r} was removed from clew: {why}"
+
+
 def unknown_key_message(key: str) -> str:
-    """The error text for an unknown key, with the nearest known keys."""
+    """The error text for an unknown key, with the nearest known keys (or, for a removed
+    key, what clew does now)."""
+    if key in RETIRED_KEYS:
+        return retired_keys_message([key])
     near = suggest(key)
     hint = f"; did you mean {' or '.join(repr(k) for k in near)}?" if near else ""
     return f"unknown config key {key!r}{hint}"
@@ -186,7 +257,7 @@ def schema_markdown(ignored: dict[str, str] | None = None) -> str:
                 f"| `{_cell(default)}` | {_cell(desc)} |"
             )
         out.append("")
-    return "\n".join(out + aliases_markdown())
+    return "\n".join(out + aliases_markdown() + retired_markdown())
 
 
 def aliases_markdown() -> list[str]:
@@ -203,4 +274,22 @@ def aliases_markdown() -> list[str]:
     out += [f"| `{alias}` | `{key}` |" for alias, key in KEY_ALIASES.items()]
     for key, values in VALUE_ALIASES.items():
         out += [f"| `{key}: {alias}` | `{key}: {value}` |" for alias, value in values.items()]
+    return [*out, ""]
+
+
+def retired_markdown() -> list[str]:
+    """The "Removed keys" section: every retired key and value, and what clew does now."""
+    out = [
+        "## Removed keys",
+        "",
+        "Keys and values clew no longer has. A config that still sets a key to what clew "
+        "does now (an old run's saved config) is read with a warning; any other setting fails "
+        'with the line below. [speed.md](speed.md), "Removed switches", has what each measured.',
+        "",
+        "| key | what clew does now |",
+        "|---|---|",
+    ]
+    out += [f"| `{key}` | {_cell(why)} |" for key, (_, why) in RETIRED_KEYS.items()]
+    for key, values in RETIRED_VALUES.items():
+        out += [f"| `{key}: {value}` | {_cell(why)} |" for value, why in values.items()]
     return [*out, ""]

@@ -17,16 +17,23 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from typing import Any
 
 from pydantic import ValidationError
 
+from clew.config.ignored import IgnoredKeyWarning
 from clew.config.keys import (
     KEY_ALIASES,
+    RETIRED_KEYS,
     accepts_only_strings,
     canonical_key,
     key_table,
     lookup,
+    retired_key_kept,
+    retired_key_warning,
+    retired_keys_message,
+    retired_value_message,
     type_name,
 )
 from clew.config.keys import unknown_key_message as _unknown
@@ -179,6 +186,15 @@ def apply_overrides(cfg_dict: dict[str, Any], overrides: list[str]) -> dict[str,
             raise ConfigError(f"override {override!r}: deleting keys (~key) is not supported")
         key = canonical_key(written)
         info = lookup(key)
+        if info is None and key in RETIRED_KEYS:
+            try:
+                kept = retired_key_kept(key, parse_value(text))
+            except ValueError:
+                kept = False
+            if not kept:
+                raise ConfigError(retired_keys_message([key]))
+            warnings.warn(retired_key_warning(key), IgnoredKeyWarning, stacklevel=2)
+            continue
         if info is None:
             raise ConfigError(_unknown(key))
         if info.is_section:
@@ -210,7 +226,23 @@ def _first_leaf(key: str, value: Any) -> str:
 
 
 def check_keys(data: dict[str, Any], prefix: str = "") -> None:
-    """Raise ``ConfigError`` for the first key in nested ``data`` that the schema lacks."""
+    """Raise ``ConfigError`` for the first key in nested ``data`` that the schema lacks; keys
+    clew removed (``RETIRED_KEYS``) first, all of them in one error (an old run's saved
+    config holds every one)."""
+    if not prefix:
+        retired = []
+        for key in RETIRED_KEYS:
+            value = _value_at(data, key, _MISSING)
+            if value is _MISSING:
+                continue
+            if retired_key_kept(key, value):
+                section, _, name = key.rpartition(".")
+                del _value_at(data, section, {})[name]
+                warnings.warn(retired_key_warning(key), IgnoredKeyWarning, stacklevel=2)
+            else:
+                retired.append(key)
+        if retired:
+            raise ConfigError(retired_keys_message(retired))
     for name, value in data.items():
         key = f"{prefix}{name}"
         info = lookup(key)
@@ -260,5 +292,9 @@ def _config_error(exc: ValidationError, data: dict[str, Any]) -> ConfigError:
         if info is not None and info.is_section:
             expected = "a mapping of keys"
         value = _value_at(data, key, err.get("input"))
+        retired = retired_value_message(key, value)
+        if retired is not None:
+            lines.append(retired)
+            continue
         lines.append(f"{key}: expected {expected}, got {value!r} ({err['msg']})")
     return ConfigError("invalid config value: " + "; ".join(lines))

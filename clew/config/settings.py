@@ -46,14 +46,10 @@ def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
 def engine_options(cfg: ClewConfig) -> EngineOptions:
     ie = cfg.generator.inference_engine
     return EngineOptions(
-        kv_cache=ie.kv_cache,
         cuda_graphs=not ie.enforce_eager,
         decode_attention=ie.decode_attention,
         prefill_attention=ie.prefill_attention,
-        packed_prefill=ie.packed_prefill,
-        dedup_images=ie.dedup_images,
         fused_pointwise=ie.fused_pointwise,
-        merged_projections=ie.merged_projections,
         gpu_memory_utilization=ie.gpu_memory_utilization,
         max_cache_mb=ie.max_cache_mb,
     )

@@ -376,38 +376,12 @@ def _engine_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
     """Engine switches that another key turns into a no-op are refused, not ignored."""
     ie = cfg.generator.inference_engine
     key = "generator.inference_engine"
-    if ie.prefill_attention in ("varlen", "triton") and ie.kv_cache == "dynamic":
+    if ie.decode_attention == "triton" and ie.enforce_eager:
         fail(
             "engine-switch",
-            f"{key}.prefill_attention={ie.prefill_attention} reads the static cache's slots, and "
-            f"{key}.kv_cache=dynamic has none: set kv_cache=static or prefill_attention=sdpa",
+            f"{key}.decode_attention=triton is the attention of CUDA-graph steps, and "
+            f"{key}.enforce_eager=true takes none: drop one of the two",
         )
-    t = cfg.trainer
-    workers = t.placement.num_workers
-    if ie.merged_projections and _shards(t.strategy, workers, t.policy.model.lora.rank):
-        fail(
-            "engine-switch",
-            f"{key}.merged_projections=true makes each layer's projection weights views of "
-            f"one buffer, and trainer.strategy={t.strategy} shards a fully fine-tuned policy "
-            f"over its {workers} workers: set merged_projections=false, trainer.strategy=ddp, "
-            "or train a LoRA adapter (trainer.policy.model.lora.rank > 0)",
-        )
-    off = "enforce_eager=true" if ie.enforce_eager else "kv_cache=dynamic"
-    if ie.decode_attention in ("flex", "flash", "triton") and (
-        ie.enforce_eager or ie.kv_cache == "dynamic"
-    ):
-        fail(
-            "engine-switch",
-            f"{key}.decode_attention={ie.decode_attention} is the attention of CUDA-graph "
-            f"steps over the static cache, and {key}.{off} takes none: drop one of the two",
-        )
-
-
-def _shards(strategy: str, workers: int, lora_rank: int) -> bool:
-    # Imported here: the rest of config validation needs no torch.
-    from clew.train.fsdp import shards_policy
-
-    return shards_policy(strategy, workers, lora_rank)
 
 
 def _sft_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:

@@ -19,34 +19,24 @@ KV heads as they are:
 Why SDPA by default: the engine's mask is a boolean tensor built once per forward from the
 rows' lengths and hidden columns (``clew.inference.kv_cache``) and shared by every layer,
 which SDPA takes as it is, on every device and in eager mode. SDPA reads every row's keys to
-the longest row's width, though. A decode step replayed from a CUDA graph may instead pass
-a FlexAttention ``BlockMask`` (``generator.inference_engine.decode_attention=flex``,
-``clew.inference.cuda_graphs``): each row then reads only the 128-column blocks up to its own
-length, through ``torch.compile``'d ``flex_attention`` on CUDA (its unfused reference on a
-CPU, which the tests compare).
+the longest row's width, though.
 
-With ``decode_attention=varlen`` a decode step replayed from a CUDA graph gives each row's
-length instead (``row_lengths``): every (row, KV head) of the cache's buffers is then one
-sequence of the slot's capacity whose first ``length`` columns are read, through torch's
-variable-length memory-efficient kernel (``seqlen_k``), so each row reads its own keys and
-no more, with no mask. The buffers' ``[slots, kv_heads, capacity, head_dim]`` layout is
-already that flat sequence of sequences, so nothing is copied. This holds while no image
-column is hidden (the rows' visible columns are then exactly their first ``length``);
-``clew.inference.cuda_graphs`` steps with the mask otherwise. On a CPU the same lengths
-build a mask over the capacity for SDPA (what the tests compare). FlashAttention's
-variable-length form (``seqused_k``) reads the same flattening; inside a CUDA-graph step at
-Qwen3-VL-8B's shape it was measured no faster (slower at the larger batch), and its bf16
-rounding of the attention weights flipped greedy tokens of the tiny test policy, so
-``varlen`` keeps the memory-efficient kernel (``benchmarks/decode_attention.py`` times both).
-
-``decode_attention=flash`` gives FlashAttention the shape of its decoding path instead: each
-(row, KV head) one query of the group's heads over one KV head, the shape for which
-FlashAttention may split the keys over several blocks (flash-decoding) when the rows are
-few for the card; whether torch's build does is what ``benchmarks/decode_attention.py``'s
-``flash_decode`` measures. It falls back to the memory-efficient kernel where flash cannot
-run (float32, cards before Ampere). ``decode_attention=triton`` reads the same columns through
-clew's split-KV kernel (``clew.kernels.split_decode``), which loads each KV head once for
-its group of query heads.
+With ``generator.inference_engine.decode_attention=varlen`` a decode step replayed from a
+CUDA graph gives each row's length instead (``row_lengths``): every (row, KV head) of the
+cache's buffers is then one sequence of the slot's capacity whose first ``length`` columns
+are read, through torch's variable-length memory-efficient kernel (``seqlen_k``), so each
+row reads its own keys and no more, with no mask. The buffers' ``[slots, kv_heads,
+capacity, head_dim]`` layout is already that flat sequence of sequences, so nothing is
+copied. This holds while no image column is hidden (the rows' visible columns are then
+exactly their first ``length``); ``clew.inference.cuda_graphs`` steps with the mask
+otherwise. On a CPU the same lengths build a mask over the capacity for SDPA (what the tests
+compare). FlashAttention's variable-length form (``seqused_k``) reads the same flattening;
+inside a CUDA-graph step at Qwen3-VL-8B's shape it was measured no faster (slower at the
+larger batch), and its bf16 rounding of the attention weights flipped greedy tokens of the
+tiny test policy, so ``varlen`` keeps the memory-efficient kernel
+(``benchmarks/decode_attention.py`` times both). ``decode_attention=triton`` reads the same
+columns through clew's split-KV kernel (``clew.kernels.split_decode``), which loads each KV
+head once for its group of query heads.
 
 A turn's prefill may read each row's own columns too (``prefill_attention=varlen``,
 ``prefill_lengths``): every row is one sequence of the chunk's ``T`` queries over the row's
@@ -59,8 +49,8 @@ slots (``clew.kernels.slot_views.row_keys``), and the output is already ``[B, T,
 Elsewhere the same flat tensors go through masked SDPA (``clew.kernels.prefill_varlen``,
 what the tests compare). As for decode steps, the rows' visible columns must be their first
 ``length``: the engine takes the masked prefill while an image is hidden. Packed chunks
-(``prefill_lengths(starts=)``, ``packed_prefill``: the rows' real tokens one after another
-in a batch of one) take the same kernels with one sequence a row of its own length,
+(``prefill_lengths(starts=)``, on a GPU: the rows' real tokens one after another in a batch
+of one) take the same kernels with one sequence a row of its own length,
 FlashAttention's ``cu_seqlens_q`` being the rows' starts. ``prefill_attention=triton`` reads
 the same columns through clew's kernel (``clew.kernels.prefill_triton``), which packs each
 KV head's query heads into one block of queries where FlashAttention's blocks hold one head.
@@ -76,7 +66,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
 from clew.kernels.prefill_triton import prefill_triton
@@ -84,7 +73,6 @@ from clew.kernels.prefill_varlen import varlen_prefill
 from clew.kernels.slot_views import (
     DECODE,
     PREFILL,
-    flash_runs,
     flat_keys,
     slot_layout,
     varlen_index,
@@ -106,9 +94,6 @@ def gqa_sdpa_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention of ``query`` [B, H, T, D] over ``key``/``value`` [B, Hkv, L, D] under a
     boolean ``attention_mask`` [B, 1, T, L] (True: attend); returns [B, T, H, D]."""
-    if isinstance(attention_mask, BlockMask):
-        out = _flex(query, key, value, attention_mask, scaling)
-        return out.transpose(1, 2).contiguous(), None
     b, heads, t, d = query.shape
     ends = getattr(PREFILL, "lengths", None)
     if ends is not None:
@@ -157,8 +142,8 @@ def varlen_decode(
 ) -> torch.Tensor:
     """One query a row, ``query`` [B, H, 1, D], over views ``key``/``value`` [B, Hkv, W, D]
     of consecutive slots of ``SlotCache`` buffers, each row reading its first ``lengths``
-    [B] columns of its slot, through ``kernel`` ("efficient", "flash" or "triton", module
-    docstring; "flash" falls back to "efficient" where it cannot run); returns [B, 1, H, D]."""
+    [B] columns of its slot, through ``kernel`` ("efficient" or "triton", module docstring);
+    returns [B, 1, H, D]."""
     b, heads, _, d = query.shape
     if kernel == "triton":  # clew's split-KV kernel; Triton's interpreter on a CPU
         return split_decode(query, key, value, lengths, scale, interpret=not query.is_cuda)
@@ -174,15 +159,6 @@ def varlen_decode(
             query.reshape(b, kv_heads, group, d), keys, values, live[:, None, None], scale=scale
         )
         return out.reshape(b, 1, heads, d)
-    if kernel == "flash" and flash_runs(query):
-        # One sequence a (row, KV head): one query of `group` heads over one KV head, the
-        # shape FlashAttention's decoding path takes (keys split over blocks).
-        seqlens, cu_one, cu_k = varlen_index(lengths, kv_heads, cap, 1)
-        out = torch.ops.aten._flash_attention_forward(
-            query.reshape(n, group, d), flat_keys(key, n * cap), flat_keys(value, n * cap), cu_one, cu_k, 1, cap, 0.0, False,
-            False, scale=scale, seqused_k=seqlens,
-        )[0]  # fmt: skip
-        return out.reshape(b, 1, heads, d)
     seqlens, cu_q, cu_k = varlen_index(lengths, kv_heads, cap, group)
     out = torch.ops.aten._efficient_attention_forward(
         query.reshape(1, n * group, 1, d), flat_keys(key, n * cap)[None],
@@ -190,27 +166,6 @@ def varlen_decode(
         seqlen_k=seqlens,
     )[0]  # fmt: skip
     return out.reshape(b, 1, heads, d)
-
-
-_compiled_flex = None
-
-
-def _flex(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    block_mask: BlockMask,
-    scale: float | None,
-) -> torch.Tensor:
-    """Grouped-query FlexAttention under ``block_mask``: compiled on CUDA (compiled once
-    with dynamic shapes for every batch and cache size), the unfused reference elsewhere."""
-    global _compiled_flex
-    fn = flex_attention
-    if query.is_cuda:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=True)
-        fn = _compiled_flex
-    return fn(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 AttentionInterface.register(ATTENTION, gqa_sdpa_attention)

@@ -4,15 +4,16 @@ A ``CacheBatch`` (``InferenceEngine.open_batch``) holds its rows in cache order;
 addressed by its sequence id (``0 .. size-1`` at opening, the next ids for rows that join).
 Each ``extend_and_generate`` appends a chunk to every row (its pending token, if any, plus
 the chunk's tokens), prefills them left-padded to one width and decodes a reply per row, one
-token a row per step; finished rows leave with ``drop``. With ``packed_prefill`` the prefill
-runs the real tokens alone instead, row after row in one sequence of a batch of one: the
-cache writes each token at its row's column, the attention reads each row by its length
-(``prefill_lengths(starts=)``) and the logits of each row's last token come out
-(``logits_to_keep`` as positions). It needs an attention that reads rows by their lengths,
-so a forward while images are hidden, or with per-row adapters, stays padded.
+token a row per step; finished rows leave with ``drop``. On a GPU (``engine.pack_prefill``)
+the prefill runs the real tokens alone instead, row after row in one sequence of a batch of
+one: the cache writes each token at its row's column, the attention reads each row by its
+length (``prefill_lengths(starts=)``) and the logits of each row's last token come out
+(``logits_to_keep`` as positions). It needs an attention that reads rows by their lengths
+(``prefill_attention`` triton or varlen), so a forward with ``sdpa``, while images are
+hidden, or with per-row adapters, stays padded.
 
-Joining (continuous batching, static cache only): ``add_rows`` puts new rows into free slots
-of the running batch between two ``extend_and_generate`` calls, and the next call prefills
+Joining (continuous batching): ``add_rows`` puts new rows into free slots of the running
+batch between two ``extend_and_generate`` calls, and the next call prefills
 their prompts while the other rows feed their pending token. That step runs two forwards,
 the running rows' one column each and the new rows' prompts, rather than one forward of
 every row padded to the longest prompt: under steady load a few rows join a batch of many
@@ -42,7 +43,6 @@ from clew.inference.attention import engine_attention
 from clew.inference.chunks import Prefill, pack
 from clew.inference.cuda_graphs import DecodeGraphs
 from clew.inference.draws import RowDraws
-from clew.inference.dynamic_kv import DynamicKV
 from clew.inference.kv_cache import SlotCache
 from clew.inference.sampling import SamplingParams
 from clew.kernels.fused_pointwise import pointwise_fused
@@ -50,7 +50,6 @@ from clew.kernels.slot_views import prefill_lengths
 from clew.models.chat import Chunk
 from clew.models.distinct_images import images_deduplicated
 from clew.models.logit_masks import keep_allowed, mask_banned
-from clew.models.merged_projections import projections_merged
 from clew.models.pixels import as_patches, cat_pixels
 from clew.models.positions import mrope_positions
 from clew.models.precision import bf16_autocast
@@ -85,12 +84,14 @@ class CacheBatch:
         self.engine = engine
         self.keep_last_k = keep_last_k_images
         dev = engine.device
-        budget = {"bytes_per_token": engine.bytes_per_token, "budget_bytes": engine.max_cache_bytes}
-        self.kv: SlotCache | DynamicKV
-        if engine.kv_cache == "static":
-            self.kv = SlotCache(engine.num_layers, size, dev, capacity_hint=capacity_hint, **budget)
-        else:
-            self.kv = DynamicKV(size, dev, **budget)
+        self.kv = SlotCache(
+            engine.num_layers,
+            size,
+            dev,
+            capacity_hint=capacity_hint,
+            bytes_per_token=engine.bytes_per_token,
+            budget_bytes=engine.max_cache_bytes,
+        )
         self.images_seen = [0] * size
         self.rows: list[int] = list(range(size))  # sequence ids, in cache row order
         self.next_pos = [0] * size
@@ -99,11 +100,11 @@ class CacheBatch:
         self.adapters: list[str | None] = [None] * size  # each row's adapter, None: the base
         self.draws = RowDraws(size, seed, dev)
         self._next_seq = size
-        # Decode steps from CUDA graphs (clew.inference.cuda_graphs): the static cache only.
-        # Under autocast the forwards cast without autocast's cache (_forward), so a graph
-        # records the casts of the float32 adapters and replays them over their new values.
+        # Decode steps from CUDA graphs (clew.inference.cuda_graphs). Under autocast the
+        # forwards cast without autocast's cache (_forward), so a graph records the casts of
+        # the float32 adapters and replays them over their new values.
         self.graphs: DecodeGraphs | None = None
-        if engine.cuda_graphs and isinstance(self.kv, SlotCache):
+        if engine.cuda_graphs:
             self.graphs = DecodeGraphs(
                 self.kv,
                 engine.chat.pad_id,
@@ -112,13 +113,8 @@ class CacheBatch:
             )
 
     @property
-    def cache(self):
-        """The transformers cache the model reads and writes."""
-        return self.kv if isinstance(self.kv, SlotCache) else self.kv.cache
-
-    @property
     def cache_tokens(self) -> int:
-        """The cache's width: the longest row (static) or the padded width (dynamic)."""
+        """The cache's width: its longest row."""
         return self.kv.width
 
     def fits(self, extra_tokens: int) -> bool:
@@ -127,8 +123,6 @@ class CacheBatch:
 
     def can_add(self, n: int, tokens: int) -> bool:
         """Whether ``n`` rows of up to ``tokens`` tokens each can join within the budget."""
-        if not isinstance(self.kv, SlotCache):
-            return False
         return self.kv.fits_joining(n, tokens)
 
     def add_rows(
@@ -141,11 +135,6 @@ class CacheBatch:
         """``n`` new rows (their sequence ids) that the next ``extend_and_generate`` prefills
         while the others continue; ``adapters``: each one's (None: the base); ``seeds``: each
         one's own draws (module docstring); ``tokens``: the longest a new row may grow."""
-        if not isinstance(self.kv, SlotCache):
-            raise ConfigError(
-                "rows can join a running batch only with the static KV cache "
-                "(generator.inference_engine.kv_cache=static)"
-            )
         if seeds is not None and len(seeds) != n:
             raise ConfigError(f"{n} joining rows need {n} seeds, got {len(seeds)}")
         names = self.engine.lora.check_rows(adapters, n)
@@ -210,7 +199,7 @@ class CacheBatch:
             pos_lists.append(pos)
             self.lengths[r] += len(chunk.token_ids)
             self.pending[r] = None
-        split = 0 < new < b and isinstance(self.kv, SlotCache) and any(token_lists[:new])
+        split = 0 < new < b and any(token_lists[:new])
         spans = [(0, new), (new, b)] if split else [(0, b)]
         parts = []
         for lo, hi in spans:
@@ -235,18 +224,14 @@ class CacheBatch:
         mask, image = torch.from_numpy(part.mask).to(dev), torch.from_numpy(part.image).to(dev)
         by_length = (
             self.engine.prefill_attention in ("varlen", "triton")
-            and isinstance(self.kv, SlotCache)
             and not self.kv.hidden_any  # a row's visible columns are then its first `fill`
         )
         # Packed: the real tokens alone, row after row in one sequence (no padding computed);
         # per-row adapters select by batch row, so those forwards stay padded.
         packed = (
-            by_length and self.engine.packed_prefill and not any(self.adapters[part.lo : part.hi])
+            by_length and self.engine.pack_prefill and not any(self.adapters[part.lo : part.hi])
         )
-        if isinstance(self.kv, SlotCache):
-            attention_mask = self.kv.prefill(mask, image, part.counts, part.lo, packed)
-        else:
-            attention_mask = self.kv.prefill(mask, image, part.counts)
+        attention_mask = self.kv.prefill(mask, image, part.counts, part.lo, packed)
         extra = {}
         if part.pixels:
             extra["pixel_values"] = as_patches(cat_pixels(part.pixels), dev)
@@ -403,17 +388,20 @@ class CacheBatch:
         """The last logits of a forward of every row, or of ``rows`` (a prefill's slots);
         ``fused=False`` leaves the fused element-wise kernels out even where they are on;
         ``keep``: the positions of a packed forward's rows' last tokens, whose logits are
-        returned instead."""
+        returned instead.
+
+        The engine's model-side paths are on for this forward only, in this thread (the
+        trainer's forwards of the same model keep transformers' code): its attention, the
+        fused element-wise kernels where on, each distinct image through the vision tower
+        once (``clew.models.distinct_images``) and each row's adapter."""
         eng = self.engine
         dev = eng.device
-        static = isinstance(self.kv, SlotCache)
         adapters = self.adapters if rows is None else self.adapters[rows]
         with (
             bf16_autocast(dev, eng.autocast, cache=False),
-            engine_attention(eng.model) if static else contextlib.nullcontext(),
+            engine_attention(eng.model),
             pointwise_fused(eng.fused_pointwise and fused),
-            projections_merged(eng.merged_projections),
-            images_deduplicated(eng.dedup_images),
+            images_deduplicated(),
             eng.lora.rows(adapters),
         ):
             out = eng.model(
@@ -422,7 +410,7 @@ class CacheBatch:
                 position_ids=positions.to(dev),
                 use_cache=True,
                 logits_to_keep=1 if keep is None else keep,
-                **{eng._cache_kw: self.cache},
+                **{eng._cache_kw: self.kv},
                 **extra,
             )
         logits = out.logits[:, -1, :] if keep is None else out.logits[0]

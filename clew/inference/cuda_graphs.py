@@ -26,22 +26,15 @@ before each replay, and the logits come out in one buffer shared by every bucket
 graphs of a batch share one memory pool and are captured on first use; a cache growth
 (``SlotCache.generation``) moves the buffers the graphs read, so it drops them.
 
-With ``attention="flex"`` (``generator.inference_engine.decode_attention=flex``) the width is the
-whole capacity and the mask a FlexAttention ``BlockMask`` (``clew.inference.attention``)
-whose block counts are updated in place before each replay: each row reads the 128-column
-blocks up to its own length, not every row up to the longest's, and a graph serves every
-width (one capture per row bucket). Its ``mask_mod`` reads the cache's ``visible`` table, so
-hidden image columns stay hidden; padding rows read one block of their free slot.
-
-With ``attention="varlen"`` (``decode_attention=varlen``) the width is the whole capacity
-too, and the step passes each row's length (``clew.kernels.slot_views.row_lengths``, a
-static tensor updated before each replay): each row reads its own columns through the
-variable-length kernel, with no mask and no block table, and one graph per row count serves
-every width. While an image column is hidden anywhere in the cache (``SlotCache.hidden_any``)
-a row's visible columns are no longer its first ``length``, so those steps take the masked
-SDPA step instead (graphs of their own). ``attention="flash"`` is the same step through
-FlashAttention's decoding path (``clew.inference.attention``), ``attention="triton"``
-through clew's split-KV kernel (``clew.kernels.split_decode``).
+With ``attention="varlen"`` (``generator.inference_engine.decode_attention=varlen``) the
+width is the whole capacity, and the step passes each row's length
+(``clew.kernels.slot_views.row_lengths``, a static tensor updated before each replay): each
+row reads its own columns through the variable-length kernel, with no mask and no block
+table, and one graph per row count serves every width. While an image column is hidden
+anywhere in the cache (``SlotCache.hidden_any``) a row's visible columns are no longer its
+first ``length``, so those steps take the masked SDPA step instead (graphs of their own).
+``attention="triton"`` is the same step through clew's split-KV kernel
+(``clew.kernels.split_decode``).
 
 On a device without CUDA graphs (the CPU), ``capture=False`` runs the same bucketed,
 padded step eagerly: what the CPU tests check against the plain path.
@@ -54,7 +47,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
 
 from clew.errors import ClewError
 from clew.inference.kv_cache import SlotCache
@@ -63,9 +55,7 @@ from clew.kernels.slot_views import row_lengths
 # Attention width granularity: at 8B and 192 rows each extra column costs about 28 MB of
 # KV reads a step, while each distinct width is one more capture (its time and graph memory).
 WIDTH_STEP = 256
-# FlexAttention's key block: a row reads its length rounded up to this.
-FLEX_BLOCK = 128
-BY_LENGTH = ("varlen", "flash", "triton")  # the attentions that read each row's length, not a mask
+BY_LENGTH = ("varlen", "triton")  # the attentions that read each row's length, not a mask
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -88,11 +78,10 @@ class _Step:
     ids: torch.Tensor  # [R, 1]
     pos: torch.Tensor  # [3, R, 1]
     cols: torch.Tensor  # [R, 1]: the column each row writes
-    mask: torch.Tensor | BlockMask  # [R, 1, 1, W], or the flex path's block mask
+    mask: torch.Tensor  # [R, 1, 1, W]; [R, 1, 1, 1] by lengths, unread
     graph: torch.cuda.CUDAGraph | None = None
-    blocks: torch.Tensor | None = None  # flex: [R, 1, 1] key blocks each row reads
-    lengths: torch.Tensor | None = None  # varlen, flash: [R] columns each row reads
-    kernel: str = "efficient"  # varlen_decode's kernel: "flash" or "triton" for those
+    lengths: torch.Tensor | None = None  # varlen, triton: [R] columns each row reads
+    kernel: str = "efficient"  # varlen_decode's kernel: "triton" for triton
 
 
 class DecodeGraphs:
@@ -104,7 +93,7 @@ class DecodeGraphs:
         self.cache = cache
         self.pad_id = pad_id
         self.capture = capture
-        self.attention = attention  # "sdpa", "flex", "varlen", "flash", "triton" (docstring)
+        self.attention = attention  # "sdpa", "varlen", "triton" (docstring)
         self.captures = 0  # graphs captured so far, and the seconds they took (benchmarks)
         self.capture_s = 0.0
         self.last_shape: tuple[int, int] | None = None  # the last step's (rows, width)
@@ -167,24 +156,7 @@ class DecodeGraphs:
         )
         if mode in BY_LENGTH:
             step.lengths = torch.ones(r, dtype=torch.long, device=dev)
-            step.kernel = mode if mode in ("flash", "triton") else "efficient"
-        if mode == "flex":
-            step.blocks = torch.ones((r, 1, 1), dtype=torch.int32, device=dev)
-            n = -(-w // FLEX_BLOCK)
-            order = torch.arange(n, dtype=torch.int32, device=dev).expand(r, 1, 1, n)
-            visible = self.cache.visible  # one closure tensor: one compiled kernel for all
-
-            def mask_mod(b, h, q, kv):
-                return visible[b, kv]
-
-            step.mask = BlockMask.from_kv_blocks(
-                step.blocks,
-                order.contiguous(),
-                BLOCK_SIZE=FLEX_BLOCK,
-                mask_mod=mask_mod,
-                seq_lengths=(1, w),
-                compute_q_blocks=False,
-            )
+            step.kernel = "triton" if mode == "triton" else "efficient"
         return step
 
     def _fill(
@@ -200,10 +172,7 @@ class DecodeGraphs:
             step.cols[b:] = self.cache.capacity - 1
             # A free slot's table is reset when a row joins there (SlotCache.add_rows).
             self.cache.visible[b:r, 0] = True
-        if step.blocks is not None:  # flex: each row's blocks up to its new length
-            step.blocks[:b, 0, 0].copy_((self.cache.fill_dev[:b] + FLEX_BLOCK - 1) // FLEX_BLOCK)
-            step.blocks[b:] = 1
-        elif step.lengths is not None:  # varlen: each row's new length; padding rows read 1
+        if step.lengths is not None:  # by lengths: each row's new length; padding rows read 1
             step.lengths[:b].copy_(self.cache.fill_dev[:b])
             step.lengths[b:] = 1
         else:

@@ -11,7 +11,9 @@ KV cache. Each turn
 appends a chunk to every sequence (the previous reply's last token plus the new
 observation) and then decodes the reply one token per step, so a turn only prefills the
 new tokens, never the history. A turn's chunks are left-padded to one width, so every
-row's last real token is the last column and one logit row per sequence comes out; M-RoPE
+row's last real token is the last column and one logit row per sequence comes out (on a GPU,
+where the attention reads rows by their lengths, the real tokens run packed instead:
+``clew.inference.cache_batch``); M-RoPE
 positions are given explicitly per sequence (``clew.models.positions``), so padding never
 shifts a position. Finished sequences leave the batch. It is token in, token out: the
 engine returns sampled ids and their logprobs, and nothing is re-tokenized from text.
@@ -20,15 +22,11 @@ eos ids of the model's ``generation_config`` (its generation_config.json), unles
 caller names its own; the stop id is the reply's last token, and ``ChatFormat.decode``
 leaves it out of the text.
 
-Two caches (``generator.inference_engine.kv_cache``): ``static`` (the default,
-``clew.inference.kv_cache``) writes every row's keys in place into preallocated per-layer
-slots and attends over each row's live columns with grouped-query SDPA
-(``clew.inference.attention``); ``dynamic`` (``clew.inference.dynamic_kv``) is transformers'
-``DynamicCache``, which concatenates onto the whole cache every forward, kept as the
-reference path. Both give the same tokens and logprobs (to float summation order). A decode
-step builds its inputs, mask and positions on the device; the one host copy per step is the
-sampled tokens and logprobs. On a GPU the static cache's decode steps are replayed from CUDA
-graphs (``cuda_graphs``; ``clew.inference.cuda_graphs``).
+One cache, ``SlotCache`` (``clew.inference.kv_cache``): every row's keys are written in
+place into preallocated per-layer slots and each row attends over its own live columns
+(``clew.inference.attention``). A decode step builds its inputs, mask and positions on the
+device; the one host copy per step is the sampled tokens and logprobs. On a GPU decode steps
+are replayed from CUDA graphs (``cuda_graphs``; ``clew.inference.cuda_graphs``).
 
 Logprobs are those of the distribution sampled from before top-k/top-p truncation, at the
 sampling temperature (at temperature 1 for greedy decoding), which is what the trainer
@@ -37,9 +35,9 @@ sampled (a reply holding ``<|image_pad|>`` would claim an image that does not ex
 trainer masks the same ids (``banned_token_ids``) so its logprobs match.
 
 Rows may run different LoRA adapters in one batch (``add_adapter``, ``open_batch(adapters=)``;
-``clew.inference.multi_lora``); a row keeps its adapter when others leave the batch. With
-the static cache, rows can join a running batch between turns (``CacheBatch.add_rows``):
-continuous batching, for ``clew serve``.
+``clew.inference.multi_lora``); a row keeps its adapter when others leave the batch. Rows
+can join a running batch between turns (``CacheBatch.add_rows``): continuous batching, for
+``clew serve``.
 """
 
 from __future__ import annotations
@@ -51,18 +49,14 @@ from dataclasses import dataclass
 import torch
 
 from clew.errors import ConfigError
-from clew.inference.cache_batch import CacheBatch as CacheBatch  # its old home
-from clew.inference.cache_batch import Generation as Generation
-from clew.inference.kv_cache import cache_budget_bytes as cache_budget_bytes  # its old home
-from clew.inference.kv_cache import kv_bytes_per_token
+from clew.inference.cache_batch import CacheBatch
+from clew.inference.kv_cache import cache_budget_bytes, kv_bytes_per_token
 from clew.inference.multi_lora import AdapterSource, MultiLoRA
 from clew.kernels.fused_pointwise import fuse_pointwise
 from clew.models.chat import ChatFormat
 from clew.models.logit_masks import AllowedIds, banned_token_ids
-from clew.models.merged_projections import merge_projections
 
-KV_CACHES = ("static", "dynamic")
-DECODE_ATTENTION = ("auto", "sdpa", "flex", "varlen", "flash", "triton")
+DECODE_ATTENTION = ("auto", "sdpa", "varlen", "triton")
 PREFILL_ATTENTION = ("auto", "sdpa", "varlen", "triton")
 
 
@@ -112,13 +106,6 @@ def resolve_prefill_attention(name: str, device: torch.device) -> str:
     return _resolve_attention("prefill_attention", name, device)
 
 
-def resolve_packed_prefill(packed: bool, device: torch.device) -> bool:
-    """``packed_prefill`` as the engine runs it on ``device``: on CUDA only. On a CPU the
-    packed attention is the masked reference, and a tiny-model rollout of 8 x 8 episodes,
-    10 turns, was measured slower packed (``benchmarks/rollout.py``)."""
-    return packed and device.type == "cuda"
-
-
 class InferenceEngine:
     """Samples replies for many sequences at once from a (possibly LoRA-wrapped) Qwen-VL model."""
 
@@ -130,24 +117,14 @@ class InferenceEngine:
         max_cache_bytes: int | None = None,
         stop_token_ids: tuple[int, ...] | None = None,
         autocast: bool = False,
-        kv_cache: str = "static",
         cuda_graphs: bool = False,
         decode_attention: str = "auto",
         prefill_attention: str = "auto",
-        packed_prefill: bool = False,
-        dedup_images: bool = True,
         fused_pointwise: bool | None = None,
-        merged_projections: bool = False,
     ) -> None:
-        if kv_cache not in KV_CACHES:
-            raise ConfigError(
-                f"generator.inference_engine.kv_cache={kv_cache!r} is not a KV cache; "
-                f"choose one of {', '.join(KV_CACHES)}"
-            )
         self.model = model
-        self.kv_cache = kv_cache
-        # Decode steps replayed from CUDA graphs (static cache, rows without adapters); on a
-        # CPU the same fixed-shape steps run eagerly (clew.inference.cuda_graphs).
+        # Decode steps replayed from CUDA graphs (rows without adapters); on a CPU the same
+        # fixed-shape steps run eagerly (clew.inference.cuda_graphs).
         self.cuda_graphs = cuda_graphs
         if decode_attention not in DECODE_ATTENTION:
             raise ConfigError(
@@ -156,36 +133,30 @@ class InferenceEngine:
             )
         device = next(model.parameters()).device
         decode_attention = resolve_decode_attention(decode_attention, device)
-        # In graph-replayed decode steps: SDPA to the longest row, FlexAttention per row's
-        # blocks, or a variable-length kernel (memory-efficient, flash or clew's split-KV
-        # Triton kernel) per row's columns; "auto": the Triton kernel on CUDA, if installed.
+        # In graph-replayed decode steps: SDPA to the longest row, or a variable-length
+        # kernel (memory-efficient, or clew's split-KV Triton kernel) per row's columns;
+        # "auto": the Triton kernel on CUDA, if installed.
         self.decode_attention = decode_attention
         if prefill_attention not in PREFILL_ATTENTION:
             raise ConfigError(
                 f"generator.inference_engine.prefill_attention={prefill_attention!r} is not a "
                 f"prefill attention; choose one of {', '.join(PREFILL_ATTENTION)}"
             )
-        # A turn's prefill with the static cache: SDPA under the mask to the longest row, or
-        # each row reading its own columns (FlashAttention's kernel or clew's Triton kernel,
+        # A turn's prefill: SDPA under the mask to the longest row, or each row reading its
+        # own columns (FlashAttention's kernel or clew's Triton kernel,
         # clew.inference.attention); "auto": the Triton kernel on CUDA, if installed.
         self.prefill_attention = resolve_prefill_attention(prefill_attention, device)
         # A prefill's real tokens alone, row after row (clew.inference.cache_batch), where the
-        # attention reads rows by their lengths.
-        self.packed_prefill = packed_prefill
-        # Each distinct image of a forward through the vision tower once
-        # (clew.models.distinct_images).
-        self.dedup_images = dedup_images
+        # attention reads rows by their lengths: on CUDA only. On a CPU the packed attention
+        # is the masked reference, and a tiny-model rollout was measured slower packed
+        # (benchmarks/rollout.py). Not a key: tests set it to compare the two layouts.
+        on_cuda = device.type == "cuda"
+        self.pack_prefill = on_cuda
         # The rotary embedding and the SwiGLU gate as one compiled kernel each, in the
         # engine's forwards on CUDA (clew.kernels.fused_pointwise); None: on a CUDA device.
-        on_cuda = device.type == "cuda"
         self.fused_pointwise = on_cuda if fused_pointwise is None else fused_pointwise
         if self.fused_pointwise:
             fuse_pointwise(model)
-        # Each layer's q/k/v and gate/up products as one each, the weights views of one
-        # buffer (clew.models.merged_projections).
-        self.merged_projections = merged_projections
-        if merged_projections:
-            merge_projections(model)
         # bfloat16 compute over float32 weights (clew.models.precision), as the trainer scores.
         self.autocast = autocast
         self.chat = chat
@@ -216,12 +187,6 @@ class InferenceEngine:
     def remove_adapter(self, name: str) -> None:
         self.lora.remove(name)
 
-    @property
-    def counts_real_lengths(self) -> bool:
-        """Whether a batch's budget counts its rows' real lengths (the static cache) rather
-        than one padded width for all (the dynamic cache)."""
-        return self.kv_cache == "static"
-
     def open_batch(
         self,
         size: int,
@@ -231,7 +196,7 @@ class InferenceEngine:
         adapters: list[str | None] | None = None,
     ) -> CacheBatch:
         """A batch of ``size`` sequences; ``capacity_hint``: the longest a row is expected to
-        grow, in tokens, which the static cache allocates at once when a budget is set;
+        grow, in tokens, which the cache allocates at once when a budget is set;
         ``adapters``: each row's adapter (``add_adapter``), None for the bare base."""
         batch = CacheBatch(self, size, seed, keep_last_k_images, capacity_hint)
         batch.adapters = self.lora.check_rows(adapters, size)
@@ -258,14 +223,10 @@ class EngineOptions:
     """How a policy worker's engine runs (``generator.inference_engine``'s keys, documented
     there): what a worker group hands each worker, which builds its engine on its device."""
 
-    kv_cache: str = "static"
     cuda_graphs: bool = True  # on a CUDA device only
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
-    packed_prefill: bool = True  # on a CUDA device only
-    dedup_images: bool = True
     fused_pointwise: bool = True
-    merged_projections: bool = False
     gpu_memory_utilization: float = 0.45  # of a GPU, for the KV cache budget
     max_cache_mb: int = 4096  # the budget on a CPU
 
@@ -288,12 +249,8 @@ class EngineOptions:
             chat,
             max_cache_bytes=self.budget(device) if max_cache_bytes is None else max_cache_bytes,
             autocast=autocast,
-            kv_cache=self.kv_cache,
             cuda_graphs=self.cuda_graphs and device.type == "cuda",
             decode_attention=self.decode_attention,
             prefill_attention=self.prefill_attention,
-            packed_prefill=resolve_packed_prefill(self.packed_prefill, device),
-            dedup_images=self.dedup_images,
             fused_pointwise=self.fused_pointwise,
-            merged_projections=self.merged_projections,
         )

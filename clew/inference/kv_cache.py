@@ -1,7 +1,6 @@
-"""The engine's in-place KV cache, ``SlotCache`` (the default; ``DynamicKV`` in
-``clew.inference.dynamic_kv`` is the reference).
+"""The engine's in-place KV cache, ``SlotCache``.
 
-``SlotCache`` (``generator.inference_engine.kv_cache=static``) is a transformers ``Cache``
+``SlotCache`` is a transformers ``Cache``
 whose layers are preallocated ``[slots, kv_heads, capacity, head_dim]`` buffers. A row of
 the batch lives in one slot and has its own length (``fill``): a forward writes each row's
 new keys and values at that row's next columns, in place (``index_put_``), and hands the
@@ -17,13 +16,13 @@ are, except that the last rows move down into the freed slots (a copy of those r
 so a forward always runs over ``rows`` slots with no holes; the engine samples in the rows'
 sequence order whatever their slots (``CacheBatch._sample``), so seeded draws do not depend
 on where a row lives. Hidden image columns are removed within each row's slot (a gather of
-the visible columns to the front) only once they are a quarter of the width, as for the
-dynamic cache. Chunk padding (the batch's chunks are left-padded to one width) is written
-past each row's end, where the next real token overwrites it, and is never visible; a packed
-prefill (``prefill(packed=True)``) writes the real tokens alone. A row
-that joins a running batch (``add_rows``) takes the next free slot, the slots doubling when
-none is left; a forward may cover a range of slots only (``prefill(first=)``: the joining
-rows' prompts), attending over views of those slots alone.
+the visible columns to the front) only once they are a quarter of the width. Chunk padding
+(the batch's chunks are left-padded to one width) is written past each row's end, where the
+next real token overwrites it, and is never visible; a packed prefill
+(``prefill(packed=True)``) writes the real tokens alone. A row that joins a running batch
+(``add_rows``) takes the next free slot, the slots doubling when none is left; a forward may
+cover a range of slots only (``prefill(first=)``: the joining rows' prompts), attending over
+views of those slots alone.
 
 Capacity: a slot holds ``capacity`` columns; before a turn the engine asks for its longest
 row plus the turn's growth (the longest chunk and every decode step) and the buffers grow

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from clew.inference.engine import InferenceEngine, cache_budget_bytes
+from clew.inference.engine import InferenceEngine
+from clew.inference.kv_cache import cache_budget_bytes
 from clew.models.chat import ChatFormat
 
 

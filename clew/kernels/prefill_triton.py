@@ -76,7 +76,7 @@ def prefill_triton(
     if interpret and query.dtype == torch.bfloat16:
         # The interpreter's bf16 products are wrong (numpy has no bf16): compute in float32.
         query, key, value = query.float(), key.float(), value.float()
-    kernel = kernels("prefill_kernels", interpret).prefill_kernel
+    kernel = kernels("prefill_triton_kernels", interpret).prefill_kernel
     packed = starts is not None
     t_grid = max_new if packed else t
     grid = (max(1, -(-t_grid * group // block_m)), kv_heads, rows)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-KERNELS = ("efficient", "flash", "triton")  # varlen_decode's kernels (clew.inference.attention)
+KERNELS = ("efficient", "triton")  # varlen_decode's kernels (clew.inference.attention)
 
 DECODE = threading.local()  # .lengths, .kernel, .index: those of the decode step being run
 PREFILL = threading.local()  # .lengths, .kernel, .index, .starts, .max_new: the prefill's

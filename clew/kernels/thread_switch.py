@@ -1,8 +1,8 @@
 """A switch that is on for a block of code, in the thread that runs it.
 
 The engine turns model-side fast paths on for its own forwards only (``fused_pointwise``,
-``merged_projections``), while the trainer's forwards of the same model, perhaps in another
-thread, keep transformers' code.
+``clew.models.distinct_images``), while the trainer's forwards of the same model, perhaps in
+another thread, keep transformers' code.
 """
 
 from __future__ import annotations

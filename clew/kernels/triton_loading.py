@@ -38,8 +38,8 @@ def interpreter(on: bool) -> Iterator[None]:
 
 @functools.cache
 def kernels(stem: str, interpret: bool) -> ModuleType:
-    """The module ``clew/inference/<stem>.py``, loaded on first use for ``interpret``."""
-    name = f"clew.inference.{stem}" + ("_interpreted" if interpret else "")
+    """The module ``clew/kernels/<stem>.py``, loaded on first use for ``interpret``."""
+    name = f"clew.kernels.{stem}" + ("_interpreted" if interpret else "")
     path = Path(__file__).with_name(f"{stem}.py")
     with interpreter(interpret):
         spec = importlib.util.spec_from_file_location(name, path)

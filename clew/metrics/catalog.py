@@ -23,7 +23,6 @@ TIMING_PHASES: tuple[str, ...] = (
     "score",
     "advantages",
     "update",
-    "sync",
     "evaluate",
     "checkpoint",
     "log",

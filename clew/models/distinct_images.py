@@ -10,14 +10,14 @@ tower's work on the distinct images only. vLLM keeps
 an encoder cache by image hash for the same reason.
 
 ``dedup_vision_images(model)`` wraps the vision tower's ``forward``. Within
-``images_deduplicated()`` (in this thread: the engine's forwards, with
-``generator.inference_engine.dedup_images``) a forward of same-size images finds the copies
-and runs the tower on the first of each. Copies are found by a signature of each image's
-patches (their product with two fixed random vectors, one small product on the device, one
-read to the host) and confirmed element for element on the device, so images share an output
-only where their patches are equal; were a confirmation to fail, the tower runs on every
-image. Anything else (images of several sizes, an extra per-token argument) goes to the
-tower unchanged. The trainer's forwards keep the tower as transformers wrote it.
+``images_deduplicated()`` (in this thread: every forward of the engine) a forward of
+same-size images finds the copies and runs the tower on the first of each. Copies are found
+by a signature of each image's patches (their product with two fixed random vectors, one
+small product on the device, one read to the host) and confirmed element for element on the
+device, so images share an output only where their patches are equal; were a confirmation to
+fail, the tower runs on every image. Anything else (images of several sizes, an extra
+per-token argument) goes to the tower unchanged. The trainer's forwards keep the tower as
+transformers wrote it.
 
 ``IMAGES`` counts the images that came in and those the tower ran on.
 """

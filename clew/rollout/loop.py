@@ -2,13 +2,13 @@
 
 Every row is played ``n_samples`` times (one GRPO group per row, all on the row's seeded
 maze). Episodes run in waves sized to the engine's cache budget (``_expected_length``: the
-static cache counts an episode by the length it is expected to reach, the dynamic cache by
-``max_input_length``); within a wave all episodes advance turn by turn together, so each
-turn is one batched prefill plus one batched decode. An episode ends on the env's ``done``,
-on ``max_turns`` (the smaller of ``generator.max_turns`` and the env's own budget), when its
-context would exceed ``max_input_length``, or when a turn would outgrow the cache budget
-(``cache_budget``: finished cleanly, never an out-of-memory crash). An exception inside an
-env ends that episode with reward 0 (``env_error``) and never takes down the batch.
+cache counts an episode by the length it is expected to reach); within a wave all episodes
+advance turn by turn together, so each turn is one batched prefill plus one batched decode.
+An episode ends on the env's ``done``, on ``max_turns`` (the smaller of
+``generator.max_turns`` and the env's own budget), when its context would exceed
+``max_input_length``, or when a turn would outgrow the cache budget (``cache_budget``:
+finished cleanly, never an out-of-memory crash). An exception inside an env ends that
+episode with reward 0 (``env_error``) and never takes down the batch.
 
 Between two turns the GPU waits for every episode's env step and the encoding of its next
 observation (a frame resized and cut into patches, its text tokenized). On one core that
@@ -331,18 +331,14 @@ def _expected_length(
 ) -> int:
     """The tokens the cache is sized for per episode when packing a wave.
 
-    The dynamic cache pads every row to one width, so it is sized for the longest row
-    allowed, ``max_input_length``. The static cache counts rows by their real lengths:
-    an episode is expected to grow by its first observation and a whole reply every turn
-    (later observations carry no system prompt, so they are usually shorter), up to
-    ``max_input_length``. Should a turn still outgrow the budget (observations that grow),
-    it ends as few episodes as it takes with ``cache_budget``. Once the engine has played
-    later turns of the env, those turns are counted by the longest such observation seen,
-    with a quarter of headroom, instead of by the first (``_LATER_CHUNKS``): the second and
-    later waves and steps pack more episodes.
+    The cache counts rows by their real lengths: an episode is expected to grow by its first
+    observation and a whole reply every turn (later observations carry no system prompt, so
+    they are usually shorter), up to ``max_input_length``. Should a turn still outgrow the
+    budget (observations that grow), it ends as few episodes as it takes with
+    ``cache_budget``. Once the engine has played later turns of the env, those turns are
+    counted by the longest such observation seen, with a quarter of headroom, instead of by
+    the first (``_LATER_CHUNKS``): the second and later waves and steps pack more episodes.
     """
-    if not engine.counts_real_lengths:
-        return settings.max_input_length
     turns = min(settings.max_turns, ep.max_turns)
     reply = settings.sampling.max_tokens + 1  # the reply and the pending token
     later = _LATER_CHUNKS.get(engine, {}).get(ep.traj.env_id)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from clew.inference.engine import CacheBatch
+from clew.inference.cache_batch import CacheBatch
 from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
 from clew.serve.reply import Reply

@@ -258,7 +258,7 @@ class Scheduler:
             if rows + r.n > room or self.engine.max_sequences(length) < len(running) + rows + r.n:
                 break
             if batch is not None and not batch.cache.can_add(rows + r.n, length):
-                break  # the engine's own check (a dynamic KV cache takes no joining rows)
+                break  # the engine's own check of its cache's budget
             chosen.append(t)
             rows, widest = rows + r.n, length
         return chosen

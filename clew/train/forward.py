@@ -190,7 +190,8 @@ class PolicyForward:
         per_target = per_target.masked_scatter(mask, logprobs)
         return TargetOutputs(logits, logprobs, per_target, targets, entropy, greedy)
 
-    def _vision(self, seqs: Sequence[SequenceLike]) -> list[Vision]:
+    def vision(self, seqs: Sequence[SequenceLike]) -> list[Vision]:
+        """The images of ``seqs`` as the forward reads them, encoded once for every pass."""
         vision = [encode_vision(s, self.chat) for s in seqs]
         if self.device.type == "cpu":
             # No device to hand the patching to: patch once here rather than at every

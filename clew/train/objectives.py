@@ -2,21 +2,21 @@
 
 An objective sees one micro-batch and the policy's outputs at its loss-mask targets, and
 returns the loss *reduced over that micro-batch* plus token-mean statistics. The worker
-weights each micro-batch by its share of the mini-batch (see ``PolicyWorker._accumulate``),
+weights each micro-batch by its share of the mini-batch (see ``PolicyWorker.accumulate``),
 so an objective never needs to know how the mini-batch was split.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from clew.algorithms import compute_policy_loss, entropy_from_logits, kl_loss, reduce_loss
-from clew.train.model_batch import ModelBatch
+from clew.train.model_batch import ModelBatch, Vision
 from clew.train.settings import PPOSettings
 
 
@@ -107,3 +107,24 @@ def sft_objective(batch: ModelBatch, out: TargetOutputs) -> tuple[Tensor, dict[s
     """Cross-entropy of the loss-mask tokens (token mean), and greedy token accuracy."""
     accuracy = (out.greedy_ids() == out.targets).float().mean()
     return -out.logprobs.mean(), {"token_accuracy": float(accuracy)}
+
+
+@dataclass(frozen=True)
+class GradientPass:
+    """How one mini-batch's gradient is made, beside its sequences (``PolicyWorker.accumulate``).
+
+    ``by_tokens``: each micro-batch's loss is scaled by its share of loss-mask tokens
+    (``token_mean``), else by its share of sequences. ``pack``: the mini-batch's sequences
+    packed into rows, a micro-batch being ``micro_batch_size`` packed rows. ``values``: the
+    per-token values the objective reads (``clew.train.ppo_update.ppo_inputs``); ``vision``:
+    the sequences' images as ``PolicyWorker.vision`` encodes them.
+    """
+
+    objective: Objective
+    vision: Sequence[Vision]
+    micro_batch_size: int
+    values: Mapping[str, Sequence[Tensor]] = field(default_factory=dict)
+    temperature: float = 1.0
+    by_tokens: bool = True
+    pack: bool = False
+    allowed: tuple[str, ...] = ()

@@ -4,7 +4,7 @@ The per-token values the PPO objective reads come first, once per batch: the eng
 logprobs and the advantages, with ``use_kl_loss`` the KL reference's logprobs, and with
 ``recompute_old_logprobs`` or TIS the trainer's own logprobs as PPO's "old" policy. Then
 each epoch walks the mini-batches, accumulating each one's gradient over micro-batches
-(``PolicyWorker._accumulate``) and taking one optimizer step. The engine-against-trainer
+(``PolicyWorker.accumulate``) and taking one optimizer step. The engine-against-trainer
 logprob guard (``clew.train.logprob_guard``) watches the first pass, while the weights are
 still those the engine sampled with.
 """
@@ -21,7 +21,7 @@ from clew.algorithms import LogprobGap
 from clew.train.logprob_guard import gap_of_scores, guard_metrics, observing
 from clew.train.model_batch import Vision
 from clew.train.model_batch import micro_batches as chunked
-from clew.train.objectives import ppo_objective
+from clew.train.objectives import GradientPass, ppo_objective
 from clew.train.settings import PPOSettings
 from clew.train.training_batch import TrainingBatch
 
@@ -58,27 +58,18 @@ def ppo_inputs(worker: PolicyWorker, batch: TrainingBatch, settings: PPOSettings
             settings.forward_micro_batch_size,
             allowed=settings.allowed_tokens,
         )
-    return values, worker._vision(batch.sequences)
+    return values, worker.vision(batch.sequences)
 
 
-def _accumulate(
-    worker: PolicyWorker,
-    batch: TrainingBatch,
-    indices: Sequence[int],
-    inputs: PPOInputs,
-    settings: PPOSettings,
-    gap: LogprobGap | None = None,
-) -> dict[str, float] | None:
+def _gradient(inputs: PPOInputs, settings: PPOSettings, gap: LogprobGap | None) -> GradientPass:
     values, vision = inputs
-    return worker._accumulate(
-        batch.sequences,
-        indices,
-        vision,
-        values,
-        settings.micro_batch_size,
+    return GradientPass(
         observing(ppo_objective(settings), gap),
+        vision,
+        settings.micro_batch_size,
+        values,
         settings.temperature,
-        settings.loss_reduction == "token_mean",
+        by_tokens=settings.loss_reduction == "token_mean",
         allowed=settings.allowed_tokens,
     )
 
@@ -88,7 +79,7 @@ def accumulate_ppo_gradients(
 ) -> dict[str, float] | None:
     """The PPO gradient of the whole ``batch`` as one mini-batch, left in ``.grad`` (no step)."""
     inputs = ppo_inputs(worker, batch, settings)
-    return _accumulate(worker, batch, range(len(batch)), inputs, settings)
+    return worker.accumulate(batch.sequences, range(len(batch)), _gradient(inputs, settings, None))
 
 
 def train_ppo(
@@ -109,9 +100,9 @@ def train_ppo(
     steps: list[dict[str, float]] = []
     for _ in range(settings.epochs):
         for indices in (range(lo, hi) for lo, hi in itertools.pairwise(bounds)):
-            stats = _accumulate(worker, batch, indices, inputs, settings, watch)
+            stats = worker.accumulate(batch.sequences, indices, _gradient(inputs, settings, watch))
             if stats is not None:
-                steps.append(stats | worker._optimizer_step())
+                steps.append(stats | worker.optimizer_step())
                 watch = None  # the weights are no longer those the engine sampled with
     keys = ("loss", "clip_fraction", "approx_kl", "kl_loss", "entropy", "grad_norm", "lr")
     keys += ("tis_weight_mean", "tis_capped_fraction") if settings.use_tis else ()

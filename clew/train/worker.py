@@ -5,11 +5,13 @@ it behind the same methods. It owns the model the rollout engine samples from (t
 module object, so weights never need syncing) and puts it back in eval mode after every
 update, which is the mode the engine expects.
 
-The worker's parts live beside it: the forward at the loss-mask targets and the micro-batch
-plans in ``clew.train.forward`` (its base class), the PPO update in
-``clew.train.ppo_update``, its state and exported weights in ``clew.train.worker_state``.
-Here: the KL reference, the gradient accumulation over micro-batches, the optimizer step
-and the SFT step.
+Its face: ``compute_logprobs`` (scoring), ``train_batch`` (a PPO update) and ``sft_step``,
+built on two primitives that an update loop calls, ``accumulate`` (one mini-batch's
+gradient over micro-batches, from a ``GradientPass``) and ``optimizer_step``; then the
+state methods and ``save_pretrained``. The worker's parts live beside it: the forward at
+the loss-mask targets and the micro-batch plans in ``clew.train.forward`` (its base class),
+the PPO update in ``clew.train.ppo_update``, its state and exported weights in
+``clew.train.worker_state``.
 
 The KL reference: with LoRA it is the base model with the adapter switched off
 (``disable_adapter``), which costs no memory. Without LoRA it is a frozen copy of the
@@ -41,10 +43,10 @@ from clew.errors import ClewError
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
 from clew.train import fsdp
-from clew.train.forward import PolicyForward, logits_at
+from clew.train.forward import PolicyForward
 from clew.train.lora import apply_lora, is_lora
-from clew.train.model_batch import Sample, SequenceLike, Vision, collate
-from clew.train.objectives import Objective, sft_objective
+from clew.train.model_batch import Sample, SequenceLike, collate
+from clew.train.objectives import GradientPass, sft_objective
 from clew.train.optim import build_optimizer, clipped_step
 from clew.train.ppo_update import accumulate_ppo_gradients, train_ppo
 from clew.train.settings import PPOSettings, WorkerSettings
@@ -53,15 +55,6 @@ from clew.train.worker_state import load_worker_state, save_policy, worker_state
 
 if TYPE_CHECKING:
     from clew.train.grad_sync import GradSync
-
-__all__ = [
-    "PPOSettings",
-    "PolicyWorker",
-    "TrainingBatch",
-    "WorkerSettings",
-    "apply_lora",
-    "logits_at",
-]
 
 
 class PolicyWorker(PolicyForward):
@@ -163,7 +156,7 @@ class PolicyWorker(PolicyForward):
         """
         self.model.eval()
         out: list[Tensor] = [torch.zeros(0)] * len(seqs)
-        vision = self._vision(seqs)
+        vision = self.vision(seqs)
         plan = self._micro_batches(seqs, range(len(seqs)), micro_batch_size, pack=False)
         with (
             self._policy(adapter_enabled) as model,
@@ -177,24 +170,14 @@ class PolicyWorker(PolicyForward):
                     out[i] = row.clone()
         return out
 
-    def _accumulate(
-        self,
-        seqs: Sequence[SequenceLike],
-        indices: Sequence[int],
-        vision: Sequence[Vision],
-        values: dict[str, Sequence[Tensor]],
-        micro_batch_size: int,
-        objective: Objective,
-        temperature: float,
-        by_tokens: bool,
-        pack: bool = False,
-        allowed: tuple[str, ...] = (),
+    def accumulate(
+        self, seqs: Sequence[SequenceLike], indices: Sequence[int], gradient: GradientPass
     ) -> dict[str, float] | None:
         """Zero the grads and backpropagate the loss of ``seqs[indices]`` over micro-batches.
 
         Each micro-batch's loss is reduced over the micro-batch and scaled by its share of
-        the mini-batch (``by_tokens``: its share of loss-mask tokens, for ``token_mean``;
-        else its share of sequences, for the per-sequence reductions), so the accumulated
+        the mini-batch (``gradient.by_tokens``: its share of loss-mask tokens, for
+        ``token_mean``; else its share of sequences, for the per-sequence reductions), so the accumulated
         gradient is that of the mini-batch loss whatever the micro-batch size. Statistics
         are token-weighted means, except ``loss`` which is the mini-batch loss. None when the
         mini-batch has no loss-mask token (nothing to learn from). ``pack`` packs the
@@ -205,6 +188,7 @@ class PolicyWorker(PolicyForward):
         A sharded policy runs ``fsdp.lockstep``: micro-batches with no loss-mask token give
         way to passes with no loss, on a two-token sequence, as many as the workers need.
         """
+        g = gradient
         self.optimizer.zero_grad(set_to_none=True)
         tokens = {i: sum(seqs[i].loss_mask[1:]) for i in indices}
         local_tokens = sum(tokens.values())
@@ -215,14 +199,14 @@ class PolicyWorker(PolicyForward):
         if total_tokens == 0:
             return None
         stats: dict[str, float] = {"loss": 0.0, "tokens": float(total_tokens)}
-        plan = self._micro_batches(seqs, indices, micro_batch_size, pack) if indices else []
+        plan = self._micro_batches(seqs, indices, g.micro_batch_size, g.pack) if indices else []
         passes: Iterable[list[int] | None] = plan
         if sharded := fsdp.is_sharded(self.model):
             assert sync is not None, "a sharded policy needs the workers' sync"
             passes = fsdp.lockstep([idx for idx in plan if sum(tokens[i] for i in idx)], sync)
         self.model.train()
         # Backward included: gradient checkpointing recomputes the forwards in it.
-        with self._packing(self.model, pack):
+        with self._packing(self.model, g.pack):
             try:
                 for idx in passes:
                     if idx is None:
@@ -231,13 +215,13 @@ class PolicyWorker(PolicyForward):
                     n_tok = sum(tokens[i] for i in idx)
                     if n_tok == 0:
                         continue  # contributes exactly 0 to every reduction
-                    batch = self._collate(seqs, idx, vision, values, pack)
-                    outputs = self._forward(self.model, batch, temperature, allowed, True)
+                    batch = self._collate(seqs, idx, g.vision, g.values, g.pack)
+                    outputs = self._forward(self.model, batch, g.temperature, g.allowed, True)
                     if batch.document is not None:
                         per_target = batch.unpack(outputs.per_target)
                         batch, outputs = batch.unpacked(), replace(outputs, per_target=per_target)
-                    loss, micro_stats = objective(batch, outputs)
-                    share = n_tok / total_tokens if by_tokens else len(idx) / total_seqs
+                    loss, micro_stats = g.objective(batch, outputs)
+                    share = n_tok / total_tokens if g.by_tokens else len(idx) / total_seqs
                     scaled = loss * share
                     if sharded:
                         scaled = scaled + fsdp.all_weights(self.model)
@@ -262,7 +246,9 @@ class PolicyWorker(PolicyForward):
         logprobs = self._forward(self.model, batch, 1.0).logprobs
         (fsdp.zero_loss(logprobs) + fsdp.all_weights(self.model)).backward()
 
-    def _optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self) -> dict[str, float]:
+        """Sum the gradients over data-parallel workers, clip them and step: the step's
+        ``grad_norm``, ``lr`` and ``skipped`` (``clew.train.optim.clipped_step``)."""
         if self.sync is not None:  # before clipping, so every worker clips the same gradient
             trainable = [p for p in self.model.parameters() if p.requires_grad]
             if replicated := fsdp.replicated(trainable):
@@ -287,14 +273,13 @@ class PolicyWorker(PolicyForward):
         The logprobs are the sampler's (banned vision ids masked, temperature 1), so SFT
         trains the distribution the engine samples from.
         """
-        indices = range(len(seqs))
-        stats = self._accumulate(
-            seqs, indices, self._vision(seqs), {}, micro_batch_size, sft_objective, 1.0, True,
-            pack=self.settings.pack_sequences,
-        )  # fmt: skip
+        gradient = GradientPass(
+            sft_objective, self.vision(seqs), micro_batch_size, pack=self.settings.pack_sequences
+        )
+        stats = self.accumulate(seqs, range(len(seqs)), gradient)
         if stats is None:
             raise ValueError("the SFT batch has no loss-mask tokens")
-        stats |= self._optimizer_step()
+        stats |= self.optimizer_step()
         return {f"sft/{k}": v for k, v in stats.items()}
 
     def state_dict(self) -> dict[str, Any]:

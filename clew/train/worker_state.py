@@ -18,7 +18,6 @@ import torch
 
 from clew.errors import ClewError
 from clew.models.hf_export import base_dir_of, export_dtype, read_base_files, save_weights
-from clew.models.merged_projections import saveable_state_dict
 from clew.train import fsdp
 from clew.train.optim import to_cpu
 
@@ -87,8 +86,7 @@ def save_policy(worker: PolicyWorker, directory: str | Path, merged: bool = Fals
     sharded above 5 GB (``clew.models.hf_export``): a float32-trained policy over a bfloat16
     base exports as bfloat16, as the base loads. The adapter keeps its own tensors as peft
     writes them. Merging works on a copy (the worker keeps training its adapter), so it
-    briefly needs a second model's memory (the copy's merged projections, if any, are
-    apart: ``clew.models.merged_projections``). A sharded policy's workers must all call
+    briefly needs a second model's memory. A sharded policy's workers must all call
     this; worker 0 writes the whole weights. The processor files are the caller's
     (``clew.models.hf_export.write_companion_files`` for a full-weight export).
     """
@@ -108,13 +106,7 @@ def save_policy(worker: PolicyWorker, directory: str | Path, merged: bool = Fals
     elif worker.lora:
         worker.model.save_pretrained(directory)  # the adapter's own tensors
     else:
-        # An engine's merged projections share one buffer, which safetensors refuses.
-        save_weights(
-            worker.model,
-            directory,
-            export_dtype(worker.model, base),
-            state_dict=saveable_state_dict(worker.model),
-        )
+        save_weights(worker.model, directory, export_dtype(worker.model, base))
     return directory
 
 

@@ -30,8 +30,8 @@ from clew.envs import GroupingExpert, NamedActions, expert_for, make
 from clew.models.chat import ChatFormat
 from clew.models.logit_masks import banned_token_ids, mask_banned
 from clew.models.precision import bf16_autocast
+from clew.train.forward import logits_at
 from clew.train.model_batch import collate
-from clew.train.worker import logits_at
 from clew.trainer.demonstrations import Demonstration, play_demonstration
 
 __all__ = ["TurnPrediction", "decision_tokens", "solver_agreement", "solver_predictions"]

@@ -1,10 +1,12 @@
-"""The GRPO loop: generate, score, advantages, update, sync, evaluate, checkpoint, log.
+"""The GRPO loop: generate, score, advantages, update, evaluate, checkpoint, log.
 
 One step: the sampler hands out ``train_batch_size`` maze rows; the worker group plays each
 ``n_samples_per_prompt`` times; rewards become group-relative advantages; the policy takes
 PPO-clipped updates on the generated tokens; every ``eval_interval`` steps the fixed eval
 mazes are played greedily; every ``ckpt_interval`` steps the full state is saved. Metrics
-go to a collector and from there to the loggers; timings are per phase.
+go to a collector and from there to the loggers; timings are per phase. There is no weight
+sync phase: the engine samples from the very modules the optimizer steps (colocated, on
+every worker of a group), so nothing is copied between update and generate.
 
 A phase whose every episode ended as ``env_error`` (the env raised: an id a worker does not
 know, a simulator that is down) stops the run with that error: there is nothing to learn
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from clew.algorithms import EstimatorBatch, compute_advantages, get_estimator
+from clew.checkpoint.state import Checkpointer
 from clew.cluster.group import WorkerGroup
 from clew.config import ClewConfig
 from clew.config.settings import ppo_settings, rollout_settings
@@ -34,6 +37,7 @@ from clew.data.sampler import ResumableSampler
 from clew.errors import ClewError, EnvError
 from clew.metrics import MetricsCollector
 from clew.metrics.catalog import peak_memory_metric
+from clew.metrics.loggers import MultiLogger
 from clew.metrics.progress import Progress
 from clew.rollout.episode_stats import rollout_metrics
 from clew.rollout.evaluation import dump_eval, eval_metrics
@@ -100,9 +104,9 @@ class GRPOTrainer:
         group: WorkerGroup,
         train_rows: Sequence[Row],
         eval_rows: Sequence[Row],
-        loggers: Any,
+        loggers: MultiLogger,
         run_dir: Path,
-        checkpointer: Any | None = None,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         self.cfg = cfg
         self.group = group
@@ -163,7 +167,6 @@ class GRPOTrainer:
                 rewards = self.score(trajs, played)
                 advantages = self.advantages(trajs, rewards)
                 self.update(trajs, advantages)
-                self.sync()
                 if self._due(t.eval_interval, step) and self.eval_rows:
                     last_eval, evaluated = self.evaluate(), step
                     self.keep_best(last_eval)
@@ -303,11 +306,6 @@ class GRPOTrainer:
                 "kl_loss_coef, trainer.policy.optimizer_config.lr); the checkpoints and "
                 "exports already written are kept."
             )
-
-    def sync(self) -> None:
-        # The engine samples from the modules the optimizer just stepped: nothing to copy.
-        with self.metrics.timer("sync"):
-            pass
 
     def evaluate(self) -> dict[str, float]:
         with self.metrics.timer("evaluate"):

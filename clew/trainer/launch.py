@@ -33,7 +33,7 @@ from clew.metrics.progress import library_bars_unless_tty
 from clew.models.precision import policy_precision
 from clew.rollout.evaluation import eval_metrics
 from clew.rollout.loop import RolloutSettings, play_model
-from clew.train.worker import PolicyWorker, WorkerSettings
+from clew.train import PolicyWorker, WorkerSettings
 from clew.trainer.agreement import solver_agreement
 from clew.trainer.grpo import GRPOTrainer, seed_everything
 from clew.trainer.sft import EvalFn, SFTResult, SFTTrainer

@@ -41,12 +41,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from clew.checkpoint.state import Checkpointer
 from clew.cluster.group import LocalWorkerGroup, WorkerGroup, play_policy
 from clew.config import ClewConfig
 from clew.data.rows import Row
 from clew.errors import ClewError, DataError
 from clew.inference.engine import EngineOptions
 from clew.metrics import MetricsCollector
+from clew.metrics.loggers import MultiLogger
 from clew.models.chat import ChatFormat
 from clew.train.optim import MAX_DROPPED_STEPS
 from clew.train.worker import PolicyWorker
@@ -173,8 +175,8 @@ class SFTTrainer:
         cfg: ClewConfig,
         policy: WorkerGroup | PolicyWorker,
         rows: Sequence[Row],
-        checkpointer: Any,
-        loggers: Any,
+        checkpointer: Checkpointer,
+        loggers: MultiLogger,
         *,
         eval_fn: EvalFn | None = None,
         autocast: bool = False,

@@ -9,6 +9,7 @@ import socket
 import pytest
 from PIL import Image
 from serve_support import MODEL_ID, make_adapter, open_server, serving
+from support.tiny import env_data, tiny_policy
 
 from clew.agent import Conversation
 from clew.cli import main
@@ -25,14 +26,10 @@ KEYWORD = [
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, one_thread):
     """(url, base, adapter folder, eval parquet): the tiny base and one adapter, served."""
-    from clew.models import build_model
-
     root = tmp_path_factory.mktemp("agent")
-    base = build_model(
-        "tiny", root / "base", image_size=70, arch="qwen3_vl", patch_size=14, merge_size=1
-    ).path
+    base = tiny_policy(image_size=70, arch="qwen3_vl", patch_size=14, merge_size=1)
     adapter = make_adapter(base, root / "adapters" / "maze", rank=4, seed=5)
-    data = write_rows(generate_rows(ENV, 12, "eval", env_options=MAZE), root / "eval.parquet")
+    data = env_data(ENV, 12, "eval", env_options=MAZE)
     with serving(open_server(base, adapters=str(root / "adapters"))) as url:
         yield url, base, adapter, data
 
@@ -216,7 +213,7 @@ def test_the_image_limit_is_learnt_from_the_servers_refusal(served, tmp_path, ca
 
 def test_eval_through_the_endpoint_outlasting_the_image_limit_writes_its_metrics(served, tmp_path):
     url, *_ = served
-    data = write_rows(generate_rows(ENV, 2, "eval", env_options=LONG), tmp_path / "long.parquet")
+    data = env_data(ENV, 2, "eval", env_options=LONG)
     out = tmp_path / "long-eval"
     code = main(["eval", "--endpoint", url, "--model", MODEL_ID, "--data", str(data),
                  "--output-dir", str(out), "--num-gifs", "1", *NO_STOP])  # fmt: skip
@@ -258,7 +255,7 @@ def test_play_cut_short_by_the_server_writes_its_gif_with_the_reason(
 
 def test_eval_cut_short_by_the_server_writes_what_it_played(served, tmp_path, capsys, monkeypatch):
     url, *_ = served
-    data = write_rows(generate_rows(ENV, 2, "eval", env_options=LONG), tmp_path / "cut.parquet")
+    data = env_data(ENV, 2, "eval", env_options=LONG)
     _refuse_from_the_third_request(monkeypatch)
     out = tmp_path / "cut-eval"
     code = main(["eval", "--endpoint", url, "--model", MODEL_ID, "--data", str(data),

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from envs_for_tests import digits_rows
 from safetensors.torch import load_file
+from support.tiny import digits_data, digits_policy
 
 from clew.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -21,9 +21,7 @@ from clew.algorithms import (
 )
 from clew.config import load_config
 from clew.config.settings import rollout_settings
-from clew.data.rows import write_rows
 from clew.errors import ConfigError
-from clew.models import build_model
 from clew.trainer.launch import run_grpo
 
 STEPS, PROMPTS, SAMPLES = 2, 2, 4
@@ -65,16 +63,13 @@ def estimators() -> Iterator[None]:
 
 def _train(tmp_path: Path, estimator: str) -> tuple[dict, dict]:
     """Weights of the tiny model before and after a few GRPO steps with ``estimator``."""
-    model_dir = tmp_path / "tiny"
-    if not model_dir.exists():
-        build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28)
-        write_rows(digits_rows(STEPS * PROMPTS), tmp_path / "train.parquet")
+    model_dir = digits_policy()
     cfg = load_config(
         None,
         [
             f"trainer.algorithm.advantage_estimator={estimator}",
             "trainer.algorithm.norm_adv_by_std_in_grpo=false",
-            f"data.train_data=['{tmp_path / 'train.parquet'}']",
+            f"data.train_data=['{digits_data(STEPS * PROMPTS)}']",
             f"trainer.policy.model.path={model_dir}",
             f"trainer.log_path={tmp_path / 'runs'}",
             f"trainer.run_name={estimator}",

@@ -14,12 +14,11 @@ import pytest
 import torch
 from envs_for_tests import digits_rows
 from s3_server import s3_bucket, s3_endpoint  # noqa: F401
+from support.tiny import digits_data, digits_policy
 
 from clew.checkpoint.layout import POINTER_FILE
 from clew.config import load_config
-from clew.data.rows import write_rows
 from clew.errors import CheckpointError
-from clew.models import build_model
 from clew.trainer.launch import build_worker_group, run_grpo
 
 TESTS = Path(__file__).parents[1]
@@ -28,16 +27,18 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume")
-    build_model("tiny", root / "tiny", corpus=["0123456789 " * 20], image_size=28, overwrite=True)
-    write_rows(digits_rows(4 * STEPS), root / "train.parquet")
-    return root
+    """The module's folder for runs and checkpoints (the policy and rows: ``support.tiny``)."""
+    return tmp_path_factory.mktemp("resume")
+
+
+def _train_data() -> Path:
+    return digits_data(4 * STEPS)
 
 
 def _overrides(root: Path, run: str, ckpt: str, *extra: str) -> list[str]:
     return [
-        f"data.train_data=['{root / 'train.parquet'}']",
-        f"trainer.policy.model.path={root / 'tiny'}",
+        f"data.train_data=['{_train_data()}']",
+        f"trainer.policy.model.path={digits_policy()}",
         f"trainer.log_path={root / 'runs'}",
         f"trainer.run_name={run}",
         f"trainer.ckpt_path={ckpt}",
@@ -246,7 +247,7 @@ def test_exported_adapter_loads_with_peft_and_matches_the_trainer(setup):
     assert (policy_dir / "adapter_config.json").is_file()
     assert (policy_dir / "tokenizer.json").is_file()
     ids = torch.tensor([[5, 6, 7, 8, 9]])
-    base, _ = load_policy(setup / "tiny")
+    base, _ = load_policy(digits_policy())
     with torch.no_grad():
         plain = base(input_ids=ids).logits
         loaded = PeftModel.from_pretrained(base, str(policy_dir)).eval()(input_ids=ids).logits
@@ -269,7 +270,7 @@ def test_best_evaluation_is_exported_with_its_step_and_value(setup):
     cfg = _cfg(
         setup,
         "best",
-        f"data.val_data=['{setup / 'train.parquet'}']",
+        f"data.val_data=['{_train_data()}']",
         "trainer.eval_before_train=true",
         "trainer.eval_interval=1",
         "trainer.policy.optimizer_config.lr=0.05",
@@ -302,7 +303,7 @@ def test_export_best_off_writes_no_best_policy(setup):
     cfg = _cfg(
         setup,
         "nobest",
-        f"data.val_data=['{setup / 'train.parquet'}']",
+        f"data.val_data=['{_train_data()}']",
         "trainer.eval_interval=3",
         "trainer.export_best=false",
     )

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
+from clew.train import PolicyWorker, PPOSettings, WorkerSettings
 from clew.train.model_batch import Sample
 from clew.train.training_batch import TrainingBatch, share_sizes
-from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
 

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-from clew.data.rows import generate_rows, write_rows
-from clew.models import build_model
+from support.tiny import env_data, tiny_policy
 
 pytestmark = pytest.mark.ray  # about 45 s on 2 CPUs: in the default suite
 
@@ -148,9 +146,9 @@ def head() -> Iterator[Head]:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> Path:
+    """The job's working directory and the folder of its runs (the policy and rows:
+    ``support.tiny``)."""
     root = tmp_path_factory.mktemp("job")
-    build_model("tiny", root / "tiny", image_size=140, overwrite=True)
-    write_rows(generate_rows("maze_2d/tiny", 16, env_options=MAZE), root / "train.parquet")
     (root / "workdir").mkdir()
     (root / "workdir" / "README").write_text("the job's working directory\n")
     return root
@@ -158,8 +156,8 @@ def files(tmp_path_factory) -> Path:
 
 def _train_args(root: Path, run: str, *extra: str) -> list[str]:
     return [
-        f"data.train_data=['{root / 'train.parquet'}']",
-        f"trainer.policy.model.path={root / 'tiny'}",
+        f"data.train_data=['{env_data('maze_2d/tiny', 16, env_options=MAZE)}']",
+        f"trainer.policy.model.path={tiny_policy(image_size=140)}",
         f"trainer.log_path={root / 'runs'}",
         f"trainer.ckpt_path={root / 'ckpts' / run}",
         f"trainer.run_name={run}",

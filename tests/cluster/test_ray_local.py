@@ -10,7 +10,6 @@ machine's own ``/tmp/ray`` is neither read nor written.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
@@ -29,9 +28,9 @@ from clew.cluster.placement import connect_ray, worker_placement_group
 from clew.cluster.ray_group import RayWorkerGroup
 from clew.config import load_config
 from clew.data.rows import write_rows
+from clew.envs import base as env_base
 from clew.envs import register
 from clew.errors import ClewError, EnvError
-from clew.models import build_model
 from clew.train.settings import WorkerSettings
 from clew.trainer.launch import run_grpo
 
@@ -69,17 +68,16 @@ def embedded() -> Iterator[dict]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    return build_model("tiny", out, corpus=["0123456789 " * 20], image_size=28).path
-
-
-@pytest.fixture(scope="module")
-def group(embedded, tiny) -> Iterator[RayWorkerGroup]:
+def group(embedded, digits_model_dir) -> Iterator[RayWorkerGroup]:
     """Two full-weight workers named ``clew-fixture-worker-<rank>``, holding no CPU of the
     instance (the runs below take both)."""
     g = RayWorkerGroup(
-        tiny, WorkerSettings(), 2, num_cpus_per_worker=0, name="clew-fixture", strategy="ddp"
+        digits_model_dir,
+        WorkerSettings(),
+        2,
+        num_cpus_per_worker=0,
+        name="clew-fixture",
+        strategy="ddp",
     )
     yield g
     g.shutdown()
@@ -157,13 +155,17 @@ def test_workers_a_busy_instance_cannot_place_wait_skyrls_timeout_when_the_key_i
         remove_placement_group(hold)
 
 
-def test_worker_actors_are_named_by_run_and_rank_and_a_name_in_use_is_refused(group, tiny):
+def test_worker_actors_are_named_by_run_and_rank_and_a_name_in_use_is_refused(
+    group, digits_model_dir
+):
     ray = pytest.importorskip("ray")
     for rank in range(2):
         actor = ray.get_actor(f"clew-fixture-worker-{rank}")
         assert ray.get(actor.ready.remote()) == rank
     with pytest.raises(ClewError, match=r"'clew-fixture-worker-0'.*another live run.*run_name"):
-        RayWorkerGroup(tiny, WorkerSettings(), 2, num_cpus_per_worker=0, name="clew-fixture")
+        RayWorkerGroup(
+            digits_model_dir, WorkerSettings(), 2, num_cpus_per_worker=0, name="clew-fixture"
+        )
     assert ray.get(ray.get_actor("clew-fixture-worker-0").ready.remote()) == 0  # untouched
 
 
@@ -177,11 +179,12 @@ def test_workers_draw_no_progress_bars_in_their_logs(embedded, group, tmp_path):
 
 
 def test_an_env_id_known_only_to_the_driver_stops_the_run_before_its_first_step(
-    embedded, tiny, tmp_path, monkeypatch
+    embedded, digits_model_dir, tmp_path, monkeypatch
 ):
-    # Registered in this process only, as a script's own register() call does.
-    with contextlib.suppress(ValueError):  # already, by an earlier run of this test
-        register("driver_only/digits", DigitsEnv, accepted_options=set())
+    # Registered in this process only, as a script's own register() call does (in a copy of
+    # the registry: the later tests of this process see the registry they had).
+    monkeypatch.setattr(env_base, "_REGISTRY", dict(env_base._REGISTRY))
+    register("driver_only/digits", DigitsEnv, accepted_options=set())
     named: list[list[str]] = []
     check = getattr(RayWorkerGroup, "check_envs", None)
 
@@ -191,7 +194,7 @@ def test_an_env_id_known_only_to_the_driver_stops_the_run_before_its_first_step(
 
     monkeypatch.setattr(RayWorkerGroup, "check_envs", recording, raising=False)
     rows = [dataclasses.replace(r, env_id="driver_only/digits") for r in digits_rows(4)]
-    cfg = load_config(None, _config(tmp_path, tiny, rows))
+    cfg = load_config(None, _config(tmp_path, digits_model_dir, rows))
     with pytest.raises(EnvError) as err:
         run_grpo(cfg)
     message = str(err.value)
@@ -226,12 +229,16 @@ register("broken/simulator", SimulatorDown, accepted_options=set())
 
 
 def test_a_step_whose_every_episode_failed_with_an_env_error_stops_non_zero(
-    embedded, tiny, tmp_path, monkeypatch, capsys
+    embedded, digits_model_dir, tmp_path, monkeypatch, capsys, request
 ):
     (tmp_path / "broken_envs.py").write_text(BROKEN_ENVS)
     monkeypatch.chdir(tmp_path)  # the workers import it from here (environment.modules)
+    # The driver imports it too: into a copy of the registry, so that the later tests of this
+    # process never meet the broken env (``text_corpus`` steps every registered env).
+    monkeypatch.setattr(env_base, "_REGISTRY", dict(env_base._REGISTRY))
+    request.addfinalizer(lambda: sys.modules.pop("broken_envs", None))
     rows = [dataclasses.replace(r, env_id="broken/simulator") for r in digits_rows(4)]
-    args = _config(tmp_path, tiny, rows, "environment.modules=[broken_envs]")
+    args = _config(tmp_path, digits_model_dir, rows, "environment.modules=[broken_envs]")
     code = main(["train", *args])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -241,12 +248,12 @@ def test_a_step_whose_every_episode_failed_with_an_env_error_stops_non_zero(
 
 
 def test_clew_train_with_an_env_id_registered_nowhere_exits_non_zero_naming_it(
-    embedded, tiny, tmp_path
+    embedded, digits_model_dir, tmp_path
 ):
     rows = [dataclasses.replace(r, env_id="nowhere/maze") for r in digits_rows(2)]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run(
-        [sys.executable, "-m", "clew", "train", *_config(tmp_path, tiny, rows)],
+        [sys.executable, "-m", "clew", "train", *_config(tmp_path, digits_model_dir, rows)],
         env={**env, "HF_HUB_OFFLINE": "1"},
         capture_output=True,
         text=True,

@@ -5,7 +5,6 @@ going on from its checkpoint on a new worker group."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import re
@@ -14,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from envs_for_tests import digits_rows
+from envs_for_tests import digits_rows, ray_runtime_env
+from support.tiny import digits_data
 
 from clew.config import load_config
 from clew.data.rows import generate_rows, write_rows
 from clew.errors import ClewError, ConfigError
 from clew.inference.sampling import SamplingParams
 from clew.metrics import read_history
-from clew.models import build_model
 from clew.rollout.loop import RolloutSettings
 from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.training_batch import TrainingBatch
@@ -34,43 +33,24 @@ LORA = WorkerSettings(lora_rank=4, lr=1e-3)
 ROLLOUTS = RolloutSettings(2, 1, 256, SamplingParams(max_tokens=4))
 
 
-def import_test_envs() -> None:
-    """Ray workers' setup: register the test envs there too, as this module's import did."""
-    importlib.import_module("envs_for_tests")
-
-
 @pytest.fixture(scope="module")
 def ray_local():
     """One Ray instance on loopback for the module; its workers know the test envs."""
     ray = pytest.importorskip("ray")
     from clew.cluster.placement import start_local_ray
 
-    tests = str(Path(__file__).parents[1])
-    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
-    runtime_env = {
-        "env_vars": {"PYTHONPATH": path},
-        "worker_process_setup_hook": f"{__name__}.import_test_envs",
-    }
     # A Ray of the module's own on loopback, whatever cluster the machine has or had.
-    start_local_ray(2, log_to_driver=False, runtime_env=runtime_env)
+    start_local_ray(2, log_to_driver=False, runtime_env=ray_runtime_env())
     yield ray
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    return build_model("tiny", out, corpus=["0123456789 " * 20], image_size=28).path
-
-
 def _config(tmp_path: Path, model: Path, *overrides: str):
-    write_rows(digits_rows(8), tmp_path / "train.parquet")
-    write_rows(digits_rows(3, "eval"), tmp_path / "eval.parquet")
     return load_config(
         None,
         [
-            f"data.train_data=['{tmp_path / 'train.parquet'}']",
-            f"data.val_data=['{tmp_path / 'eval.parquet'}']",
+            f"data.train_data=['{digits_data(8)}']",
+            f"data.val_data=['{digits_data(3, 'eval')}']",
             f"trainer.policy.model.path={model}",
             f"trainer.log_path={tmp_path / 'runs'}",
             "trainer.run_name=dp",
@@ -96,9 +76,9 @@ def _config(tmp_path: Path, model: Path, *overrides: str):
 
 
 def test_grpo_on_two_cpu_workers_trains_evaluates_checkpoints_and_exports(
-    ray_local, tiny, tmp_path
+    ray_local, digits_model_dir, tmp_path
 ):
-    run_grpo(_config(tmp_path, tiny, "trainer.placement.num_cpu_workers=2"))
+    run_grpo(_config(tmp_path, digits_model_dir, "trainer.placement.num_cpu_workers=2"))
     run = tmp_path / "runs" / "dp"
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     trained = [h for h in history if "policy/optimizer_steps" in h]
@@ -113,11 +93,11 @@ def test_grpo_on_two_cpu_workers_trains_evaluates_checkpoints_and_exports(
 
 
 def test_gpu_workers_asked_for_on_a_machine_without_them_are_refused_before_any_work(
-    tiny, tmp_path, monkeypatch
+    digits_model_dir, tmp_path, monkeypatch
 ):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg = _config(tmp_path, tiny, "trainer.placement.policy_num_gpus_per_node=2")
+    cfg = _config(tmp_path, digits_model_dir, "trainer.placement.policy_num_gpus_per_node=2")
     with pytest.raises(ConfigError) as err:
         run_grpo(cfg)
     message = str(err.value)
@@ -163,13 +143,13 @@ def _exported(run: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_killed_worker_is_replaced_and_the_run_ends_as_an_undisturbed_one(
-    ray_local, tiny, tmp_path, monkeypatch, capsys
+    ray_local, digits_model_dir, tmp_path, monkeypatch, capsys
 ):
     steps = ("trainer.max_steps=4", "trainer.ckpt_interval=1", "trainer.eval_interval=4")
     workers = "trainer.placement.num_cpu_workers=2"
-    run_grpo(_config(tmp_path, tiny, workers, *steps, "trainer.run_name=calm"))
+    run_grpo(_config(tmp_path, digits_model_dir, workers, *steps, "trainer.run_name=calm"))
     _kill_a_worker_after(2, monkeypatch)
-    run_grpo(_config(tmp_path, tiny, workers, *steps, "trainer.run_name=killed"))
+    run_grpo(_config(tmp_path, digits_model_dir, workers, *steps, "trainer.run_name=killed"))
     out = capsys.readouterr().out
     assert "died" in out and "restart 1 of 3" in out and "global step 2" in out
     calm, killed = _history(tmp_path / "runs" / "calm"), _history(tmp_path / "runs" / "killed")
@@ -185,10 +165,12 @@ def test_a_killed_worker_is_replaced_and_the_run_ends_as_an_undisturbed_one(
 
 
 def test_a_run_out_of_restarts_fails_naming_them_and_the_cause(
-    ray_local, tiny, tmp_path, monkeypatch
+    ray_local, digits_model_dir, tmp_path, monkeypatch
 ):
     _kill_a_worker_after(1, monkeypatch)
-    cfg = _config(tmp_path, tiny, "trainer.placement.num_cpu_workers=2", "trainer.max_restarts=0")
+    cfg = _config(
+        tmp_path, digits_model_dir, "trainer.placement.num_cpu_workers=2", "trainer.max_restarts=0"
+    )
     with pytest.raises(ClewError, match=r"after 0 restart\(s\).*max_restarts=0.*died"):
         run_grpo(cfg)
 
@@ -208,7 +190,7 @@ def test_a_worker_that_cannot_load_the_policy_fails_the_run_naming_it_and_the_ca
 
 
 def test_envs_of_a_module_named_in_the_config_reach_the_ray_workers(
-    ray_local, tiny, tmp_path, monkeypatch
+    ray_local, digits_model_dir, tmp_path, monkeypatch
 ):
     (tmp_path / "plugin_envs.py").write_text(
         "from envs_for_tests import DigitsEnv\n"
@@ -222,7 +204,7 @@ def test_envs_of_a_module_named_in_the_config_reach_the_ray_workers(
     write_rows(rows, tmp_path / "plugin.parquet")
     cfg = _config(
         tmp_path,
-        tiny,
+        digits_model_dir,
         "trainer.placement.num_cpu_workers=2",
         f"data.train_data=['{tmp_path / 'plugin.parquet'}']",
         "data.val_data=[]",
@@ -244,12 +226,12 @@ def test_envs_of_a_module_named_in_the_config_reach_the_ray_workers(
 
 @pytest.mark.timeout(300)
 def test_a_sharded_policy_evaluates_fewer_rows_than_workers_without_hanging(
-    ray_local, tiny, tmp_path
+    ray_local, digits_model_dir, tmp_path
 ):
     write_rows(digits_rows(1, "eval"), tmp_path / "one.parquet")
     cfg = _config(
         tmp_path,
-        tiny,
+        digits_model_dir,
         "trainer.placement.num_cpu_workers=2",
         "trainer.policy.model.lora.rank=0",
         "trainer.strategy=fsdp",
@@ -262,7 +244,9 @@ def test_a_sharded_policy_evaluates_fewer_rows_than_workers_without_hanging(
     assert any("eval/all/pass_at_1" in h for h in history)
 
 
-def test_sft_on_two_cpu_workers_takes_the_steps_of_one_worker(ray_local, tiny, tmp_path):
+def test_sft_on_two_cpu_workers_takes_the_steps_of_one_worker(
+    ray_local, digits_model_dir, tmp_path
+):
     write_rows(generate_rows("test/line", 6), tmp_path / "line.parquet")
     write_rows(generate_rows("test/line", 2, "eval"), tmp_path / "line-eval.parquet")
 
@@ -270,7 +254,7 @@ def test_sft_on_two_cpu_workers_takes_the_steps_of_one_worker(ray_local, tiny, t
         cfg = load_config(
             None,
             [
-                f"sft.model_path={tiny}",
+                f"sft.model_path={digits_model_dir}",
                 f"data.train_data=['{tmp_path / 'line.parquet'}']",
                 f"data.val_data=['{tmp_path / 'line-eval.parquet'}']",
                 f"trainer.log_path={tmp_path / f'runs{workers}'}",
@@ -309,10 +293,10 @@ def test_sft_on_two_cpu_workers_takes_the_steps_of_one_worker(ray_local, tiny, t
 
 
 @pytest.fixture(scope="module")
-def group(ray_local, tiny):
+def group(ray_local, digits_model_dir):
     from clew.cluster.ray_group import RayWorkerGroup
 
-    g = RayWorkerGroup(tiny, LORA, num_workers=2)
+    g = RayWorkerGroup(digits_model_dir, LORA, num_workers=2)
     yield g
     g.shutdown()
 
@@ -347,17 +331,22 @@ def test_an_error_in_a_workers_code_is_not_taken_for_a_lost_worker(group):
 
 
 def test_workers_the_busy_cluster_cannot_place_fail_after_the_timeout_saying_what_is_free(
-    group, tiny, tmp_path
+    group, digits_model_dir, tmp_path
 ):
     cfg = _config(
-        tmp_path, tiny, "trainer.placement.num_cpu_workers=2", "trainer.placement.timeout_s=2"
+        tmp_path,
+        digits_model_dir,
+        "trainer.placement.num_cpu_workers=2",
+        "trainer.placement.timeout_s=2",
     )
     with pytest.raises(ClewError, match=r"could not place 2 CPU workers.*timeout_s = 2 s.*0 free"):
         run_grpo(cfg)
 
 
-def test_more_cpu_workers_than_the_cluster_has_are_refused_at_once(group, tiny, tmp_path):
+def test_more_cpu_workers_than_the_cluster_has_are_refused_at_once(
+    group, digits_model_dir, tmp_path
+):
     three = ("trainer.train_batch_size=3", "trainer.policy_mini_batch_size=3")
-    cfg = _config(tmp_path, tiny, "trainer.placement.num_cpu_workers=3", *three)
+    cfg = _config(tmp_path, digits_model_dir, "trainer.placement.num_cpu_workers=3", *three)
     with pytest.raises(ConfigError, match=r"num_cpu_workers = 3 CPU workers asked.*has 2 CPUs"):
         run_grpo(cfg)

@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import json
 
+from support.tiny import env_data, tiny_policy
+
 from clew.cli import main
-from clew.data.rows import generate_rows, write_rows
+from clew.envs.base import text_corpus
 
 
-def _tiny_policy_and_mazes(tmp_path):
-    model = tmp_path / "model"
-    code = main(
-        [
-            "init-model", "--preset", "tiny", "--arch", "qwen3_vl", "--image-size", "70",
-            "--patch-size", "14", "--merge-size", "1", "--output", str(model),
-        ]
-    )  # fmt: skip
-    assert code == 0
-    opts = {"cell_px": 14, "action_format": "keyword", "max_turns": 3}
-    data = write_rows(
-        generate_rows("maze_2d/small", 2, "eval", env_options=opts), tmp_path / "e.parquet"
+def _tiny_policy_and_mazes():
+    """What `clew init-model --preset tiny --arch qwen3_vl --image-size 70 --patch-size 14
+    --merge-size 1` builds (the envs' text corpus), and two small mazes: shared, read only."""
+    model = tiny_policy(
+        corpus=text_corpus(), arch="qwen3_vl", image_size=70, patch_size=14, merge_size=1
     )
-    return model, data
+    opts = {"cell_px": 14, "action_format": "keyword", "max_turns": 3}
+    return model, env_data("maze_2d/small", 2, "eval", env_options=opts)
 
 
 def test_eval_writes_the_reply_prefix_and_suffix_around_each_sampled_reply(tmp_path, capsys):
-    model, data = _tiny_policy_and_mazes(tmp_path)
+    model, data = _tiny_policy_and_mazes()
     out = tmp_path / "eval"
     args = ["eval", "--model", str(model), "--data", str(data), "--output-dir", str(out)]
     forced = ["--reply-prefix", "<action>", "--reply-suffix", "</action>"]
@@ -46,7 +42,7 @@ def test_eval_writes_the_reply_prefix_and_suffix_around_each_sampled_reply(tmp_p
 
 
 def test_eval_samples_each_maze_n_times_and_reports_pass_at_n(tmp_path, capsys):
-    model, data = _tiny_policy_and_mazes(tmp_path)
+    model, data = _tiny_policy_and_mazes()
     out = tmp_path / "eval"
     code = main(["eval", "--model", str(model), "--data", str(data), "--output-dir", str(out),
                  "--max-generate-length", "4", "--num-gifs", "0", "--device", "cpu",
@@ -56,12 +52,18 @@ def test_eval_samples_each_maze_n_times_and_reports_pass_at_n(tmp_path, capsys):
     trajs = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
     assert metrics["eval/all/episodes"] == 6.0 and len(trajs) == 6
     assert sorted(t["sample_index"] for t in trajs) == [0, 0, 1, 1, 2, 2]
-    assert metrics["eval/all/pass_at_1"] >= 0.0 and "eval/all/pass_at_3" in metrics
+    # pass@1: the share of the 6 episodes solved; pass@3: of the 2 mazes, with a solved sample.
+    assert metrics["eval/all/pass_at_1"] == sum(t["success"] for t in trajs) / 6
+    solved = {
+        seed: any(t["success"] for t in trajs if t["seed"] == seed)
+        for seed in {t["seed"] for t in trajs}
+    }
+    assert len(solved) == 2 and metrics["eval/all/pass_at_3"] == sum(solved.values()) / 2
     assert metrics["eval/all/pass_at_3"] >= metrics["eval/all/pass_at_1"]
 
 
-def test_eval_refuses_several_greedy_samples_with_the_rule(tmp_path, capsys):
-    model, data = _tiny_policy_and_mazes(tmp_path)
+def test_eval_refuses_several_greedy_samples_with_the_rule(capsys):
+    model, data = _tiny_policy_and_mazes()
     code = main(["eval", "--model", str(model), "--data", str(data),
                  "--n-samples-per-prompt", "4"])  # fmt: skip
     assert code != 0
@@ -69,7 +71,7 @@ def test_eval_refuses_several_greedy_samples_with_the_rule(tmp_path, capsys):
 
 
 def test_eval_with_allowed_tokens_plays_only_those_words(tmp_path, capsys):
-    model, data = _tiny_policy_and_mazes(tmp_path)
+    model, data = _tiny_policy_and_mazes()
     out = tmp_path / "eval"
     code = main(["eval", "--model", str(model), "--data", str(data), "--output-dir", str(out),
                  "--reply-prefix", "<action>", "--reply-suffix", "</action>",
@@ -83,8 +85,8 @@ def test_eval_with_allowed_tokens_plays_only_those_words(tmp_path, capsys):
     assert metrics["eval/all/parse_error_rate"] == 0.0
 
 
-def test_eval_refuses_an_allowed_token_that_is_not_one_token(tmp_path, capsys):
-    model, data = _tiny_policy_and_mazes(tmp_path)
+def test_eval_refuses_an_allowed_token_that_is_not_one_token(capsys):
+    model, data = _tiny_policy_and_mazes()
     code = main(["eval", "--model", str(model), "--data", str(data), "--device", "cpu",
                  "--allowed-tokens", "up,go north"])  # fmt: skip
     assert code != 0
@@ -92,7 +94,7 @@ def test_eval_refuses_an_allowed_token_that_is_not_one_token(tmp_path, capsys):
 
 
 def test_eval_with_enforce_eager_plays_what_the_default_plays(tmp_path, capsys):
-    model, data = _tiny_policy_and_mazes(tmp_path)
+    model, data = _tiny_policy_and_mazes()
     runs = []
     for extra in ([], ["--enforce-eager"]):
         out = tmp_path / f"eval{len(runs)}"

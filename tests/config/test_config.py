@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 import warnings
 from pathlib import Path
@@ -21,7 +22,7 @@ from clew.config import (
     validate,
 )
 from clew.config.ignored import reset_ignored_warnings
-from clew.config.keys import KEY_ALIASES, key_table
+from clew.config.keys import KEY_ALIASES, RETIRED_KEYS, RETIRED_VALUES, key_table
 from clew.errors import ConfigError
 
 # The seed's SkyRL train_job.sh arguments, as the shell hands them over (outer quotes removed,
@@ -195,6 +196,50 @@ def test_unknown_key_in_yaml_file_suggests_the_nearest_key(tmp_path: Path) -> No
     path.write_text("trainer:\n  polcy:\n    model:\n      path: x\n")
     with pytest.raises(ConfigError, match=r"did you mean 'trainer\.policy\.model\.path'"):
         load_config(path)
+
+
+def test_a_removed_key_says_it_was_removed_and_what_clew_does_now(tmp_path: Path) -> None:
+    md = schema_markdown()
+    asked_for = {  # a value asking for what the key did and clew no longer does
+        "generator.inference_engine.kv_cache": "dynamic",
+        "generator.inference_engine.merged_projections": "true",
+        "generator.inference_engine.packed_prefill": "false",
+        "generator.inference_engine.dedup_images": "false",
+    }
+    assert set(asked_for) == set(RETIRED_KEYS)
+    for key, (kept, why) in RETIRED_KEYS.items():
+        assert key not in key_table() and f"| `{key}` |" in md
+        with pytest.raises(
+            ConfigError, match=re.escape(f"{key}' was removed from clew; what clew does now: {why}")
+        ):
+            load_config(None, [f"{key}={asked_for[key]}"])
+        # Set to what clew does now, it is read with a warning that says the same.
+        with pytest.warns(IgnoredKeyWarning, match=re.escape(f"{key}' was removed")):
+            load_config(None, [f"{key}={str(kept).lower()}"])
+    # An old YAML asking for removed behaviour: all named in one error.
+    path = tmp_path / "old.yaml"
+    path.write_text(
+        "generator:\n  inference_engine:\n    kv_cache: dynamic\n    dedup_images: false\n"
+    )
+    with pytest.raises(ConfigError, match=r"old\.yaml.*removed.*kv_cache.*dedup_images"):
+        load_config(path)
+    # An old run's saved config holds each at its old default: it loads, with a warning each.
+    path.write_text(
+        "generator:\n  inference_engine:\n    kv_cache: static\n    packed_prefill: true\n"
+        "    dedup_images: true\n    merged_projections: false\n    enforce_eager: true\n"
+    )
+    with pytest.warns(IgnoredKeyWarning) as seen:
+        cfg = load_config(path)
+    assert cfg.generator.inference_engine.enforce_eager is True
+    assert len({str(w.message) for w in seen if "was removed from clew" in str(w.message)}) == 4
+    # A removed value names what to set instead.
+    for key, values in RETIRED_VALUES.items():
+        for value, why in values.items():
+            assert f"| `{key}: {value}` |" in md
+            with pytest.raises(
+                ConfigError, match=re.escape(f"{key}='{value}' was removed from clew: {why}")
+            ):
+                load_config(None, [f"{key}={value}"])
 
 
 def test_wrong_type_errors_naming_key_value_and_type() -> None:

@@ -9,16 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from envs_for_tests import digits_rows
+from support.tiny import digits_data
 
 from clew.algorithms import KL_ESTIMATORS, POLICY_LOSSES
 from clew.config import load_config
 from clew.config.settings import ppo_settings
-from clew.data.rows import write_rows
 from clew.envs import plugins
 from clew.errors import ConfigError, EnvError
 from clew.metrics.loggers import LOGGERS
-from clew.models import build_model
 from clew.trainer.launch import run_grpo
 
 MODULE = "clew_test_plugin"
@@ -105,17 +103,14 @@ def test_a_module_that_does_not_import_is_named(tmp_path, monkeypatch):
     sys.modules.pop("broken_plugin", None)
 
 
-def test_the_registered_loss_kl_and_logger_run_in_training(plugin_dir):
-    model_dir = plugin_dir / "tiny"
-    build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28)
-    write_rows(digits_rows(2), plugin_dir / "train.parquet")
+def test_the_registered_loss_kl_and_logger_run_in_training(plugin_dir, digits_model_dir):
     cfg = load_config(
         None,
         [
             *NAMES,
             "trainer.algorithm.use_kl_loss=true",
-            f"data.train_data=['{plugin_dir / 'train.parquet'}']",
-            f"trainer.policy.model.path={model_dir}",
+            f"data.train_data=['{digits_data(2)}']",
+            f"trainer.policy.model.path={digits_model_dir}",
             f"trainer.log_path={plugin_dir / 'runs'}",
             "trainer.eval_before_train=false",
             "trainer.ckpt_interval=-1",

@@ -8,12 +8,12 @@ import json
 
 import pytest
 from envs_for_tests import LineEnv, LineExpert
+from support.tiny import tiny_policy
 
 from clew.config import load_config
 from clew.data.rows import generate_rows, read_rows, write_rows
 from clew.envs import expert_for
 from clew.metrics import read_history
-from clew.models import build_model
 from clew.trainer.launch import run_grpo, run_sft_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -30,9 +30,8 @@ def test_a_registered_env_with_its_expert_trains_with_sft_and_grpo(tmp_path):
     write_rows(evals, tmp_path / "eval.parquet")
     assert read_rows(tmp_path / "train.parquet") == train
 
-    model_dir = tmp_path / "tiny"
     corpus = "Reach cell 3: answer right or left. at cell 0 1 2 3 4 unreadable "
-    build_model("tiny", model_dir, corpus=[corpus * 20], image_size=28, overwrite=True)
+    model_dir = tiny_policy(corpus=[corpus * 20], image_size=28)
     common = [
         f"data.train_data=['{tmp_path / 'train.parquet'}']",
         f"data.val_data=['{tmp_path / 'eval.parquet'}']",

@@ -19,7 +19,9 @@ from clew.envs.maze.replies import read_reply, skyrl_extract_action, visgym_pars
 from clew.envs.prompt_format import resolve_format
 from clew.errors import ConfigError, EnvError
 
-RECORD = json.loads((Path(__file__).parents[1] / "recorded" / "visgym_conversations.json").read_text())
+RECORD = json.loads(
+    (Path(__file__).parents[1] / "recorded" / "visgym_conversations.json").read_text()
+)
 EPISODES = RECORD["episodes"]
 
 

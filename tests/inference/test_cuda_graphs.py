@@ -1,5 +1,5 @@
 """Decode steps over fixed shapes (``clew.inference.cuda_graphs``): the padded rows and the
-rounded-up widths sample what the plain static cache samples; on CUDA, from captured graphs."""
+rounded-up widths sample what the plain steps sample; on CUDA, from captured graphs."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 from rollout_support import assert_same_samples, ending_at_different_turns
+from support.engine_cases import assert_same_until_they_part, cuda_policy
 
 from clew.data.rows import generate_rows
 from clew.errors import ConfigError
@@ -92,36 +93,7 @@ def test_padded_fixed_shape_steps_sample_what_the_plain_steps_sample(
     assert_same_samples(fixed, plain, tol=1e-5)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
-def test_flex_steps_read_each_row_s_own_blocks_and_sample_what_the_plain_steps_sample(
-    policy, temperature, monkeypatch
-):
-    model, chat, rows = policy
-    monkeypatch.setattr(cuda_graphs, "FLEX_BLOCK", 16)  # rows of different block counts
-    reads: list[tuple[list[int], list[int]]] = []
-    step = DecodeGraphs.step
-
-    def recording(graphs, ids, pos, active, active_host, forward):
-        logits = step(graphs, ids, pos, active, active_host, forward)
-        s = graphs._steps[(*graphs.last_shape, graphs.last_mode)]
-        # The block mask reads the step's own block counts, updated in place.
-        assert s.mask.kv_num_blocks.data_ptr() == s.blocks.data_ptr()
-        reads.append((s.blocks.flatten().tolist(), list(graphs.cache.fill[: ids.shape[0]])))
-        return logits
-
-    monkeypatch.setattr(DecodeGraphs, "step", recording)
-    flex = _play(
-        model, chat, rows, temperature, graphs=True, device_kw={"decode_attention": "flex"}
-    )
-    plain = _play(model, chat, rows, temperature, graphs=False)
-    assert reads and all(
-        blocks[: len(fills)] == [-(-f // 16) for f in fills] for blocks, fills in reads
-    )
-    assert any(len(set(blocks)) > 1 for blocks, _ in reads)  # rows read different widths
-    assert_same_samples(flex, plain, tol=1e-5)
-
-
-@pytest.mark.parametrize("attention", ["varlen", "flash", "triton"])
+@pytest.mark.parametrize("attention", ["varlen", "triton"])
 @pytest.mark.parametrize("keep_last", [None, 1], ids=["all-images", "last-image"])
 def test_steps_by_length_read_each_row_s_length_and_sample_what_the_plain_steps_sample(
     policy, keep_last, attention, monkeypatch
@@ -156,7 +128,7 @@ def test_steps_by_length_read_each_row_s_length_and_sample_what_the_plain_steps_
 
 def test_an_unknown_decode_attention_is_refused_with_the_choices(policy):
     model, chat, _ = policy
-    with pytest.raises(ConfigError, match="decode_attention='paged'.*sdpa, flex, varlen, flash"):
+    with pytest.raises(ConfigError, match="decode_attention='paged'.*auto, sdpa, varlen, triton"):
         InferenceEngine(model, chat, decode_attention="paged")
 
 
@@ -203,10 +175,8 @@ def test_the_next_step_is_launched_before_the_host_records_the_replies(
     assert "L" in order
 
 
-def test_a_batch_with_adapters_or_the_dynamic_cache_takes_the_eager_steps(policy):
+def test_a_batch_takes_the_fixed_shape_steps_only_where_the_engine_asks_for_them(policy):
     model, chat, rows = policy
-    engine = InferenceEngine(model, chat, cuda_graphs=True, kv_cache="dynamic")
-    assert engine.open_batch(2).graphs is None
     assert InferenceEngine(model, chat, cuda_graphs=True).open_batch(2).graphs is not None
     assert InferenceEngine(model, chat).open_batch(2).graphs is None
 
@@ -221,28 +191,16 @@ def test_under_bf16_autocast_the_fixed_shape_steps_run_and_sample_what_the_plain
     kw = {"decode_attention": "varlen", "autocast": True}
     fixed = _play(model, chat, rows, 0.0, graphs=True, device_kw=kw)
     plain = _play(model, chat, rows, 0.0, graphs=False, device_kw={"autocast": True})
-    _assert_same_until_they_part(fixed, plain, tol=5e-2)  # bf16: another summation order
-
-
-def cuda_policy(path):
-    """The tiny Qwen3-VL policy in bfloat16 on the GPU, its chat format and 3 maze rows."""
-    build_model("tiny", path, arch="qwen3_vl", image_size=224, overwrite=True)
-    model, processor = load_policy(path, dtype="bfloat16", device=torch.device("cuda"))
-    rows = generate_rows(
-        "maze_2d/small", 3, env_options={"cell_px": 32, "action_format": "keyword"}
-    )
-    return model.eval(), ChatFormat(processor), rows
+    assert_same_until_they_part(fixed, plain, tol=5e-2)  # bf16: another summation order
 
 
 @pytest.mark.gpu
 def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
-    model, chat, rows = cuda_policy(tmp_path)
+    model, chat, rows = cuda_policy()
     graphed, captures = _play_counting_captures(model, chat, rows, {"decode_attention": "sdpa"})
     eager = _play(model, chat, rows, 0.0, graphs=False)
     assert captures >= 2  # several buckets were captured and replayed
     assert_same_samples(graphed, eager, tol=2e-2)  # bf16: summation order differs with the width
-    flex = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "flex"})
-    assert_same_samples(flex, eager, tol=2e-2)
     # The variable-length kernel, with and without hidden images.
     for keep in (None, 1):
         varlen = _play(
@@ -251,13 +209,11 @@ def test_captured_graphs_sample_what_the_eager_steps_sample(tmp_path):
         )  # fmt: skip
         reference = eager if keep is None else _play(model, chat, rows, 0.0, False, None, keep)
         assert_same_samples(varlen, reference, tol=2e-2)
-    # FlashAttention's decoding path rounds the attention weights to bf16: greedy replies may
-    # part from the eager ones at a near tie, but not before, and not at the first token.
-    flash = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "flash"})
-    _assert_same_until_they_part(flash, eager, tol=5e-2)
-    # clew's split-KV kernel: float32 softmax over bf16 products, another summation order.
+    # clew's split-KV kernel: float32 softmax over bf16 products, another summation order:
+    # greedy replies may part from the eager ones at a near tie, but not before, and not at
+    # the first token.
     triton = _play(model, chat, rows, 0.0, graphs=True, device_kw={"decode_attention": "triton"})
-    _assert_same_until_they_part(triton, eager, tol=5e-2)
+    assert_same_until_they_part(triton, eager, tol=5e-2)
 
 
 @pytest.mark.gpu
@@ -267,7 +223,7 @@ def test_graphs_captured_under_autocast_over_a_float32_adapter_sample_what_eager
 ):
     from clew.train.lora import apply_lora
 
-    model, chat, rows = cuda_policy(tmp_path)
+    model, chat, rows = cuda_policy()
     model = apply_lora(model, rank=8)
     for name, p in model.named_parameters():
         if "lora_B" in name:  # a non-zero update, so the adapters count
@@ -277,7 +233,7 @@ def test_graphs_captured_under_autocast_over_a_float32_adapter_sample_what_eager
     graphed, captures = _play_counting_captures(model, chat, rows, kw)
     eager = _play(model, chat, rows, 0.0, graphs=False, device_kw={"autocast": True})
     assert captures >= 2
-    _assert_same_until_they_part(graphed, eager, tol=5e-2)
+    assert_same_until_they_part(graphed, eager, tol=5e-2)
 
 
 def _play_counting_captures(model, chat, rows, device_kw):
@@ -295,17 +251,6 @@ def _play_counting_captures(model, chat, rows, device_kw):
         return _play(model, chat, rows, 0.0, graphs=True, device_kw=device_kw), max(captured)
     finally:
         DecodeGraphs.step = step
-
-
-def _assert_same_until_they_part(a, b, tol: float) -> None:
-    for x, y in zip(a, b, strict=True):
-        pairs = list(zip(x.token_ids, y.token_ids, strict=False))
-        part = next((i for i, (p, q) in enumerate(pairs) if p != q), len(pairs))
-        first = x.loss_mask.index(1)  # the first generated token
-        assert part > first, "the replies differ from their first token"
-        lp = zip(x.logprobs[:part], y.logprobs[:part], strict=True)
-        worst = max(abs(p - q) for p, q in lp)
-        assert worst < tol, f"largest logprob difference before they part {worst:.2e}"
 
 
 def test_an_opened_policy_replays_graphs_only_on_cuda(tmp_path):

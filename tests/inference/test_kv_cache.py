@@ -1,5 +1,6 @@
-"""The static KV cache against the dynamic one on tiny Qwen2-VL and Qwen3-VL policies: the
-same tokens and logprobs, buffers written in place, and a budget counted by real lengths."""
+"""The engine's in-place KV cache (``SlotCache``) on tiny Qwen2-VL and Qwen3-VL policies: the
+logprobs of the trainer's whole-sequence forward, buffers written in place, and a budget
+counted by real lengths."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from clew.models import build_model, load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.episode_stats import rollout_metrics
 from clew.rollout.loop import RolloutSettings, play
+from clew.train import PolicyWorker
 from clew.train.lora import apply_lora, merged_for_rollouts
 
 IMAGE_SIZE = {"qwen2_vl": 196, "qwen3_vl": 224}  # 7 x 7 cells, one token each
@@ -58,24 +60,36 @@ def _settings(temperature: float = 1.0, **kw) -> RolloutSettings:
     )
 
 
-def _both(model, chat, rows, settings, seed=3, **engine_kw):
-    out = []
-    for kv_cache in ("static", "dynamic"):
-        engine = InferenceEngine(model, chat, kv_cache=kv_cache, **engine_kw)
-        out.append(play(engine, rows, settings, seed=seed, env_factory=ending_at_different_turns()))
-    return out
+def _play(model, chat, rows, settings, seed=3, **engine_kw):
+    engine = InferenceEngine(model, chat, **engine_kw)
+    return play(engine, rows, settings, seed=seed, env_factory=ending_at_different_turns())
+
+
+def assert_trainer_logprobs(model, chat, trajs, tol: float = 1e-4) -> None:
+    """The sampled tokens' logprobs are those the trainer computes over each whole sequence
+    (transformers' own forward, no KV cache; hidden images as ``image_window`` says), at
+    temperature 1 as the engine logs greedy and top-p draws."""
+    recomputed = PolicyWorker(model, chat).compute_logprobs(trajs, 1.0, 4)
+    model.eval()
+    worst = 0.0
+    for t, lp in zip(trajs, recomputed, strict=True):
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.bool)
+        worst = max(worst, float((lp[mask] - torch.tensor(t.logprobs[1:])[mask]).abs().max()))
+    assert worst < tol, f"largest logprob difference {worst:.2e}"
 
 
 @pytest.mark.parametrize(
     "temperature, top_p", [(0.0, 1.0), (1.0, 1.0), (1.0, 0.9)], ids=["greedy", "seeded", "top_p"]
 )
-def test_static_cache_samples_what_the_dynamic_cache_samples(policy, temperature, top_p):
+def test_the_cache_gives_the_logprobs_of_a_whole_sequence_forward(policy, temperature, top_p):
     model, chat, rows = policy
     settings = _settings(temperature, top_p=top_p)
-    static, dynamic = _both(model, chat, rows, settings)
+    trajs = _play(model, chat, rows, settings)
     # Rows left the batch at every turn, so later rows moved into the freed slots.
-    assert sorted({t.turns for t in static}) == [1, 2, 3, 4]
-    assert_same_samples(static, dynamic)
+    assert sorted({t.turns for t in trajs}) == [1, 2, 3, 4]
+    assert_trainer_logprobs(model, chat, trajs)
+    # The same seed draws the same episodes again.
+    assert_same_samples(_play(model, chat, rows, settings), trajs)
     # The trainer's forwards keep their own attention.
     assert text_config(model)._attn_implementation == "sdpa"
 
@@ -92,17 +106,16 @@ def test_hidden_images_are_masked_and_compacted_in_place_with_the_same_samples(p
         widths.append((before, cache.width))
 
     monkeypatch.setattr(SlotCache, "compact", recording)
-    engine = InferenceEngine(model, chat, kv_cache="static")
-    static = play(engine, rows, settings, seed=5)
-    dynamic = play(InferenceEngine(model, chat, kv_cache="dynamic"), rows, settings, seed=5)
+    engine = InferenceEngine(model, chat)
+    compacted = play(engine, rows, settings, seed=5)
     assert any(after < before for before, after in widths)
-    assert_same_samples(static, dynamic)
+    assert_trainer_logprobs(model, chat, compacted)
     # Never compacting gives the same samples too: hidden columns were masked all along.
     monkeypatch.setattr(batch_module, "_COMPACT_WHEN_VISIBLE_BELOW", 0.0)
-    assert_same_samples(play(engine, rows, settings, seed=5), dynamic)
+    assert_same_samples(play(engine, rows, settings, seed=5), compacted)
 
 
-def test_a_merged_lora_policy_samples_the_same_with_either_cache(policy):
+def test_a_merged_lora_policy_gives_the_logprobs_of_the_unmerged_one(policy):
     model, chat, rows = policy
     import copy
 
@@ -113,60 +126,61 @@ def test_a_merged_lora_policy_samples_the_same_with_either_cache(policy):
                 p.normal_(0, 0.1)
     lora.eval()
     with merged_for_rollouts(lora):
-        static, dynamic = _both(lora, chat, rows, _settings())
+        merged = _play(lora, chat, rows, _settings())
         plain = play(InferenceEngine(model, chat), rows, _settings(), seed=3)
-    assert_same_samples(static, dynamic)
-    assert [t.token_ids for t in static] != [t.token_ids for t in plain]  # the adapter counts
+    assert_trainer_logprobs(lora, chat, merged)  # the adapter unmerged again
+    assert [t.token_ids for t in merged] != [t.token_ids for t in plain]  # the adapter counts
 
 
 def test_no_forward_moves_the_cache_buffers(policy, monkeypatch):
     model, chat, rows = policy
-    seen: dict[str, list[tuple[int, ...]]] = {"static": [], "dynamic": []}
+    seen: list[tuple[int, ...]] = []
     forward = engine_module.CacheBatch._forward
 
     def recording(cached, *args, **kwargs):
         logits = forward(cached, *args, **kwargs)
-        if isinstance(cached.kv, SlotCache):
-            seen["static"].append(tuple(t.data_ptr() for t in cached.kv.buffers()))
-        else:
-            seen["dynamic"].append(tuple(layer.keys.data_ptr() for layer in cached.cache.layers))
+        seen.append(tuple(t.data_ptr() for t in cached.kv.buffers()))
         return logits
 
     monkeypatch.setattr(engine_module.CacheBatch, "_forward", recording)
     settings = _settings(keep_last_k_images=1)
     # Under a budget the slots are sized for the episodes' expected length at once.
     budget = 64 * settings.max_input_length * InferenceEngine(model, chat).bytes_per_token
-    _both(model, chat, rows, settings, max_cache_bytes=budget)
-    assert len(seen["static"]) >= 4 * 2  # four turns of a prefill and decode steps
-    assert len(set(seen["static"])) == 1
-    # The reference concatenates a new tensor every forward (the allocator may hand an old
-    # address back, so only most of them are new).
-    assert len(set(seen["dynamic"])) > len(seen["dynamic"]) // 2
+    _play(model, chat, rows, settings, max_cache_bytes=budget)
+    assert len(seen) >= 4 * 2  # four turns of a prefill and decode steps
+    assert len(set(seen)) == 1
 
 
-def test_the_budget_admits_more_rows_when_they_are_short(policy, monkeypatch):
+def test_the_budget_counts_rows_by_their_real_lengths(policy, monkeypatch):
     model, chat, rows = policy
     settings = _settings(max_input_length=4096, max_turns=3)
-    waves: dict[str, list[int]] = {"static": [], "dynamic": []}
+    waves: list[int] = []
     opened = InferenceEngine.open_batch
 
     def recording(engine, size, *args, **kwargs):
-        waves[engine.kv_cache].append(size)
+        waves.append(size)
         return opened(engine, size, *args, **kwargs)
 
     monkeypatch.setattr(InferenceEngine, "open_batch", recording)
     bytes_per_token = InferenceEngine(model, chat).bytes_per_token
     budget = 2 * settings.max_input_length * bytes_per_token  # two rows as long as allowed
-    static, dynamic = _both(model, chat, rows, settings, max_cache_bytes=budget)
-    assert waves["dynamic"] == [2, 2, 2]
-    assert waves["static"] == [6]  # every episode is a few hundred tokens long
-    # Each episode knows its wave, and the step's metrics count them.
-    assert sorted(t.wave for t in dynamic) == [0, 0, 1, 1, 2, 2]
-    assert rollout_metrics(dynamic, "train")["train/waves"] == 3
-    assert rollout_metrics(static, "train")["train/waves"] == 1
-    assert all(t.end_reason != "cache_budget" for t in static + dynamic)
+    trajs = _play(model, chat, rows, settings, max_cache_bytes=budget)
+    assert waves == [6]  # every episode is a few hundred tokens long
+    assert rollout_metrics(trajs, "train")["train/waves"] == 1
+    # A budget of two such episodes runs several waves; each episode knows its wave, and
+    # the step's metrics count them.
+    obs = make(rows[0].env_id, **rows[0].options()).reset(rows[0].seed)
+    first = chat.user_turn(obs.text, obs.images, first=True)
+    expected = 3 * (len(first.token_ids) + settings.sampling.max_tokens + 1)
+    waves.clear()
+    settings = replace(settings, max_input_length=expected)  # a budget holds one at least
+    small = _play(model, chat, rows, settings, max_cache_bytes=2 * expected * bytes_per_token)
+    assert len(waves) > 1 and sum(waves) == 6
+    assert sorted(t.wave for t in small) == [w for w, n in enumerate(waves) for _ in range(n)]
+    assert rollout_metrics(small, "train")["train/waves"] == len(waves)
+    assert all(t.end_reason != "cache_budget" for t in trajs + small)
     with pytest.raises(ConfigError, match="cannot hold one sequence"):
-        play(InferenceEngine(model, chat, max_cache_bytes=budget // 4), rows, settings, seed=0)
+        play(InferenceEngine(model, chat, max_cache_bytes=expected), rows, settings, seed=0)
 
 
 def test_a_turn_that_outgrows_the_budget_ends_only_the_episodes_it_must(policy):
@@ -243,12 +257,6 @@ def test_gqa_attention_equals_attention_over_repeated_kv_heads():
         ).transpose(1, 2)
         assert ours.shape == (b, t, heads, d)
         assert torch.allclose(ours, reference, atol=1e-6)
-
-
-def test_an_unknown_kv_cache_is_refused(policy):
-    model, chat, _ = policy
-    with pytest.raises(ConfigError, match="kv_cache='paged'.*static, dynamic"):
-        InferenceEngine(model, chat, kv_cache="paged")
 
 
 def test_the_gpu_budget_counts_live_tensors_not_the_blocks_the_allocator_keeps(monkeypatch):

@@ -1,19 +1,17 @@
-"""A packed prefill (``generator.inference_engine.packed_prefill``): the rows' new tokens
-alone, row after row in one sequence, give the attention, the samples and the logprobs of
-the left-padded prefill."""
+"""A packed prefill (the engine's on a GPU, with ``prefill_attention`` triton or varlen): the
+rows' new tokens alone, row after row in one sequence, give the attention, the samples and
+the logprobs of the left-padded prefill."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from rollout_support import assert_same_samples, ending_at_different_turns
-from test_prefill_attention import _chunk_case, policy  # noqa: F401
+from support.engine_cases import chunk_case, eight_b_case
 
-from clew.config import load_config
-from clew.config.settings import engine_options
 from clew.inference import cache_batch as batch_module
 from clew.inference.attention import gqa_sdpa_attention
-from clew.inference.engine import InferenceEngine, resolve_packed_prefill
+from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.kernels.prefill_triton import prefill_triton
 from clew.kernels.prefill_varlen import varlen_prefill
@@ -32,7 +30,7 @@ def _packed(query: torch.Tensor, new: list[int]) -> tuple[torch.Tensor, torch.Te
 
 @pytest.mark.parametrize("kernel", ["varlen", "triton"])
 def test_packed_chunks_get_the_attention_of_the_padded_ones(kernel):
-    query, key, value, lengths, mask, real = _chunk_case()
+    query, key, value, lengths, mask, real = chunk_case()
     expected, _ = gqa_sdpa_attention(None, query, key, value, mask)  # [rows, T, H, D]
     new = real.sum(1).tolist()  # 5, 2 and 3 real tokens
     packed, starts = _packed(query, new)
@@ -50,7 +48,7 @@ def test_packed_chunks_get_the_attention_of_the_padded_ones(kernel):
 
 
 def test_a_row_with_no_new_token_takes_no_query():
-    query, key, value, lengths, mask, real = _chunk_case()
+    query, key, value, lengths, mask, real = chunk_case()
     new = [5, 0, 3]
     packed, starts = _packed(query, new)
     lengths = lengths.clone()
@@ -62,6 +60,14 @@ def test_a_row_with_no_new_token_takes_no_query():
         assert got.shape[1] == 8 and torch.isfinite(got).all()
 
 
+def _engine(model, chat, packed: bool, **kw) -> InferenceEngine:
+    """An engine that packs its prefills or pads them: the engine packs on a GPU only, so
+    the CPU tests turn packing on (and off) themselves."""
+    engine = InferenceEngine(model, chat, **kw)
+    engine.pack_prefill = packed
+    return engine
+
+
 def _play(model, chat, rows, prefill: str, packed: bool, keep_last_k_images=None):
     settings = RolloutSettings(
         n_samples_per_prompt=3,
@@ -71,13 +77,17 @@ def _play(model, chat, rows, prefill: str, packed: bool, keep_last_k_images=None
         keep_last_k_images=keep_last_k_images,
         env_workers=1,
     )
-    engine = InferenceEngine(model, chat, prefill_attention=prefill, packed_prefill=packed)
+    engine = _engine(model, chat, packed, prefill_attention=prefill)
     return play(engine, rows, settings, seed=3, env_factory=ending_at_different_turns())
 
 
 @pytest.mark.parametrize("prefill", ["varlen", "triton"])
-def test_a_packed_prefill_samples_what_the_padded_prefill_samples(policy, prefill, monkeypatch):  # noqa: F811
-    model, chat, rows = policy
+def test_a_rollout_with_packed_prefills_samples_what_padded_prefills_sample(
+    maze_policy,
+    prefill,
+    monkeypatch,
+):
+    model, chat, rows = maze_policy
     forwards: list[int] = []
     inner = batch_module.CacheBatch._packed_forward
 
@@ -94,8 +104,8 @@ def test_a_packed_prefill_samples_what_the_padded_prefill_samples(policy, prefil
     assert_same_samples(packed, padded, tol=1e-5)
 
 
-def test_while_images_are_hidden_the_prefill_stays_padded(policy, monkeypatch):  # noqa: F811
-    model, chat, rows = policy
+def test_while_images_are_hidden_the_prefill_stays_padded(maze_policy, monkeypatch):
+    model, chat, rows = maze_policy
     kinds: list[str] = []
     inner_packed = batch_module.CacheBatch._packed_forward
     inner = batch_module.CacheBatch._forward
@@ -119,8 +129,8 @@ def test_while_images_are_hidden_the_prefill_stays_padded(policy, monkeypatch): 
     assert_same_samples(packed, padded, tol=1e-5)
 
 
-def test_rows_joining_a_running_batch_are_packed_on_their_own_slots(policy):  # noqa: F811
-    model, chat, rows = policy
+def test_rows_joining_a_running_batch_are_packed_on_their_own_slots(maze_policy):
+    model, chat, rows = maze_policy
     from clew.envs import make
 
     prompts = []
@@ -130,9 +140,7 @@ def test_rows_joining_a_running_batch_are_packed_on_their_own_slots(policy):  # 
     params = SamplingParams(temperature=0.0, max_tokens=3)
     out = {}
     for packed in (False, True):
-        engine = InferenceEngine(
-            model, chat, prefill_attention="varlen", packed_prefill=packed, stop_token_ids=(-1,)
-        )
+        engine = _engine(model, chat, packed, prefill_attention="varlen", stop_token_ids=(-1,))
         batch = engine.open_batch(2, seed=1, capacity_hint=512)
         short = chat.user_turn("left right up down", [], first=True)
         first = batch.extend_and_generate({0: prompts[0], 1: short}, params)
@@ -144,23 +152,14 @@ def test_rows_joining_a_running_batch_are_packed_on_their_own_slots(policy):  # 
         assert max(abs(x - y) for x, y in zip(a_lp, b_lp, strict=True)) < 1e-5
 
 
-def test_the_key_is_on_by_default_on_cuda_and_the_prefill_stays_padded_where_nothing_reads_lengths(
-    policy,  # noqa: F811
+def test_the_engine_packs_on_cuda_only_and_stays_padded_where_nothing_reads_lengths(
+    maze_policy,
     monkeypatch,
 ):
-    options = engine_options(load_config(None, []))
-    assert options.packed_prefill
-    assert resolve_packed_prefill(True, torch.device("cuda"))
-    assert not resolve_packed_prefill(True, torch.device("cpu"))
-    assert not resolve_packed_prefill(False, torch.device("cuda"))
-    off = engine_options(load_config(None, ["generator.inference_engine.packed_prefill=false"]))
-    assert not off.packed_prefill
-    # With an attention that does not read rows by their lengths the key is accepted and the
-    # prefill stays padded.
-    for other in ("prefill_attention=sdpa", "kv_cache=dynamic"):
-        keys = ["packed_prefill=true", other]
-        load_config(None, [f"generator.inference_engine.{k}" for k in keys])
-    model, chat, rows = policy
+    model, chat, rows = maze_policy
+    # On a CPU the packed attention is the masked reference: the engine pads there.
+    assert not InferenceEngine(model, chat, prefill_attention="varlen").pack_prefill
+    # With an attention that does not read rows by their lengths the prefill stays padded.
     calls: list[int] = []
     inner = batch_module.CacheBatch._packed_forward
 
@@ -178,7 +177,6 @@ def test_the_key_is_on_by_default_on_cuda_and_the_prefill_stays_padded_where_not
 def test_on_the_gpu_packed_chunks_get_the_attention_of_the_padded_ones(kernel):
     # Qwen3-VL-8B's attention (32 query heads over 8 KV heads of 128), 48 rows of 15-turn
     # widths, chunks of 100-140 new tokens left-padded to 140.
-    from test_prefill_triton import eight_b_case
 
     rows, t = 48, 140
     query, keys, values, lengths = eight_b_case(rows, t=t)

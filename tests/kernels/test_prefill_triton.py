@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 from rollout_support import assert_same_samples
-from test_prefill_attention import _chunk_case, _play, policy  # noqa: F401
+from support.engine_cases import (
+    chunk_case,
+    eight_b_case,
+    play_with_prefill,
+)
 
 from clew.config import load_config
 from clew.config.settings import engine_options
@@ -31,7 +35,7 @@ def _masked(query, key, value, lengths):
 
 
 def test_the_kernel_computes_the_masked_prefill_for_every_real_token():
-    query, key, value, lengths, mask, real = _chunk_case()
+    query, key, value, lengths, mask, real = chunk_case()
     expected, _ = gqa_sdpa_attention(None, query, key, value, mask)
     got = prefill_triton(query, key, value, lengths, interpret=True)
     assert got.shape == expected.shape
@@ -65,7 +69,7 @@ def test_blocks_that_split_positions_and_columns_anywhere_give_the_same_attentio
 
 
 def test_a_bf16_prefill_is_computed_in_float32_by_the_interpreter():
-    query, key, value, lengths, mask, real = _chunk_case(dtype=torch.bfloat16)
+    query, key, value, lengths, mask, real = chunk_case(dtype=torch.bfloat16)
     got = prefill_triton(query, key, value, lengths, interpret=True)
     assert got.dtype == torch.bfloat16
     expected, _ = gqa_sdpa_attention(None, query.float(), key.float(), value.float(), mask)
@@ -90,24 +94,16 @@ def test_auto_takes_the_kernel_on_cuda_only_and_a_missing_triton_is_refused(monk
         resolve_prefill_attention("triton", torch.device("cpu"))
 
 
-def test_the_config_key_takes_triton_and_refuses_it_with_the_dynamic_cache():
+def test_the_config_key_takes_triton():
     cfg = load_config(None, ["generator.inference_engine.prefill_attention=triton"])
     assert engine_options(cfg).prefill_attention == "triton"
-    with pytest.raises(ConfigError, match="prefill_attention=triton reads the static cache"):
-        load_config(
-            None,
-            [
-                "generator.inference_engine.prefill_attention=triton",
-                "generator.inference_engine.kv_cache=dynamic",
-            ],
-        )
 
 
 def test_an_engine_with_the_triton_prefill_samples_what_the_masked_prefill_samples(
-    policy,  # noqa: F811
+    maze_policy,
     monkeypatch,
 ):
-    model, chat, rows = policy
+    model, chat, rows = maze_policy
     calls: list[int] = []
     inner = attention_module.prefill_triton
 
@@ -116,27 +112,11 @@ def test_an_engine_with_the_triton_prefill_samples_what_the_masked_prefill_sampl
         return inner(query, key, value, lengths, scale, **kw)
 
     monkeypatch.setattr(attention_module, "prefill_triton", recording)
-    triton_run = _play(model, chat, rows, "triton")
-    plain = _play(model, chat, rows, "sdpa")
+    triton_run = play_with_prefill(model, chat, rows, "triton")
+    plain = play_with_prefill(model, chat, rows, "sdpa")
     layers = text_config(model).num_hidden_layers
     assert calls and len(calls) % layers == 0  # whole forwards took the kernel
     assert_same_samples(triton_run, plain, tol=1e-5)
-
-
-def eight_b_case(rows: int, cap: int = 2048, t: int = 140, seed: int = 0):
-    """Qwen3-VL-8B's attention on the GPU (32 query heads over 8 KV heads of 128, bf16):
-    chunks of ``t`` queries [rows, H, T, D] as the projection leaves them, slot buffers of
-    ``cap`` columns and row lengths of 150 to ``cap``."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    keys, values = (
-        torch.randn(rows, 8, cap, 128, generator=gen, device="cuda", dtype=torch.bfloat16)
-        for _ in range(2)
-    )
-    query = torch.randn(
-        rows, t, 32, 128, generator=gen, device="cuda", dtype=torch.bfloat16
-    ).transpose(1, 2)
-    lengths = torch.randint(150, cap, (rows,), generator=gen, device="cuda")
-    return query, keys, values, lengths
 
 
 @pytest.mark.gpu

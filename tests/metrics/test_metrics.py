@@ -198,7 +198,8 @@ def test_draw_report_writes_a_png(tmp_path):
     assert out == run_dir / "report.png"
     with Image.open(out) as img:
         assert img.format == "PNG"
-        assert img.size[0] > 0 and img.size[1] > 0
+        # A panel by step and one by wall-clock minutes, each 6 x 4.5 inches at 100 dpi.
+        assert img.size == (1200, 450)
 
 
 def test_draw_report_on_a_run_without_metrics_is_a_clear_error(tmp_path):

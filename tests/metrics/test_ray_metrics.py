@@ -4,7 +4,6 @@ Grafana dashboard's queries against what that run exported."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -14,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from envs_for_tests import digits_rows
+from envs_for_tests import ray_runtime_env
+from support.tiny import digits_data
 
 from clew.cluster.placement import start_local_ray
 from clew.config import load_config
-from clew.data.rows import write_rows
 from clew.errors import ConfigError
 from clew.metrics import (
     CATALOG,
@@ -29,7 +28,6 @@ from clew.metrics import (
 )
 from clew.metrics.catalog import MEMORY_PHASES, peak_memory_metric
 from clew.metrics.ray_metrics import REPORT_INTERVAL_ENV
-from clew.models import build_model
 from clew.trainer.launch import run_grpo
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "clew-dashboard.json"
@@ -85,11 +83,6 @@ def test_the_ray_logger_built_without_ray_running_or_a_cluster_to_join_says_so(
 # -- a short run on Ray, scraped ---------------------------------------------------------
 
 
-def import_test_envs() -> None:
-    """Ray workers' setup: register the test envs there too, as this module's import did."""
-    importlib.import_module("envs_for_tests")
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -104,15 +97,11 @@ def ray_with_metrics():
     saved = os.environ.get(REPORT_INTERVAL_ENV)
     # Ray's exporter reports every 10 s by default; 1 s (its floor) keeps the test short.
     os.environ[REPORT_INTERVAL_ENV] = "1000"
-    tests = str(Path(__file__).parents[1])
-    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)
-    runtime_env = {
-        "env_vars": {"PYTHONPATH": path},
-        "worker_process_setup_hook": f"{__name__}.import_test_envs",
-    }
     port = _free_port()
     # A Ray of the module's own on loopback, whatever cluster the machine has or had.
-    start_local_ray(2, log_to_driver=False, runtime_env=runtime_env, _metrics_export_port=port)
+    start_local_ray(
+        2, log_to_driver=False, runtime_env=ray_runtime_env(), _metrics_export_port=port
+    )
     try:
         yield port
     finally:
@@ -142,19 +131,16 @@ def _scrape(port: int) -> dict[str, dict[float, dict[str, str]]]:
 
 
 @pytest.fixture(scope="module")
-def scraped(ray_with_metrics, tmp_path_factory, one_thread):
+def scraped(ray_with_metrics, tmp_path_factory, one_thread, digits_model_dir):
     """A 2-step GRPO run on two CPU workers, its endpoint scraped while it runs and just after:
     (the run's history, every value seen per series)."""
     root = tmp_path_factory.mktemp("obs")
-    tiny = build_model("tiny", root / "tiny", corpus=["0123456789 " * 20], image_size=28).path
-    write_rows(digits_rows(8), root / "train.parquet")
-    write_rows(digits_rows(3, "eval"), root / "eval.parquet")
     cfg = load_config(
         None,
         [
-            f"data.train_data=['{root / 'train.parquet'}']",
-            f"data.val_data=['{root / 'eval.parquet'}']",
-            f"trainer.policy.model.path={tiny}",
+            f"data.train_data=['{digits_data(8)}']",
+            f"data.val_data=['{digits_data(3, 'eval')}']",
+            f"trainer.policy.model.path={digits_model_dir}",
             f"trainer.log_path={root / 'runs'}",
             f"trainer.project_name={PROJECT}",
             f"trainer.run_name={RUN}",

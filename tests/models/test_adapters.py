@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from support.tiny import tiny_policy, wide_policy
 
 from clew.cli import main
 from clew.errors import ModelError
-from clew.models import build_model, load_policy
+from clew.models import load_policy
 from clew.models.adapter_loading import load_adapter
 from clew.train.lora import apply_lora
 
 
 @pytest.fixture(scope="module")
-def bases(tmp_path_factory):
+def bases(tmp_path_factory) -> SimpleNamespace:
+    """Two tiny bases (``tiny``, and ``wide`` of another hidden size) and a LoRA ``adapter``
+    of ``tiny``."""
     root = tmp_path_factory.mktemp("adapters")
-    build_model("tiny", root / "tiny", image_size=56, overwrite=True)
-    build_model(
-        "tiny", root / "wide", image_size=56, text_overrides={"hidden_size": 192}, overwrite=True
-    )
-    model, processor = load_policy(root / "tiny")
+    tiny = tiny_policy(image_size=56)
+    model, processor = load_policy(tiny)
     peft_model = apply_lora(model, rank=4, alpha=8)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -27,19 +29,19 @@ def bases(tmp_path_factory):
                 p.normal_(0, 0.1)
     peft_model.save_pretrained(root / "adapter")
     processor.save_pretrained(root / "adapter")
-    return root
+    return SimpleNamespace(tiny=tiny, wide=wide_policy(), adapter=root / "adapter")
 
 
 def test_adapter_for_another_base_is_refused_with_its_shape(bases):
-    model, _ = load_policy(bases / "wide")
+    model, _ = load_policy(bases.wide)
     with pytest.raises(ModelError, match="rank 4.*does not fit this base model"):
-        load_adapter(model, bases / "adapter")
+        load_adapter(model, bases.adapter)
 
 
 def test_folder_without_adapter_config_is_refused(bases):
-    model, _ = load_policy(bases / "tiny")
+    model, _ = load_policy(bases.tiny)
     with pytest.raises(ModelError, match="adapter_config.json"):
-        load_adapter(model, bases / "tiny")
+        load_adapter(model, bases.tiny)
 
 
 def test_export_merge_writes_full_weights_with_the_adapters_outputs(bases, tmp_path, capsys):
@@ -47,16 +49,16 @@ def test_export_merge_writes_full_weights_with_the_adapters_outputs(bases, tmp_p
     argv = [
         "export",
         "--model",
-        str(bases / "tiny"),
+        str(bases.tiny),
         "--adapter",
-        str(bases / "adapter"),
+        str(bases.adapter),
         "--merge",
     ]
     assert main([*argv, "--output", str(out)]) == 0
     ids = torch.tensor([[3, 4, 5, 6]])
     merged, _ = load_policy(out)
-    base, _ = load_policy(bases / "tiny")
-    adapted = load_adapter(base, bases / "adapter")
+    base, _ = load_policy(bases.tiny)
+    adapted = load_adapter(base, bases.adapter)
     with torch.no_grad():
         torch.testing.assert_close(
             merged(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=1e-4

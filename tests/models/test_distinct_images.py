@@ -1,5 +1,5 @@
 """Each distinct image of a forward through the vision tower once
-(``clew.models.distinct_images``, ``generator.inference_engine.dedup_images``)."""
+(``clew.models.distinct_images``; always, in the engine's forwards)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,9 @@ import pytest
 import torch
 from PIL import Image
 from rollout_support import assert_same_samples, ending_at_different_turns
-from test_prefill_attention import policy  # noqa: F401
 
 import clew.models.distinct_images as di
-from clew.config import load_config
-from clew.config.settings import engine_options
+from clew.inference import cache_batch
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models import build_model
@@ -110,7 +108,7 @@ def test_the_tower_runs_on_the_distinct_images_and_gives_every_copy_its_output(
         torch.testing.assert_close(_features(twin, pixels, grid)[0], reference)
 
 
-def _play(model, chat, rows, dedup: bool):
+def _play(model, chat, rows):
     settings = RolloutSettings(
         n_samples_per_prompt=3,
         max_turns=4,
@@ -118,26 +116,23 @@ def _play(model, chat, rows, dedup: bool):
         sampling=SamplingParams(temperature=1.0, max_tokens=6),
         env_workers=1,
     )
-    engine = InferenceEngine(model, chat, dedup_images=dedup)
+    engine = InferenceEngine(model, chat)
     return play(engine, rows, settings, seed=3, env_factory=ending_at_different_turns())
 
 
 def test_an_engine_that_encodes_each_distinct_image_once_samples_what_one_encoding_all_does(
-    policy,  # noqa: F811
+    maze_policy,
+    monkeypatch,
 ):
-    model, chat, rows = policy
+    model, chat, rows = maze_policy
     IMAGES.reset()
-    deduplicated = _play(model, chat, rows, dedup=True)
+    deduplicated = _play(model, chat, rows)
     seen, encoded = IMAGES.seen, IMAGES.encoded
     # The 3 samples of each prompt start from one frame: at most a third of those encoded.
     assert seen > 0 and encoded < seen
+    # The switch off in the engine's forwards: the tower runs on every image, copies too.
+    monkeypatch.setattr(cache_batch, "images_deduplicated", lambda: images_deduplicated(False))
     IMAGES.reset()
-    every = _play(model, chat, rows, dedup=False)
+    every = _play(model, chat, rows)
     assert IMAGES.seen == 0
     assert_same_samples(deduplicated, every, tol=1e-5)
-
-
-def test_the_key_reaches_the_engine():
-    assert engine_options(load_config(None, [])).dedup_images
-    off = load_config(None, ["generator.inference_engine.dedup_images=false"])
-    assert not engine_options(off).dedup_images

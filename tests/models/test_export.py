@@ -29,13 +29,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from support.tiny import tiny_policy
 
 from clew.cli import main
 from clew.cluster.group import LocalWorkerGroup
 from clew.envs import make
 from clew.inference.runtime import open_policy
 from clew.inference.sampling import SamplingParams
-from clew.models import build_model, load_policy, load_processor
+from clew.models import load_policy, load_processor
 from clew.models.adapter_loading import load_adapter
 from clew.train.settings import WorkerSettings
 from clew.train.worker import PolicyWorker
@@ -90,14 +91,7 @@ def case(request, tmp_path_factory, one_thread) -> Case:
         frame_size = 256
     else:
         frame_size = spec["image_size"]
-        base = build_model(
-            "tiny",
-            root / "base",
-            arch=spec["arch"],
-            dtype=spec["dtype"],
-            image_size=frame_size,
-            overwrite=True,
-        ).path
+        base = tiny_policy(arch=spec["arch"], dtype=spec["dtype"], image_size=frame_size)
     _random_adapter(base, root / "adapter")
     merged = root / "merged"
     argv = ["export", "--model", str(base), "--adapter", str(root / "adapter"), "--merge"]

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support.tiny import tiny_policy
 
-from clew.models import build_model, pixels
+from clew.models import load_processor, pixels
 from clew.models.frame_cache import FrameCache, frame_cache
 
 SIZE = (32, 32)
@@ -93,9 +94,9 @@ def fresh_cache():
     frame_cache.clear()
 
 
-def test_fast_frames_resizes_a_repeated_observation_once(fresh_cache, tmp_path) -> None:
+def test_fast_frames_resizes_a_repeated_observation_once(fresh_cache) -> None:
     # Qwen3-VL's patch 16 x merge 2 does not divide 90 px: the processor resizes to 96.
-    ip = build_model("tiny", tmp_path / "m", arch="qwen3_vl").processor.image_processor
+    ip = load_processor(tiny_policy(arch="qwen3_vl")).image_processor
     images = [_image(5, 90), _image(5, 90), _image(6, 90), _image(5, 90)]
     frames = pixels.fast_frames(images, ip)
     assert frames is not None and frames.data.shape[1] == 96

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from support.tiny import tiny_policy
 from transformers import AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 from clew.errors import CheckpointError, ClewError, ConfigError, ModelError
@@ -21,6 +22,7 @@ from clew.models import (
     count_parameters,
     default_corpus,
     load_policy,
+    load_processor,
 )
 from clew.models.factory import mrope_section
 from clew.models.pixels import (
@@ -253,13 +255,13 @@ def test_same_seed_builds_same_weights(tmp_path: Path) -> None:
     )
 
 
-def test_merge_size_one_gives_one_token_per_patch(tmp_path: Path) -> None:
-    built = build_model("tiny", tmp_path / "m1", patch_size=20, merge_size=1, image_size=140)
-    text = built.processor.apply_chat_template(USER_TURN, add_generation_prompt=True)
-    inputs = built.processor(text=[text], images=[_image(140)], return_tensors="pt")
-    assert int((inputs["input_ids"] == built.model.config.image_token_id).sum()) == 49
+def test_merge_size_one_gives_one_token_per_patch() -> None:
+    model, processor = load_policy(tiny_policy(patch_size=20, merge_size=1, image_size=140))
+    text = processor.apply_chat_template(USER_TURN, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[_image(140)], return_tensors="pt")
+    assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == 49
     with torch.no_grad():
-        assert built.model(**inputs).logits.shape[1] == inputs["input_ids"].shape[1]
+        assert model(**inputs).logits.shape[1] == inputs["input_ids"].shape[1]
 
 
 def test_build_model_rejects_bad_arguments(tmp_path: Path) -> None:
@@ -343,17 +345,10 @@ def test_errors_are_clew_errors() -> None:
 
 
 @pytest.mark.parametrize(("merge", "size"), [(2, 252), (1, 140)])
-def test_fast_patches_equal_the_image_processor_bit_for_bit(
-    tmp_path: Path, merge: int, size: int
-) -> None:
-    built = build_model(
-        "tiny",
-        tmp_path / "m",
-        patch_size=14 if merge == 2 else 20,
-        merge_size=merge,
-        image_size=size,
-    )
-    ip = built.processor.image_processor
+def test_fast_patches_equal_the_image_processor_bit_for_bit(merge: int, size: int) -> None:
+    patch = 14 if merge == 2 else 20
+    policy = tiny_policy(patch_size=patch, merge_size=merge, image_size=size)
+    ip = load_processor(policy).image_processor
     images = [_image(size, seed) for seed in range(5)]
     pixels, grid = fast_patches(images, ip)
     ref = ip(images=images, return_tensors="pt")
@@ -389,13 +384,10 @@ def test_fast_patches_leave_mixed_sizes_and_modes_to_the_processor(tiny: BuiltMo
 
 
 @pytest.mark.parametrize(("patch", "size"), [(16, 252), (14, 250), (16, 90)])
-def test_fast_patches_resize_as_the_processor_does_bit_for_bit(
-    tmp_path: Path, patch: int, size: int
-) -> None:
+def test_fast_patches_resize_as_the_processor_does_bit_for_bit(patch: int, size: int) -> None:
     # Qwen3-VL's patch 16 x merge 2 does not divide maze_2d/easy's 252 px frames: the
     # processor resizes them to 256 px (and 90 px frames up to 96).
-    built = build_model("tiny", tmp_path / "m", arch="qwen3_vl", patch_size=patch)
-    ip = built.processor.image_processor
+    ip = load_processor(tiny_policy(arch="qwen3_vl", patch_size=patch)).image_processor
     images = [_image(size, seed) for seed in range(3)]
     covered = fast_patches(images, ip)
     assert covered is not None

@@ -8,21 +8,20 @@ import os
 import threading
 
 import pytest
+from support.tiny import tiny_policy
 
 from clew.data.rows import generate_rows
 from clew.envs import make
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
-from clew.models import build_model, load_policy
+from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, env_threads, play
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    build_model("tiny", path, arch="qwen3_vl", overwrite=True)
-    model, processor = load_policy(path)
+def policy():
+    model, processor = load_policy(tiny_policy(arch="qwen3_vl"))
     model.eval()
     return model, ChatFormat(processor)
 

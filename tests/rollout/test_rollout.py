@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiny import tiny_policy
 
 from clew.algorithms import turn_token_advantages
 from clew.data.rows import generate_rows
@@ -11,7 +12,7 @@ from clew.envs import make
 from clew.errors import ConfigError
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
-from clew.models import build_model, load_policy
+from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.models.positions import sequence_positions
 from clew.rollout.episode_stats import rollout_metrics
@@ -23,10 +24,8 @@ OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
 
 @pytest.fixture(scope="module")
-def policy(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    build_model("tiny", path, image_size=196, overwrite=True)
-    model, processor = load_policy(path)
+def policy():
+    model, processor = load_policy(tiny_policy(image_size=196))
     model.eval()
     return model, ChatFormat(processor)
 

@@ -49,7 +49,7 @@ EPISODE = {"env_id": ENV, "seed": 3, "options": OPTIONS, "generation": GENERATIO
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, one_thread) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("playground")
-    base = make_base(root)
+    base = make_base()
     make_adapter(base, root / "adapters" / "alpha", rank=4, seed=1)
     make_adapter(base, root / "adapters" / "beta", rank=8, seed=2)
     return base, root / "adapters"

@@ -27,7 +27,7 @@ def ray_serve_url(tmp_path_factory):
     from clew.serve import build_app
 
     root: Path = tmp_path_factory.mktemp("ray_serve")
-    base = make_base(root)
+    base = make_base()
     make_adapter(base, root / "adapters" / "alpha", rank=4, seed=1)
     started = not ray.is_initialized()
     if started:

@@ -28,7 +28,7 @@ TEXT = [{"role": "user", "content": "Which way to the goal?"}]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("serve")
-    base = make_base(root)
+    base = make_base()
     prefix = make_prefix(base, root)
     add_corrupt(prefix)
     return base, prefix

@@ -24,8 +24,7 @@ from serve_support import (
     post,
     serving,
 )
-
-from clew.models import build_model
+from support.tiny import wide_policy
 
 TEXT = [{"role": "user", "content": "Which way to the goal?"}]
 
@@ -33,14 +32,12 @@ TEXT = [{"role": "user", "content": "Which way to the goal?"}]
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("serve-bounds")
-    base = make_base(root)
+    base = make_base()
     prefix = root / "adapters"
     make_adapter(base, prefix / "alpha", rank=4, seed=1)
     make_adapter(base, prefix / "gamma", rank=2, seed=3)
     add_corrupt(prefix)
-    wide = build_model(
-        "tiny", root / "wide", image_size=56, text_overrides={"hidden_size": 192}, overwrite=True
-    ).path
+    wide = wide_policy()
     make_adapter(wide, prefix / "misfit", rank=4, seed=2)
     return base, prefix
 

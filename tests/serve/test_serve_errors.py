@@ -21,8 +21,7 @@ from serve_support import (
     post,
     serving,
 )
-
-from clew.models import build_model
+from support.tiny import wide_policy
 
 MAX_IMAGE_BYTES = 60_000
 MAX_REQUEST_BYTES = 400_000
@@ -33,11 +32,9 @@ MAX_IMAGE_PIXELS = 1 << 20
 @pytest.fixture(scope="module")
 def url(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("serve-errors")
-    base = make_base(root)
+    base = make_base()
     make_adapter(base, root / "adapters" / "fits", rank=4, seed=1)
-    wide = build_model(
-        "tiny", root / "wide", image_size=56, text_overrides={"hidden_size": 192}, overwrite=True
-    ).path
+    wide = wide_policy()
     make_adapter(wide, root / "adapters" / "misfit", rank=4, seed=2)
     from clew.serve.prompt import PromptLimits
 

@@ -30,7 +30,7 @@ CHECKS = [not_a_server_error, status_code_conformance, response_schema_conforman
 @pytest.fixture(scope="module")
 def live_url(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("serve-fuzz")
-    base = make_base(root)
+    base = make_base()
     make_adapter(base, root / "adapters" / "alpha", rank=4, seed=1)
     # Small limits keep a valid request's generation short, so the examples stay fast.
     server = open_server(

@@ -62,7 +62,7 @@ HOSTILE: dict[str, dict[str, Any]] = {
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("serve-isolation")
-    base = make_base(root)
+    base = make_base()
     make_adapter(base, root / "adapters" / "alpha", rank=4, seed=1)
     return base, root / "adapters"
 

@@ -17,7 +17,7 @@ MOVES = {"allowed_tokens": ["up", "down", "left", "right"]}  # no stop token: ru
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("serve-join")
-    base = make_base(root)
+    base = make_base()
     return base, make_prefix(base, root)
 
 

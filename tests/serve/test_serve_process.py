@@ -31,7 +31,7 @@ def free_port() -> int:
 @contextlib.contextmanager
 def clew_serve(tmp_path: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
     """``clew serve`` of a tiny base as a process, ready; yields it and its URL."""
-    base = make_base(tmp_path)
+    base = make_base()
     port = free_port()
     cmd = [sys.executable, "-m", "clew", "serve", "--model", str(base), "--model-id", MODEL_ID]
     with open(tmp_path / "serve.log", "wb") as log:

@@ -5,7 +5,6 @@ the layout its rollouts present it."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 from PIL import Image
-from serve_support import MODEL_ID, client, make_base, open_server, serving
+from serve_support import make_base, open_server, served_prompt, serving
 
 from clew.agent.endpoint import Reply
 from clew.agent.episode import EpisodeTurns
@@ -65,8 +64,8 @@ LAYOUTS: dict[str, list[dict[str, Any]]] = {
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, one_thread) -> Path:
-    return make_base(tmp_path_factory.mktemp("serve-prompt"))
+def tiny_dir(one_thread) -> Path:
+    return make_base()
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -82,32 +81,6 @@ def served(request) -> Iterator[tuple[Any, str, Any]]:
     server = open_server(Path(path))
     with serving(server) as url:
         yield server, url, load_policy(path)[1]
-
-
-@contextlib.contextmanager
-def prompts(server: Any) -> Iterator[list[Chunk]]:
-    """The prompt of every request the server hands its scheduler within the block."""
-    seen: list[Chunk] = []
-    submit = server.scheduler.submit
-
-    def recording(request, loop):
-        seen.append(request.prompt)
-        return submit(request, loop)
-
-    server.scheduler.submit = recording
-    try:
-        yield seen
-    finally:
-        del server.scheduler.submit
-
-
-def served_prompt(server: Any, url: str, messages: list[dict[str, Any]], **kw: Any) -> Chunk:
-    with prompts(server) as seen:
-        r = client(url).chat.completions.create(
-            model=MODEL_ID, messages=messages, max_tokens=1, temperature=0, **kw
-        )
-    assert len(seen) == 1 and r.usage.prompt_tokens == len(seen[0].token_ids)
-    return seen[0]
 
 
 def templated(processor: Any, messages: list[dict[str, Any]], *, continue_final: bool = False):

@@ -24,8 +24,8 @@ NEVER = (-1,)  # stop ids no token has: replies run to max_tokens
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory, one_thread) -> Path:
-    return make_base(tmp_path_factory.mktemp("serve-stop"))
+def base(one_thread) -> Path:
+    return make_base()
 
 
 def with_eos(base: Path, dest: Path, eos: int | list[int]) -> Path:

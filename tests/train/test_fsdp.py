@@ -2,25 +2,18 @@
 take one worker's steps, sample what it samples, and move their state to and from it.
 
 The two ranks are ``DataParallelWorker``s in two spawned processes (a process group needs
-one process per rank), started once for the module and driven over pipes; the one worker
-they are compared with runs in the test's process.
+one process per rank; ``support.fsdp.Ranks``), started once for the module and driven over
+pipes; the one worker they are compared with runs in the test's process.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import multiprocessing as mp
-import traceback
 import warnings
-from operator import attrgetter
-from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
+from support.fsdp import ATOL, FULL, Ranks, assert_same_weights
 
-from clew.cluster.data_parallel import DataParallelWorker
 from clew.config import load_config
 from clew.config.ignored import IgnoredKeyWarning, reset_ignored_warnings
 from clew.data.rows import generate_rows
@@ -29,84 +22,15 @@ from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models import load_policy
 from clew.rollout.loop import RolloutSettings, play
-from clew.train.fsdp import gathered, shards_policy
-from clew.train.grad_sync import free_loopback_address
+from clew.train import PolicyWorker, PPOSettings
+from clew.train.fsdp import shards_policy
 from clew.train.model_batch import Sample
 from clew.train.training_batch import TrainingBatch
-from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# Full fine-tuning; the KL reference is kept so that reference scoring runs sharded too.
-FULL = WorkerSettings(lr=1e-3, max_grad_norm=0.5, kl_reference=True)
 GREEDY = RolloutSettings(2, 2, 4096, SamplingParams(temperature=0.0, max_tokens=6))
 SAMPLED = RolloutSettings(2, 2, 4096, SamplingParams(temperature=1.0, max_tokens=6))
-
-
-def _serve(conn: Any, args: tuple, kwargs: dict) -> None:
-    """One rank: build the worker, then run ``(method path, args, kwargs)`` calls on it."""
-    try:
-        worker = DataParallelWorker(*args, **kwargs)
-        conn.send(("ok", worker.rank))
-        while (msg := conn.recv()) is not None:
-            name, a, kw = msg
-            try:
-                if name.startswith("module:"):  # a function of this module, on the worker
-                    value = functools.partial(globals()[name.removeprefix("module:")], worker)
-                else:
-                    value = attrgetter(name)(worker)
-                conn.send(("ok", value(*a, **kw) if callable(value) else value))
-            except BaseException:
-                conn.send(("error", traceback.format_exc()))
-        worker.close()
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-
-
-class Ranks:
-    """``DataParallelWorker`` ranks of one group, each in its own process."""
-
-    def __init__(self, n: int, *args: Any, **kwargs: Any) -> None:
-        ctx = mp.get_context("spawn")
-        address = free_loopback_address()
-        self.conns, self.procs = [], []
-        for rank in range(n):
-            mine, theirs = ctx.Pipe()
-            proc = ctx.Process(
-                target=_serve,
-                args=(theirs, (args[0], args[1], rank, n, address, *args[2:]), kwargs),
-                daemon=True,
-            )
-            proc.start()
-            self.conns.append(mine)
-            self.procs.append(proc)
-        self._replies()
-
-    def _replies(self, timeout_s: float = 180.0) -> list[Any]:
-        out = []
-        for rank, conn in enumerate(self.conns):
-            if not conn.poll(timeout_s):
-                raise TimeoutError(f"rank {rank} did not answer in {timeout_s} s")
-            status, value = conn.recv()
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out.append(value)
-        return out
-
-    def call(self, name: str, *args: Any, per_rank: list[tuple] | None = None) -> list[Any]:
-        """``name`` on every rank, with ``args`` or each rank's own ``per_rank`` arguments."""
-        for rank, conn in enumerate(self.conns):
-            conn.send((name, per_rank[rank] if per_rank else args, {}))
-        return self._replies()
-
-    def close(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(OSError):  # that rank is gone already
-                conn.send(None)
-        for proc in self.procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -135,19 +59,6 @@ def rows():
 def one_worker_rollouts(worker: PolicyWorker, rows, settings: RolloutSettings, seed: int):
     worker.model.eval()
     return play(InferenceEngine(worker.model, worker.chat), rows, settings, seed=seed)
-
-
-# AdamW's first steps move every weight by about lr whatever its gradient's size, so a weight
-# whose gradient is near 0 turns the float rounding of a different summation order into
-# steps of up to a few percent of lr (5.5% seen with transformers 5.25); everything else
-# agrees to about 1e-6, and a wrong step moves weights by about lr.
-ATOL = 0.1 * FULL.lr
-
-
-def assert_same_weights(a: dict, b: dict, atol: float = ATOL) -> None:
-    assert a.keys() == b.keys() and a
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def moved(weights: dict, start: dict) -> float:
@@ -225,20 +136,8 @@ def test_a_sharded_worker_with_no_rows_still_joins_the_gathering(ranks, model_di
     assert [t.token_ids for t in played] == [t.token_ids for t in expected]
 
 
-def _gathered_inside_gathered(worker: DataParallelWorker) -> list[bool]:
-    """Whether the weights are whole: in an outer block, after an inner block, after both."""
-    model = worker.worker.model
-    whole = []
-    with gathered(model):
-        with gathered(model):
-            pass
-        whole.append(not any(isinstance(p, DTensor) for p in model.parameters()))
-    whole.append(not any(isinstance(p, DTensor) for p in model.parameters()))
-    return whole
-
-
 def test_gathering_inside_a_gathered_block_keeps_the_weights_whole(ranks):
-    assert ranks.call("module:_gathered_inside_gathered") == [[True, False]] * 2
+    assert ranks.call("module:gathered_inside_gathered") == [[True, False]] * 2
 
 
 @pytest.mark.parametrize("kl", [False, True], ids=["ppo", "ppo+kl"])

@@ -9,16 +9,15 @@ import threading
 
 import pytest
 import torch
-from envs_for_tests import digits_rows
+from support.tiny import digits_data, digits_policy
 
 from clew.algorithms import LogprobGap, ppo_clip_loss, tis_weights
 from clew.config import load_config
-from clew.data.rows import generate_rows, write_rows
+from clew.data.rows import generate_rows
 from clew.errors import ConfigError
 from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.metrics.catalog import describe
-from clew.models import build_model
 from clew.rollout.loop import RolloutSettings, play
 from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.training_batch import TrainingBatch
@@ -222,14 +221,11 @@ def test_data_parallel_workers_report_the_whole_batchs_guard(model_dir, rows) ->
 
 
 def _grpo(tmp_path, *overrides: str) -> list[dict]:
-    model_dir = tmp_path / "tiny"
-    build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28, overwrite=True)
-    write_rows(digits_rows(8), tmp_path / "train.parquet")
     cfg = load_config(
         None,
         [
-            f"data.train_data=['{tmp_path / 'train.parquet'}']",
-            f"trainer.policy.model.path={model_dir}",
+            f"data.train_data=['{digits_data(8)}']",
+            f"trainer.policy.model.path={digits_policy()}",
             f"trainer.log_path={tmp_path / 'runs'}",
             "trainer.run_name=guard",
             "trainer.logger=jsonl",

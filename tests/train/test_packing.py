@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from clew.data.rows import generate_rows
+from clew.train import PolicyWorker, WorkerSettings
 from clew.train.model_batch import collate, pack_rows
-from clew.train.objectives import sft_objective
-from clew.train.worker import PolicyWorker, WorkerSettings
+from clew.train.objectives import GradientPass, sft_objective
 from clew.trainer.demonstrations import demonstrations
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -69,10 +69,8 @@ def test_packed_sft_step_gives_the_loss_and_gradient_of_the_unpacked_one(model_d
             model_dir, WorkerSettings(lr=1e-3, pack_sequences=pack)
         )
         # The gradient itself, before any step (sft_step clears it after stepping).
-        worker._accumulate(
-            demos, range(len(demos)), worker._vision(demos), {}, micro, sft_objective,
-            1.0, True, pack=pack,
-        )  # fmt: skip
+        gradient = GradientPass(sft_objective, worker.vision(demos), micro, pack=pack)
+        worker.accumulate(demos, range(len(demos)), gradient)
         grads.append(torch.cat([p.grad.flatten() for p in worker.model.parameters()]))
         stats.append(worker.sft_step(demos, micro))
     plain, packed = stats

@@ -16,11 +16,11 @@ from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import Trajectory
+from clew.train import PolicyWorker, PPOSettings, WorkerSettings
 from clew.train import forward as forward_module
 from clew.train.lora import merged_for_rollouts
 from clew.train.model_batch import Sample, collate, micro_batches, target_values
 from clew.train.training_batch import TrainingBatch, share_sizes
-from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 

@@ -8,20 +8,22 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from support.fsdp import ATOL, FULL, Ranks, assert_same_weights
+from support.tiny import env_data, tiny_policy
 
 from clew.config import load_config
-from clew.data.rows import generate_rows, write_rows
+from clew.data.rows import generate_rows
 from clew.errors import ClewError
 from clew.metrics import read_history
-from clew.models import build_model
 from clew.models.logit_masks import keep_allowed, mask_banned
 from clew.models.packed_attention import PackedLayout, packed_attention, packed_sdpa
 from clew.models.token_logprobs import token_logprobs
+from clew.train import PolicyWorker, PPOSettings, WorkerSettings
 from clew.train import forward as forward_module
+from clew.train.forward import logits_at
 from clew.train.model_batch import Sample, collate, token_micro_batches
-from clew.train.objectives import sft_objective
+from clew.train.objectives import GradientPass, sft_objective
 from clew.train.training_batch import TrainingBatch
-from clew.train.worker import PolicyWorker, PPOSettings, WorkerSettings, logits_at
 from clew.trainer.demonstrations import demonstrations
 from clew.trainer.launch import build_worker_group, run_sft_stage
 
@@ -248,10 +250,8 @@ def test_a_packed_sft_step_with_chunked_logprobs_gives_the_plain_loss_and_gradie
     ):
         worker = make_worker(model_dir, **settings)
         pack = settings.get("pack_sequences", False)
-        out = worker._accumulate(
-            demos, range(len(demos)), worker._vision(demos), {}, 2, sft_objective, 1.0, True,
-            pack=pack,
-        )  # fmt: skip
+        gradient = GradientPass(sft_objective, worker.vision(demos), 2, pack=pack)
+        out = worker.accumulate(demos, range(len(demos)), gradient)
         stats.append(out)
         gradients.append(grads(worker))
     assert stats[1]["loss"] == pytest.approx(stats[0]["loss"], rel=1e-5)
@@ -295,8 +295,6 @@ def test_bad_update_settings_are_refused_by_the_config(override, message):
 def test_sharded_workers_with_every_switch_take_one_plain_workers_step(model_dir, seqs):
     """Two FSDP ranks, one with three sequences in two token-budget micro-batches and one with
     a single sequence, so the second runs passes with no loss to keep in step."""
-    from test_fsdp import ATOL, FULL, Ranks, assert_same_weights
-
     switched = replace(
         FULL,
         remove_padding=True,
@@ -328,8 +326,7 @@ def test_sharded_workers_with_every_switch_take_one_plain_workers_step(model_dir
 def test_sft_reads_the_trainer_keys_and_logs_the_plain_runs_losses(
     model_dir, tmp_path, monkeypatch
 ):
-    rows_path = tmp_path / "train.parquet"
-    write_rows(generate_rows("maze_2d/tiny", 4, env_options=OPTIONS), rows_path)
+    rows_path = env_data("maze_2d/tiny", 4, env_options=OPTIONS)
     built: list[WorkerSettings] = []
     init = PolicyWorker.__init__
 
@@ -371,8 +368,8 @@ def test_chunked_logprobs_need_no_boolean_logits_to_keep(model_dir, seqs, monkey
         torch.testing.assert_close(g, w, atol=2e-5, rtol=0)
 
 
-def test_every_switch_at_once_on_qwen3_vl_gives_the_plain_gradient(tmp_path):
-    path = build_model("tiny", tmp_path / "qwen3", arch="qwen3_vl", image_size=128).path
+def test_every_switch_at_once_on_qwen3_vl_gives_the_plain_gradient():
+    path = tiny_policy(arch="qwen3_vl", image_size=128)
     rows = generate_rows("maze_2d/tiny", 6, env_options={**OPTIONS, "cell_px": 32})
     plain = make_worker(path, kl_reference=True)
     demos = demonstrations(rows, plain.chat, seed=3, start_anywhere=1.0)[:4]

@@ -12,8 +12,6 @@ from clew.envs import make
 from clew.envs.maze.actions import Action, format_action, parse_action
 from clew.envs.maze.solver import shortest_actions
 from clew.errors import ConfigError, EnvError
-from clew.models import build_model, load_policy
-from clew.models.chat import ChatFormat
 from clew.train.model_batch import collate
 from clew.trainer.demonstrations import demonstrations, play_demonstration
 
@@ -21,12 +19,6 @@ OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def chat(tmp_path_factory) -> ChatFormat:
-    tiny = build_model("tiny", tmp_path_factory.mktemp("tiny"), image_size=140, overwrite=True)
-    return ChatFormat(load_policy(tiny.path)[1])
 
 
 @pytest.fixture(scope="module")

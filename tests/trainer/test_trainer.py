@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 from envs_for_tests import digits_rows, walk_rows
+from support.tiny import tiny_policy
 
 from clew.config import load_config
 from clew.data.rows import generate_rows, write_rows
 from clew.errors import ClewError
-from clew.models import build_model
 from clew.rollout.trajectory import Trajectory
 from clew.train.settings import PPOSettings
 from clew.train.training_batch import TrainingBatch
@@ -21,14 +21,12 @@ from clew.trainer.launch import run_grpo
 
 def _tiny_run(tmp_path, rows, corpus: str, run: str, *overrides: str) -> list[dict]:
     """Train the tiny model on ``rows`` with ``overrides``; the run's metrics, one per line."""
-    model_dir = tmp_path / "tiny"
-    build_model("tiny", model_dir, corpus=[corpus * 20], image_size=28, overwrite=True)
     write_rows(rows, tmp_path / "train.parquet")
     cfg = load_config(
         None,
         [
             f"data.train_data=['{tmp_path / 'train.parquet'}']",
-            f"trainer.policy.model.path={model_dir}",
+            f"trainer.policy.model.path={tiny_policy(corpus=[corpus * 20], image_size=28)}",
             f"trainer.log_path={tmp_path / 'runs'}",
             f"trainer.run_name={run}",
             "trainer.logger=jsonl",
@@ -95,11 +93,10 @@ def test_gigpo_updates_each_turn_with_its_own_advantage_end_to_end(tmp_path):
     assert any(h["train/turn_advantage_std"] > 0 and h["policy/grad_norm"] > 0 for h in steps)
 
 
-def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch):
+def test_mixed_precision_reaches_the_worker_and_the_engine(digits_model_dir, monkeypatch):
     import clew.trainer.launch
 
-    model_dir = tmp_path / "tiny"
-    build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28, overwrite=True)
+    model_dir = digits_model_dir
     cfg = load_config(None, [f"trainer.policy.model.path={model_dir}", "trainer.device=cpu"])
     asked: list[tuple[str, bool]] = []
 
@@ -120,15 +117,15 @@ def test_mixed_precision_reaches_the_worker_and_the_engine(tmp_path, monkeypatch
     assert asked[-1] == ("32-true", False)
 
 
-def test_an_allowed_token_of_several_tokens_fails_while_the_worker_group_is_built(tmp_path):
+def test_an_allowed_token_of_several_tokens_fails_while_the_worker_group_is_built(
+    digits_model_dir,
+):
     import clew.trainer.launch
 
-    model_dir = tmp_path / "tiny"
-    build_model("tiny", model_dir, corpus=["0123456789 " * 20], image_size=28, overwrite=True)
     cfg = load_config(
         None,
         [
-            f"trainer.policy.model.path={model_dir}",
+            f"trainer.policy.model.path={digits_model_dir}",
             "trainer.device=cpu",
             "generator.eval_sampling_params.allowed_tokens=['1', '23 45']",
         ],

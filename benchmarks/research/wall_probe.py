@@ -16,7 +16,7 @@ env's ``border_px`` the policy was trained with (a cell then spans several patch
 change is averaged over the patches that hold part of it). Several ``--policy`` run one after
 the other and end in a table: a policy trained without a border beside one trained with it.
 
-    python benchmarks/wall_probe.py --policy DIR BORDER_PX [--policy DIR BORDER_PX ...]
+    python benchmarks/research/wall_probe.py --policy DIR BORDER_PX [--policy DIR BORDER_PX ...]
         [--rows 64] [--cell-px 14]
 
 docs/learning-easy.md quotes it on the CPU for two SFT policies that git history keeps:
@@ -53,7 +53,7 @@ from first_move import (  # noqa: E402
 from clew.envs.maze.generate import Maze  # noqa: E402
 from clew.envs.maze.render import render_state  # noqa: E402
 from clew.models.logit_masks import banned_token_ids, mask_banned  # noqa: E402
-from clew.train.worker import logits_at  # noqa: E402
+from clew.train.forward import logits_at  # noqa: E402
 
 
 def probe(model_dir: str, border_px: int, args: argparse.Namespace) -> dict[str, str]:

@@ -2,8 +2,9 @@
 
 A maze_2d/easy start sits in a corner with two inner neighbours; where exactly one is open
 the first move is forced, and since both lie towards the goal only reading the frame tells
-them apart. Not a benchmark of its own: ``python benchmarks/vision_probe.py`` and
-``python benchmarks/wall_probe.py`` import it.
+them apart. Not a probe of its own: ``python benchmarks/research/vision_probe.py`` and
+``python benchmarks/research/wall_probe.py`` import it (each puts its own folder on
+``sys.path``).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ fixed offsets) and with ``border_px=7`` (each of the agent's four patches holds 
 the agent and of two neighbours, so the patch embedding sees them). Prints the held-out
 accuracy every ``--eval-every`` steps, then both final figures.
 
-    python benchmarks/vision_probe.py [--preset small] [--steps 600] [--device cpu]
-    python benchmarks/vision_probe.py --preset tiny --steps 20 --eval-every 10 --train-rows 200 --eval-rows 40
+    python benchmarks/research/vision_probe.py [--preset small] [--steps 600] [--device cpu]
+    python benchmarks/research/vision_probe.py --preset tiny --steps 20 --eval-every 10 --train-rows 200 --eval-rows 40
 
 docs/learning-easy.md quotes the `small` preset on the CPU (6,000 train rows, 350 eval
 rows: 3,566 and 209 dead-end starts): without a border held-out 47.8% after 600 steps

@@ -12,7 +12,7 @@ patch's place but not the frame (``pos``: the position table, and the cells that
 or floor in every maze), and what varies with the frame (``content``: the maze itself and
 the agent). A language model can only learn from the last.
 
-    python benchmarks/frame_path_trace.py [--border 0] [--preset small]
+    python benchmarks/research/frame_path_trace.py [--border 0] [--preset small]
         [--image-mean 0.83] [--image-std 0.5] [--position-table centered]
 
 docs/learning-easy.md quotes the content share at the image embeddings of the `small`

@@ -24,7 +24,7 @@ from it), it ends with a table of the pairs side by side.
     clew eval --model M --data D/eval.parquet --max-turns 32 --max-generate-length 1 \\
         --keep-last-k-images 1 --reply-prefix '<action>' --reply-suffix '</action>' \\
         --num-gifs 0 --output-dir E      # once for START (E0), once for GRPO (E1)
-    python benchmarks/junction_margins.py START E0/trajectories.jsonl GRPO E1/trajectories.jsonl
+    python benchmarks/research/junction_margins.py START E0/trajectories.jsonl GRPO E1/trajectories.jsonl
 
 docs/learning-easy.md quotes it on those 256 mazes for two policies that git history keeps:
 the DAgger start (``git show f61e09f:checkpoints/easy-h200/sft-dagger-medium-s34/sft.tgz.part-aa``
@@ -55,8 +55,8 @@ from clew.envs import expert_for, make
 from clew.envs.maze.generate import DIRECTIONS
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
+from clew.train.forward import logits_at
 from clew.train.model_batch import collate
-from clew.train.worker import logits_at
 from clew.trainer.agreement import decision_tokens
 from clew.trainer.demonstrations import play_demonstration
 

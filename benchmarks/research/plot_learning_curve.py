@@ -1,6 +1,6 @@
 """Greedy eval pass@1 against step for a chain of runs: SFT, then GRPO, then GRPO continued.
 
-    python benchmarks/plot_learning_curve.py RUN/sft/metrics.jsonl RUN/grpo/metrics.jsonl \
+    python benchmarks/research/plot_learning_curve.py RUN/sft/metrics.jsonl RUN/grpo/metrics.jsonl \
         --output curve.png [--mark STEP=LABEL ...] [--target 0.95]
 
 Each file is one run's ``metrics.jsonl`` (one JSON object a line, each with ``step``). A
