@@ -4,7 +4,7 @@ A run's console goes to a terminal, to a log file, or to a Ray job's logs (the R
 shows a job driver's stdout). A bar redrawn with carriage returns turns into one long line in
 a file, so :class:`Progress` writes whole lines when the stream is not a terminal::
 
-    step 3 generate: 96/192 episodes, 12.3 s
+    step 3 generate: 96/192 episodes, <seconds since the phase began> s
 
 at most one every ``every_s`` seconds, plus a final one when the phase ends. A phase shorter
 than ``every_s`` prints nothing: the step's own metrics line already says how long it took.
