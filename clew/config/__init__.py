@@ -22,7 +22,7 @@ import yaml
 from clew.config.ignored import IGNORED_KEYS, IgnoredKeyWarning
 from clew.config.keys import all_keys
 from clew.config.keys import schema_markdown as _schema_markdown
-from clew.config.overrides import apply_overrides, build_config, parse_value
+from clew.config.overrides import apply_overrides, build_config, drop_retired_keys, parse_value
 from clew.config.schema import ClewConfig
 from clew.config.validate import validate
 from clew.errors import ConfigError
@@ -92,6 +92,7 @@ def load_config(
     data = _read_yaml(Path(path)) if path is not None else {}
     if path is not None:
         try:  # the file's own keys and types, so that an error can name the file
+            drop_retired_keys(data)  # once, so each warns once
             build_config(data)
         except ConfigError as exc:
             raise ConfigError(f"config file {str(path)!r}: {exc}") from None

@@ -225,24 +225,30 @@ def _first_leaf(key: str, value: Any) -> str:
     return key
 
 
+def drop_retired_keys(data: dict[str, Any]) -> None:
+    """Remove from nested ``data`` the removed keys (``RETIRED_KEYS``) set to what clew does
+    now, with a warning each; raise ``ConfigError`` naming every other one in one error (an
+    old run's saved config holds every one)."""
+    refused = []
+    for key in RETIRED_KEYS:
+        value = _value_at(data, key, _MISSING)
+        if value is _MISSING:
+            continue
+        if retired_key_kept(key, value):
+            section, _, name = key.rpartition(".")
+            del _value_at(data, section, {})[name]
+            warnings.warn(retired_key_warning(key), IgnoredKeyWarning, stacklevel=3)
+        else:
+            refused.append(key)
+    if refused:
+        raise ConfigError(retired_keys_message(refused))
+
+
 def check_keys(data: dict[str, Any], prefix: str = "") -> None:
-    """Raise ``ConfigError`` for the first key in nested ``data`` that the schema lacks; keys
-    clew removed (``RETIRED_KEYS``) first, all of them in one error (an old run's saved
-    config holds every one)."""
+    """Raise ``ConfigError`` for the first key in nested ``data`` that the schema lacks;
+    removed keys first (``drop_retired_keys``, which also drops those it accepts)."""
     if not prefix:
-        retired = []
-        for key in RETIRED_KEYS:
-            value = _value_at(data, key, _MISSING)
-            if value is _MISSING:
-                continue
-            if retired_key_kept(key, value):
-                section, _, name = key.rpartition(".")
-                del _value_at(data, section, {})[name]
-                warnings.warn(retired_key_warning(key), IgnoredKeyWarning, stacklevel=2)
-            else:
-                retired.append(key)
-        if retired:
-            raise ConfigError(retired_keys_message(retired))
+        drop_retired_keys(data)
     for name, value in data.items():
         key = f"{prefix}{name}"
         info = lookup(key)
