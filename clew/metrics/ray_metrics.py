@@ -35,9 +35,10 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from clew.errors import ConfigError
+from clew.errors import ClewError, ConfigError
 from clew.metrics.catalog import describe
 from clew.metrics.loggers import LoggerContext, register_logger
+from clew.ray_connect import join_ray
 
 log = logging.getLogger(__name__)
 
@@ -129,15 +130,12 @@ class RayMetricsLogger:
 
         self.owns_ray = False
         if not ray.is_initialized():
-            if not os.environ.get("RAY_ADDRESS"):
+            if not (address := os.environ.get("RAY_ADDRESS")):
                 raise ConfigError(NOT_ON_RAY)
             try:  # the run's job was submitted to a cluster: report to it
-                ray.init(address="auto", log_to_driver=True)
-            except Exception as e:  # an address that does not answer: say which
-                raise ConfigError(
-                    f"logger 'ray' could not join the Ray cluster at "
-                    f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}: {e}"
-                ) from e
+                join_ray(address)
+            except ClewError as e:  # an address that does not answer: say which
+                raise ConfigError(f"logger 'ray': {e}") from e
             self.owns_ray = True
         self.tags = {"project": ctx.project_name, "run": ctx.run_name}
         self._gauges: dict[str, Any] = {}  # clew name -> gauge; None for a name not sent

@@ -18,9 +18,15 @@ import torch
 from clew.checkpoint.layout import find_resume_step
 from clew.checkpoint.state import Checkpointer
 from clew.cluster.group import LocalWorkerGroup, WorkerGroup
-from clew.cluster.placement import check_gpus, connect_ray, local_gpus, worker_placement_group
+from clew.cluster.placement import (
+    PlacementSettings,
+    check_gpus,
+    local_gpus,
+    worker_placement_group,
+)
 from clew.cluster.ray_calls import WorkerLost
 from clew.config import ClewConfig, save_config
+from clew.config.schema import PlacementConfig
 from clew.config.settings import engine_options, optimizer_steps, worker_settings
 from clew.data.rows import read_rows, with_env_option
 from clew.envs.plugins import check_env_ids, import_env_modules, modules_env
@@ -31,6 +37,7 @@ from clew.inference.sampling import SamplingParams
 from clew.metrics import make_loggers, with_ray_metrics
 from clew.metrics.progress import library_bars_unless_tty
 from clew.models.precision import policy_precision
+from clew.ray_connect import connect_ray
 from clew.rollout.evaluation import eval_metrics
 from clew.rollout.loop import RolloutSettings, play_model
 from clew.train import PolicyWorker, WorkerSettings
@@ -43,6 +50,20 @@ def run_dir_of(cfg: ClewConfig) -> Path:
     return Path(cfg.trainer.log_path) / cfg.trainer.run_name
 
 
+def placement_settings(pl: PlacementConfig) -> PlacementSettings:
+    """``trainer.placement`` as the settings ``clew.cluster.placement`` takes; the placement
+    timeout is resolved here (``PlacementConfig.placement_timeout``: a bad
+    ``SKYRL_RAY_PG_TIMEOUT_IN_S`` is a ``ConfigError``)."""
+    timeout_s, source = pl.placement_timeout()
+    return PlacementSettings(
+        policy_num_nodes=pl.policy_num_nodes,
+        policy_num_gpus_per_node=pl.policy_num_gpus_per_node,
+        num_cpu_workers=pl.num_cpu_workers,
+        timeout_s=timeout_s,
+        timeout_source=source,
+    )
+
+
 def placement_device(cfg: ClewConfig) -> tuple[torch.device, bool]:
     """Where the policy workers of ``trainer.placement`` run, and whether they are GPU
     workers on Ray; a GPU placement this machine cannot hold is refused here."""
@@ -51,9 +72,8 @@ def placement_device(cfg: ClewConfig) -> tuple[torch.device, bool]:
     on_gpus = pl.num_gpus > 1 or _gpu_from_cluster(cfg)
     if on_gpus and not os.environ.get("RAY_ADDRESS"):  # a cluster's GPUs are counted on it
         found = 0 if t.device == "cpu" else local_gpus()
-        check_gpus(
-            pl, found, "this machine" + (" with trainer.device=cpu" if t.device == "cpu" else "")
-        )
+        where = "this machine" + (" with trainer.device=cpu" if t.device == "cpu" else "")
+        check_gpus(placement_settings(pl), found, where)
     if on_gpus:
         return torch.device("cuda"), True
     if pl.num_cpu_workers > 1:
@@ -81,7 +101,7 @@ def _gpu_from_cluster(cfg: ClewConfig) -> bool:
     connect_ray(None)
     found = ray.cluster_resources().get("GPU", 0)
     if t.device == "cuda":
-        check_gpus(pl, found, "the Ray cluster")
+        check_gpus(placement_settings(pl), found, "the Ray cluster")
     return found >= 1
 
 
@@ -114,7 +134,7 @@ def ray_worker_group(
             pl.num_workers,
             dtype=dtype,
             device=device.type,
-            placement_group=worker_placement_group(pl, on_gpus),
+            placement_group=worker_placement_group(placement_settings(pl), on_gpus),
             on_this_machine=started and not os.environ.get("RAY_ADDRESS"),
             env_vars=modules_env(cfg.environment.modules),
             name=f"clew-{run_name}",

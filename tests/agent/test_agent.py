@@ -8,7 +8,7 @@ import socket
 
 import pytest
 from PIL import Image
-from serve_support import MODEL_ID, make_adapter, open_server, serving
+from support.serve_cases import MODEL_ID, make_adapter, open_server, serving
 from support.tiny import env_data, tiny_policy
 
 from clew.agent import Conversation

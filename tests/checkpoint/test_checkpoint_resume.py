@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from envs_for_tests import digits_rows
-from s3_server import s3_bucket, s3_endpoint  # noqa: F401
+from support.s3_server import s3_bucket, s3_endpoint  # noqa: F401
 from support.tiny import digits_data, digits_policy
 
 from clew.checkpoint.layout import POINTER_FILE

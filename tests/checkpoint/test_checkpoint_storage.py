@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from s3_server import s3_bucket, s3_endpoint  # noqa: F401  (fixtures)
+from support.s3_server import s3_bucket, s3_endpoint  # noqa: F401  (fixtures)
 
 from clew.checkpoint import (
     MANIFEST_FILE,

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from clew.cluster.balance import assign_rows, expected_cost
-from clew.cluster.placement import connect_ray
 from clew.config import load_config
 from clew.data.rows import Row
 from clew.errors import ClewError, ConfigError
+from clew.ray_connect import connect_ray
 
 
 def row(turns_needed: int | None, max_turns: int = 10) -> Row:
@@ -82,9 +82,11 @@ def test_one_gpu_on_a_cluster_from_a_driver_without_gpus_goes_to_a_ray_gpu_worke
 
 def test_a_gpu_placement_on_a_cluster_without_gpus_is_refused_naming_the_cpu_way():
     from clew.cluster.placement import check_gpus
+    from clew.trainer.launch import placement_settings
 
+    settings = placement_settings(load_config(None, []).trainer.placement)
     with pytest.raises(ConfigError, match=r"has 0: .*trainer\.device=cpu"):
-        check_gpus(load_config(None, []).trainer.placement, 0, "the Ray cluster")
+        check_gpus(settings, 0, "the Ray cluster")
 
 
 def test_any_mini_batch_splits_over_cpu_workers_and_the_micro_batch_rule_names_no_gpus():

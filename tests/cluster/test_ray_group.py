@@ -161,8 +161,8 @@ def test_workers_given_uneven_or_empty_shares_take_the_step_of_one_worker(
 @pytest.fixture(scope="module")
 def ray_group(model_dir):
     ray = pytest.importorskip("ray")
-    from clew.cluster.placement import start_local_ray
     from clew.cluster.ray_group import RayWorkerGroup
+    from clew.ray_connect import start_local_ray
 
     # A Ray of the test's own on loopback, whatever cluster the machine has or had.
     start_local_ray(2, log_to_driver=False)

@@ -24,15 +24,16 @@ import pytest
 from envs_for_tests import DigitsEnv, digits_rows
 
 from clew.cli import main
-from clew.cluster.placement import connect_ray, worker_placement_group
+from clew.cluster.placement import worker_placement_group
 from clew.cluster.ray_group import RayWorkerGroup
 from clew.config import load_config
 from clew.data.rows import write_rows
 from clew.envs import base as env_base
 from clew.envs import register
 from clew.errors import ClewError, EnvError
+from clew.ray_connect import connect_ray
 from clew.train.settings import WorkerSettings
-from clew.trainer.launch import run_grpo
+from clew.trainer.launch import placement_settings, run_grpo
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
 
@@ -150,7 +151,7 @@ def test_workers_a_busy_instance_cannot_place_wait_skyrls_timeout_when_the_key_i
     pl = load_config(None, ["trainer.placement.num_cpu_workers=2"]).trainer.placement
     try:
         with pytest.raises(ClewError, match=r"within SKYRL_RAY_PG_TIMEOUT_IN_S .* = 1 s.*1 free"):
-            worker_placement_group(pl, on_gpus=False)
+            worker_placement_group(placement_settings(pl), on_gpus=False)
     finally:
         remove_placement_group(hold)
 

@@ -37,7 +37,7 @@ ROLLOUTS = RolloutSettings(2, 1, 256, SamplingParams(max_tokens=4))
 def ray_local():
     """One Ray instance on loopback for the module; its workers know the test envs."""
     ray = pytest.importorskip("ray")
-    from clew.cluster.placement import start_local_ray
+    from clew.ray_connect import start_local_ray
 
     # A Ray of the module's own on loopback, whatever cluster the machine has or had.
     start_local_ray(2, log_to_driver=False, runtime_env=ray_runtime_env())

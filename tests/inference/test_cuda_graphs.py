@@ -7,8 +7,8 @@ import re
 
 import pytest
 import torch
-from rollout_support import assert_same_samples, ending_at_different_turns
 from support.engine_cases import assert_same_until_they_part, cuda_policy
+from support.rollout_cases import assert_same_samples, ending_at_different_turns
 
 from clew.data.rows import generate_rows
 from clew.errors import ConfigError

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from rollout_support import assert_same_samples, ending_at_different_turns
+from support.rollout_cases import assert_same_samples, ending_at_different_turns
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from clew.data.rows import generate_rows

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_support import assert_same_samples, ending_at_different_turns
 from support.engine_cases import chunk_case, eight_b_case
+from support.rollout_cases import assert_same_samples, ending_at_different_turns
 
 from clew.inference import cache_batch as batch_module
 from clew.inference.attention import gqa_sdpa_attention

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from rollout_support import assert_same_samples
+from support.rollout_cases import assert_same_samples
 from transformers.models.qwen3_vl import modeling_qwen3_vl
 
 from clew.data.rows import generate_rows

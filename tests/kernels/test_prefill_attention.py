@@ -8,7 +8,6 @@ import re
 
 import pytest
 import torch
-from rollout_support import assert_same_samples
 from support.engine_cases import (
     CAP,
     D,
@@ -17,6 +16,7 @@ from support.engine_cases import (
     cuda_policy,
     play_with_prefill,
 )
+from support.rollout_cases import assert_same_samples
 
 from clew.config import load_config
 from clew.errors import ConfigError

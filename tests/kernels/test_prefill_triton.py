@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_support import assert_same_samples
 from support.engine_cases import (
     chunk_case,
     eight_b_case,
     play_with_prefill,
 )
+from support.rollout_cases import assert_same_samples
 
 from clew.config import load_config
 from clew.config.settings import engine_options

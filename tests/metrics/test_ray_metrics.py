@@ -16,7 +16,6 @@ import pytest
 from envs_for_tests import ray_runtime_env
 from support.tiny import digits_data
 
-from clew.cluster.placement import start_local_ray
 from clew.config import load_config
 from clew.errors import ConfigError
 from clew.metrics import (
@@ -28,6 +27,7 @@ from clew.metrics import (
 )
 from clew.metrics.catalog import MEMORY_PHASES, peak_memory_metric
 from clew.metrics.ray_metrics import REPORT_INTERVAL_ENV
+from clew.ray_connect import start_local_ray
 from clew.trainer.launch import run_grpo
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "clew-dashboard.json"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from rollout_support import assert_same_samples, ending_at_different_turns
+from support.rollout_cases import assert_same_samples, ending_at_different_turns
 
 import clew.models.distinct_images as di
 from clew.inference import cache_batch

@@ -4,8 +4,8 @@ modules vLLM's Qwen3-VL LoRA loader accepts.
 
 Each case builds a base, trains nothing but gives a LoRA adapter random weights, exports it
 as GRPO does (``PolicyWorker.save_pretrained`` + the processor) and merges it with `clew
-export --merge`. The "plain" side runs ``tests/plain_transformers.py`` in a process that
-never imports clew. Which test needs what:
+export --merge`. The "plain" side runs ``tests/support/plain_transformers.py`` in a process
+that never imports clew. Which test needs what:
 
 - ``test_a_clean_process_with_auto_processor_gets_clews_greedy_tokens`` needs torchvision
   (transformers' Qwen-VL ``AutoProcessor`` builds a video processor, which imports it), and
@@ -41,12 +41,12 @@ from clew.models.adapter_loading import load_adapter
 from clew.train.settings import WorkerSettings
 from clew.train.worker import PolicyWorker
 
-PLAIN = Path(__file__).parents[1] / "plain_transformers.py"
+PLAIN = Path(__file__).parents[1] / "support" / "plain_transformers.py"
 MAX_NEW_TOKENS = 12
 
 # name -> how the base is made: clew's builder (arch, dtype, frame size), or the real-format
-# Qwen3-VL checkpoint of ``tests/real_qwen3vl.py``. Frames are a multiple of patch x merge
-# inside the processor's pixel bounds, so no processor resizes them: PIL and torchvision
+# Qwen3-VL checkpoint of ``tests/support/real_qwen3vl.py``. Frames are a multiple of patch x
+# merge inside the processor's pixel bounds, so no processor resizes them: PIL and torchvision
 # processors then differ only by float rounding.
 CASES: dict[str, dict] = {
     "clew-qwen2_vl-fp32": {"arch": "qwen2_vl", "dtype": "float32", "image_size": 140},

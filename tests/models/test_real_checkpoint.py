@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from real_qwen3vl import (
+from support.real_qwen3vl import (
     HUB_CONFIG,
     HUB_SHA256,
     QWEN3_TOKENIZER_JSON_SHA256,
@@ -368,7 +368,7 @@ def test_clew_eval_plays_the_checkpoint(real_qwen3vl_dir, maze_rows, tmp_path, c
 
 
 def test_clew_serve_answers_the_openai_client_with_text(real_qwen3vl_dir, lora_run, one_thread):
-    from serve_support import client, image_message, open_server, serving
+    from support.serve_cases import client, image_message, open_server, serving
 
     model_id = "qwen3-vl-8b-layout"
     server = open_server(real_qwen3vl_dir, model_id=model_id, adapters=str(lora_run / "exports"))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_support import open_server, served_prompt, serving
+from support.serve_cases import open_server, served_prompt, serving
 
 from clew.envs import expert_for, make
 from clew.models import load_processor

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from serve_support import MODEL_ID, get, make_adapter, make_base, open_server, post, serving
+from support.serve_cases import MODEL_ID, get, make_adapter, make_base, open_server, post, serving
 
 from clew.agent import Endpoint, data_url, play_episode
 from clew.envs.media import replay

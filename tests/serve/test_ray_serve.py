@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from serve_support import MODEL_ID, client, image_message, make_adapter, make_base
+from support.serve_cases import MODEL_ID, client, image_message, make_adapter, make_base
 
 pytestmark = pytest.mark.ray
 
@@ -31,7 +31,7 @@ def ray_serve_url(tmp_path_factory):
     make_adapter(base, root / "adapters" / "alpha", rank=4, seed=1)
     started = not ray.is_initialized()
     if started:
-        from clew.cluster.placement import start_local_ray
+        from clew.ray_connect import start_local_ray
 
         # A Ray of the module's own on loopback, whatever cluster the machine has or had.
         # The replica reads its API key from the environment, as on Kubernetes.

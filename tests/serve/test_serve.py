@@ -9,8 +9,8 @@ import uuid
 
 import openai
 import pytest
-from s3_server import s3_bucket, s3_endpoint  # noqa: F401  (fixtures)
-from serve_support import (
+from support.s3_server import s3_bucket, s3_endpoint  # noqa: F401  (fixtures)
+from support.serve_cases import (
     MODEL_ID,
     add_corrupt,
     client,

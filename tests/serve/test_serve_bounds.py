@@ -13,7 +13,7 @@ import time
 from urllib.parse import urlparse
 
 import pytest
-from serve_support import (
+from support.serve_cases import (
     MODEL_ID,
     add_corrupt,
     get,

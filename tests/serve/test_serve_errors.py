@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 from PIL import Image
-from serve_support import (
+from support.serve_cases import (
     MODEL_ID,
     client,
     get,

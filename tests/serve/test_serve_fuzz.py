@@ -11,7 +11,7 @@ pytest 9)."""
 from __future__ import annotations
 
 import pytest
-from serve_support import MODEL_ID, make_adapter, make_base, open_server, serving
+from support.serve_cases import MODEL_ID, make_adapter, make_base, open_server, serving
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -64,7 +64,7 @@ def test_the_fuzz_covers_every_route_of_the_api(live_url):
 def test_the_schema_documents_the_errors_each_route_sends_and_no_422(live_url):
     import json
 
-    from serve_support import get
+    from support.serve_cases import get
 
     paths = json.loads(get(f"{live_url}/openapi.json")[1])["paths"]
     codes = {

@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
-from serve_support import (
+from support.serve_cases import (
     IMAGE_SIZE,
     MODEL_ID,
     image_message,

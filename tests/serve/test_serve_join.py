@@ -8,7 +8,7 @@ import concurrent.futures
 import threading
 
 import pytest
-from serve_support import MODEL_ID, client, image_message, make_base, make_prefix, serving
+from support.serve_cases import MODEL_ID, client, image_message, make_base, make_prefix, serving
 
 TEXT = [{"role": "user", "content": "Which way to the goal?"}]
 MOVES = {"allowed_tokens": ["up", "down", "left", "right"]}  # no stop token: runs to length

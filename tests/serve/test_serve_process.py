@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from serve_support import MODEL_ID, client, get, make_base, post
+from support.serve_cases import MODEL_ID, client, get, make_base, post
 
 TOKENS = 400
 

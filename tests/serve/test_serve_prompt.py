@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from PIL import Image
-from serve_support import make_base, open_server, served_prompt, serving
+from support.serve_cases import make_base, open_server, served_prompt, serving
 
 from clew.agent.endpoint import Reply
 from clew.agent.episode import EpisodeTurns

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from serve_support import MODEL_ID, client, make_base, open_server, serving
+from support.serve_cases import MODEL_ID, client, make_base, open_server, serving
 
 from clew.data.rows import generate_rows
 from clew.inference.engine import InferenceEngine

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rollout_support import ending_at_different_turns
 
 from clew.data.rows import generate_rows
 from clew.inference.engine import InferenceEngine
@@ -13,6 +12,7 @@ from clew.inference.sampling import SamplingParams
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.rollout.loop import RolloutSettings, play
+from support.rollout_cases import ending_at_different_turns
 from support.tiny import tiny_policy
 
 KV_HEADS, GROUP, D, CAP = 2, 3, 8, 16

@@ -23,7 +23,7 @@ fails that module and is dropped from the cache, so that later modules get a fre
   ``clew.data.rows.generate_rows(env_id, n, split, **generate_args)``.
 - ``watch(path)``: check a shared folder built elsewhere too (``real_qwen3vl_dir``).
 - ``cached_path(kind, args, make)``: the same cache for other built files (the serve
-  tests' LoRA adapters, ``serve_support.make_adapter``).
+  tests' LoRA adapters, ``support.serve_cases.make_adapter``).
 """
 
 from __future__ import annotations

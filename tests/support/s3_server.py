@@ -7,7 +7,7 @@ credentials; the bucket is made with boto3 because s3fs's ``mkdir`` trips on the
 constraint. A missing moto/s3fs/boto3 fails the tests loudly: CI installs them, and a silent
 skip would hide that the S3 path went untested.
 
-Import the fixtures into a test module (``from s3_server import s3_bucket, s3_endpoint``).
+Import the fixtures into a test module (``from support.s3_server import s3_bucket, s3_endpoint``).
 """
 
 from __future__ import annotations
