@@ -13,9 +13,13 @@ per variant from the same weights, evaluation and checkpoints off:
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first (which pays the start-up), GRPO steps per minute and the speed-up
-over the first variant run.
+over the first variant run; then the floor of such a step (``bounds.grpo_step_floor``: its
+FLOPs at the card's measured matrix rate, its decode's bytes at its bandwidth, for the last
+step's episode lengths). ``--profile DIR`` runs the first variant's last step under the
+profilers and writes where its time went (``step_profile.py``).
 
     python benchmarks/recipe_steps.py --recipe recipes/easy-1gpu.yaml --steps 4
+    python benchmarks/recipe_steps.py --steps 3 --variants after --profile runs/profile
     python benchmarks/recipe_steps.py --recipe recipes/cpu-demo.yaml --steps 2 --device cpu \\
         --set trainer.train_batch_size=2 trainer.policy_mini_batch_size=2 \\
         generator.n_samples_per_prompt=2 generator.max_turns=3 \\
@@ -25,15 +29,22 @@ over the first variant run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
-from clew.config import load_config
-from clew.trainer.launch import run_dir_of, run_grpo
-from clew.trainer.pipeline import run_pipeline, updated
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bounds import add_hardware_flags, grpo_step_floor, hardware, model_sizes  # noqa: E402
+from step_profile import profiled_phases  # noqa: E402
+
+from clew.config import load_config  # noqa: E402
+from clew.trainer.launch import run_dir_of, run_grpo  # noqa: E402
+from clew.trainer.pipeline import run_pipeline, updated  # noqa: E402
 
 VARIANTS: dict[str, dict[str, object]] = {
     "after": {},
@@ -49,6 +60,12 @@ def main() -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        help="profile the last step of the first variant into this folder (step_profile.py)",
+    )
+    add_hardware_flags(p)
     args = p.parse_args()
     names = args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -92,10 +109,17 @@ def main() -> None:
         print(
             f"{'variant':<8} {'step s':>7} {'generate':>9} {'update':>7} {'steps/min':>9} {'speed-up':>8}"
         )
-        first = None
+        first, heads = None, []
         for name in names:
             run_cfg = updated(cfg, {"trainer.run_name": name, **VARIANTS[name]})
-            run_grpo(run_cfg)
+            profiling = (
+                profiled_phases(args.profile, args.steps)
+                if args.profile and first is None
+                else contextlib.nullcontext([])
+            )
+            with profiling as heads_of_run:
+                run_grpo(run_cfg)
+            heads += heads_of_run
             gc.collect()  # the last variant's policy and engine, before the next sizes its cache
             lines = (run_dir_of(run_cfg) / "metrics.jsonl").read_text().splitlines()
             hist = [h for h in map(json.loads, lines) if "timing/step" in h]
@@ -107,6 +131,25 @@ def main() -> None:
             print(
                 f"{name:<8} {step:>7.2f} {gen:>9.2f} {upd:>7.2f} {60 / step:>9.2f} "
                 f"{first / step:>7.2f}x"
+            )
+            last = timed[-1]
+        floor = grpo_step_floor(
+            model_sizes(model),
+            hardware(args),
+            episodes=t.train_batch_size * g.n_samples_per_prompt,
+            episode_tokens=last["train/episode_tokens_mean"],
+            generated_tokens=last["train/generated_tokens_mean"],
+            update_passes=t.update_epochs_per_batch,
+        )
+        print(
+            f"{'floor':<8} {floor.step:>7.2f} {floor.generate:>9.2f} {floor.update:>7.2f} "
+            f"{60 / floor.step:>9.0f}   (the FLOPs and bytes alone: bounds.grpo_step_floor)"
+        )
+        if heads:
+            print(
+                "\n".join(
+                    ["", f"profile of step {args.steps} ({names[0]}), in {args.profile}:"] + heads
+                )
             )
 
 

@@ -69,15 +69,17 @@ RUNS = {
         + [
             "trainer.micro_train_batch_size_per_gpu=4",
             "trainer.micro_forward_batch_size_per_gpu=4",
-        ],
-        ["after", "eager", "speed-up"],
+        ]
+        + ["--profile", "{tmp}/profile"],
+        ["after", "eager", "speed-up", "floor", "profile of step 2", "generate:", "update:"],
     ),
 }
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_an_engine_benchmark_runs_to_its_table_on_a_cpu(name):
+def test_an_engine_benchmark_runs_to_its_table_on_a_cpu(name, tmp_path):
     argv, expected = RUNS[name]
+    argv = [a.format(tmp=tmp_path) for a in argv]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / argv[0]), *argv[1:]],
@@ -98,3 +100,7 @@ def test_an_engine_benchmark_runs_to_its_table_on_a_cpu(name):
         if "unavailable" in line and any(line.startswith(f"{text} ") for text in expected)
     ]
     assert not unavailable, "\n".join(unavailable)
+    if "--profile" in argv:  # a report per profiled phase, with its operators and functions
+        for phase in ("generate", "update"):
+            report = (tmp_path / "profile" / f"{phase}.txt").read_text()
+            assert "Operators by own host time" in report and "Python functions by" in report
