@@ -11,7 +11,16 @@ SKYRL_DEPARTURES: tuple[str, ...] = (
     "A group whose rewards are all equal gets exactly 0 (SkyRL computes `(r - mean) / (std + "
     "1e-6)`, where the rounding of the mean can leave a residue that the division magnifies).",
     "Dual clip is on whenever `trainer.algorithm.clip_ratio_c` is set; it defaults to null "
-    "(SkyRL applies it only with `policy_loss_type: dual_clip`, with `clip_ratio_c` 3.0).",
+    "(SkyRL applies it only with `policy_loss_type: dual_clip`, with `clip_ratio_c` 3.0). "
+    "With another built-in loss (`gspo`, `cispo`, `clip_cov`, `kl_cov`, `sapo`) setting it is "
+    "an error (SkyRL ignores it).",
+    "Every policy loss clamps each token's log-ratio to +-20 before `exp` (SkyRL: `regular`, "
+    "`cispo` and `sapo` do; `clip_cov` and `kl_cov` do not; `gspo` clamps the sequence's "
+    "log-ratio at +10 after averaging unclamped tokens).",
+    "`trainer.algorithm.cispo` defaults to `cispo_eps_clip_low` 1 and `cispo_eps_clip_high` 4, "
+    "the weight range [0, 5] of SkyRL's later releases (ScaleRL's; the paper sets no lower "
+    "bound); SkyRL 0.4's 0 and 5 give [1, 6]. `clip_cov`'s `clip_fraction` counts the tokens PPO's "
+    "clip drops as well as those the covariance drops (SkyRL's `clip_ratio`: the latter only).",
     "The KL penalty's log-ratio is clamped to +-20 for every estimator (SkyRL: `k3` only), and "
     "the `k3` estimate is not clamped to [-10, 10] afterwards, so a token far from the "
     "reference keeps the penalty's gradient.",

@@ -2,7 +2,7 @@
 
 Pure functions on torch tensors, independent of models, Ray and rollout code, so the
 numerics of training can be tested on CPU in milliseconds. Each family is a registry keyed by
-the config name (``grpo``, ``ppo_clip``, ``k3``, ...); add a variant with its ``register_*``
+the config name (``grpo``, ``ppo_clip``, ``gspo``, ``k3``, ...); add a variant with its ``register_*``
 decorator rather than a subclass. An advantage estimator registered with
 :func:`register_estimator` also says what it needs from the rollouts (see
 ``clew.algorithms.estimators``); register it before ``clew.config.load_config`` so the config
@@ -52,6 +52,13 @@ from clew.algorithms.losses import (
     reduce_loss,
     register_policy_loss,
 )
+from clew.algorithms.policy_losses import (
+    cispo_loss,
+    clip_cov_loss,
+    gspo_loss,
+    kl_cov_loss,
+    sapo_loss,
+)
 from clew.algorithms.stats import (
     entropy_from_logits,
     logprobs_from_logits,
@@ -79,6 +86,8 @@ __all__ = [
     "EstimatorSettings",
     "EstimatorSpec",
     "LogprobGap",
+    "cispo_loss",
+    "clip_cov_loss",
     "compute_advantages",
     "compute_policy_loss",
     "discounted_returns",
@@ -90,6 +99,8 @@ __all__ = [
     "policy_loss_name",
     "gigpo_advantages",
     "grpo_advantages",
+    "gspo_loss",
+    "kl_cov_loss",
     "kl_loss",
     "kl_penalty",
     "logprobs_from_logits",
@@ -101,6 +112,7 @@ __all__ = [
     "register_kl_estimator",
     "register_policy_loss",
     "rloo_advantages",
+    "sapo_loss",
     "setting",
     "step_advantages",
     "tis_weights",

@@ -19,6 +19,15 @@ choice (``reduction``) shared with the KL term:
 
 The sequence reductions divide by the number of sequences ``N``, counting sequences whose
 mask is all zero (they contribute 0), as SkyRL does. Nothing here yields NaN on an empty mask.
+
+Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv 2503.20783) is no
+loss of its own: it is ``ppo_clip`` under ``seq_mean_token_sum_norm`` with GRPO advantages
+that are not divided by the group's std (``trainer.algorithm.norm_adv_by_std_in_grpo=false``,
+so ``A_i = r_i - mean(group)``), as SkyRL configures it.
+
+The losses registered here: ``ppo_clip`` (config name ``regular``). The other built-in ones,
+each from its paper, are in ``clew.algorithms.policy_losses``: ``gspo``, ``cispo``,
+``clip_cov``, ``kl_cov`` and ``sapo``.
 """
 
 from collections.abc import Callable
@@ -43,6 +52,51 @@ def _check_2d(**tensors: Tensor) -> None:
     first = next(iter(shapes.values()))
     if len(first) != 2 or any(s != first for s in shapes.values()):
         raise ValueError(f"expected tensors of one shape [N, T], got {shapes}")
+
+
+def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, active: Tensor) -> Tensor:
+    """``logprobs - old_logprobs`` clamped to +-:data:`LOG_RATIO_CLAMP` on the ``active``
+    tokens and 0 elsewhere, float32 at least: padding with -inf old log-probs, or one
+    corrupted token, would otherwise overflow ``exp`` to inf and the backward pass to NaN."""
+    log_ratio = upcast_float(logprobs) - upcast_float(old_logprobs)
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(active, log_ratio, 0.0)
+
+
+def _ratio_stats(ratio: Tensor, log_ratio: Tensor, active: Tensor) -> dict[str, float]:
+    """``approx_kl`` (k3: ``r - 1 - log r``), ``ratio_mean`` and ``ratio_max`` over the
+    active tokens; 0.0 each when there are none."""
+    with torch.no_grad():
+        weight = active.float()
+        return {
+            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, weight).item(),
+            "ratio_mean": masked_mean(ratio, weight).item(),
+            "ratio_max": ratio[active].max().item() if bool(active.any()) else 0.0,
+        }
+
+
+def _truncated_is(
+    losses: Tensor,
+    active: Tensor,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor | None,
+    cap: float | None,
+) -> tuple[Tensor, dict[str, float]]:
+    """``losses`` times the TIS weights ``min(exp(old - rollout), cap)`` (no gradient), and
+    their stats; ``losses`` unchanged and no stats when ``rollout_logprobs`` is None."""
+    if rollout_logprobs is None:
+        return losses, {}
+    if cap is None:
+        raise ValueError("TIS (rollout_logprobs given) needs a tis_imp_ratio_cap > 0")
+    _check_2d(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs)
+    weights = torch.where(active, tis_weights(old_logprobs, rollout_logprobs, cap), 0.0)
+    with torch.no_grad():
+        capped = (weights >= cap) & active
+        stats = {
+            "tis_weight_mean": masked_mean(weights, active.float()).item(),
+            "tis_capped_fraction": masked_mean(capped.float(), active.float()).item(),
+        }
+    return losses * weights, stats
 
 
 def reduce_loss(
@@ -181,12 +235,7 @@ def ppo_clip_loss(
         raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
 
     active = loss_mask != 0
-    # The log-ratio is zeroed off the mask and clamped on it before exp: padding with -inf
-    # old log-probs, or one corrupted token, would otherwise overflow to inf and turn the
-    # backward pass into NaN.
-    log_ratio = upcast_float(logprobs) - upcast_float(old_logprobs)
-    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    log_ratio = torch.where(active, log_ratio, 0.0)
+    log_ratio = _log_ratio(logprobs, old_logprobs, active)
     ratio = torch.exp(log_ratio)
     adv = upcast_float(advantages)
 
@@ -199,15 +248,7 @@ def ppo_clip_loss(
         bound = -clip_ratio_c * adv
         dual = (adv < 0) & (bound < losses)
         losses = torch.where(dual, bound, losses)
-    weights = None
-    if rollout_logprobs is not None:
-        if tis_imp_ratio_cap is None:
-            raise ValueError("TIS (rollout_logprobs given) needs a tis_imp_ratio_cap > 0")
-        _check_2d(logprobs=logprobs, rollout_logprobs=rollout_logprobs)
-        weights = torch.where(
-            active, tis_weights(old_logprobs, rollout_logprobs, tis_imp_ratio_cap), 0.0
-        )
-        losses = losses * weights
+    losses, tis = _truncated_is(losses, active, old_logprobs, rollout_logprobs, tis_imp_ratio_cap)
 
     loss = reduce_loss(losses, loss_mask, reduction, max_seq_len)
 
@@ -215,12 +256,5 @@ def ppo_clip_loss(
         stats = {
             "clip_fraction": masked_mean(clipped.float(), active.float()).item(),
             "dual_clip_fraction": masked_mean(dual.float(), active.float()).item(),
-            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, active.float()).item(),
-            "ratio_mean": masked_mean(ratio, active.float()).item(),
-            "ratio_max": ratio[active].max().item() if bool(active.any()) else 0.0,
         }
-        if weights is not None:
-            capped = (weights >= tis_imp_ratio_cap) & active
-            stats["tis_weight_mean"] = masked_mean(weights, active.float()).item()
-            stats["tis_capped_fraction"] = masked_mean(capped.float(), active.float()).item()
-    return loss, stats
+    return loss, stats | _ratio_stats(ratio, log_ratio, active) | tis

@@ -40,6 +40,76 @@ class GigpoConfig(Section):
     )
 
 
+class CispoConfig(Section):
+    """CISPO's importance-weight range (SkyRL's ``trainer.algorithm.cispo``)."""
+
+    cispo_eps_clip_low: float = Field(
+        1.0,
+        ge=0.0,
+        description="Each token's detached weight exp(logprob - old logprob) is clipped below "
+        "at 1 - cispo_eps_clip_low, >= 0; 1 or more leaves it unbounded below, as in the paper.",
+    )
+    cispo_eps_clip_high: float = Field(
+        4.0,
+        ge=0.0,
+        description="The weight is clipped above at 1 + cispo_eps_clip_high, >= 0; a token past "
+        "it keeps its gradient, weighed at the bound (PPO's clip would drop it).",
+    )
+
+
+class ClipCovConfig(Section):
+    """Clip-Cov's token selection (SkyRL's ``trainer.algorithm.clip_cov``)."""
+
+    clip_ratio: float = Field(
+        0.0002,
+        gt=0.0,
+        le=1.0,
+        description="Share of a micro-batch's trained tokens, in (0, 1], whose gradient is "
+        "removed (at least one), drawn at random among those PPO's clip left alone whose "
+        "covariance (A - mean A) * (logprob - mean logprob) lies strictly between clip_cov_lb "
+        "and clip_cov_ub.",
+    )
+    clip_cov_lb: float = Field(
+        1.0, description="The candidates' covariance lower bound (below clip_cov_ub)."
+    )
+    clip_cov_ub: float = Field(
+        5.0, description="The candidates' covariance upper bound (above clip_cov_lb)."
+    )
+
+
+class KlCovConfig(Section):
+    """KL-Cov's token selection and penalty (SkyRL's ``trainer.algorithm.kl_cov``)."""
+
+    kl_cov_frac: float = Field(
+        0.2,
+        gt=0.0,
+        le=1.0,
+        description="Share of a micro-batch's trained tokens, in (0, 1], with the largest "
+        "covariance (A - mean A) * (logprob - mean logprob), that get the penalty ppo_kl_coef "
+        "* |logprob - old logprob| (at least one). SkyRL's default; the authors' verl recipe "
+        "uses 0.0002 to 0.002.",
+    )
+    ppo_kl_coef: float = Field(1.0, ge=0.0, description="Weight of that penalty, >= 0.")
+
+
+class SapoConfig(Section):
+    """SAPO's gate temperatures (SkyRL's ``trainer.algorithm.sapo``)."""
+
+    tau_pos: float = Field(
+        1.0,
+        gt=0.0,
+        description="Temperature, > 0, of the gate (4 / tau) * sigmoid(tau * (ratio - 1)) that "
+        "replaces PPO's clip, for tokens with a positive advantage; the larger, the faster a "
+        "token's gradient fades as its ratio leaves 1.",
+    )
+    tau_neg: float = Field(
+        1.05,
+        gt=0.0,
+        description="The gate's temperature, > 0, for tokens with an advantage <= 0 (the "
+        "paper's value for Qwen3-30B-A3B; above tau_pos, as those updates destabilise more).",
+    )
+
+
 class AlgorithmConfig(Section):
     advantage_estimator: str = Field(
         "grpo",
@@ -87,15 +157,53 @@ class AlgorithmConfig(Section):
     )
     policy_loss_type: str = Field(
         "regular",
-        description="Policy loss: 'regular' is the PPO clipped objective (registered as "
-        "'ppo_clip'), or a name registered with clew.algorithms.register_policy_loss (in a "
-        "module of environment.modules; it takes ppo_clip_loss's arguments).",
+        description="Policy loss (clew.algorithms.losses, clew.algorithms.policy_losses): "
+        "'regular' is PPO's clipped objective (registered as 'ppo_clip'); 'gspo' clips one "
+        "ratio per sequence, the geometric mean of its tokens' "
+        "(https://arxiv.org/abs/2507.18071; the paper's loss_reduction: sequence_mean); 'cispo' "
+        "weighs REINFORCE by the clipped, detached ratio (https://arxiv.org/abs/2506.13585; "
+        "section cispo); 'clip_cov' and 'kl_cov' clip, or penalise, the tokens whose logprob and "
+        "advantage covary most (https://arxiv.org/abs/2505.22617; sections clip_cov and kl_cov; "
+        "no use_tis); 'sapo' gates the ratio softly (https://arxiv.org/abs/2511.20347; section "
+        "sapo; the paper's loss_reduction: sequence_mean); or a name registered with "
+        "clew.algorithms.register_policy_loss (in a module of environment.modules; it takes "
+        "ppo_clip_loss's arguments). Dr. GRPO (https://arxiv.org/abs/2503.20783) is 'regular' "
+        "with loss_reduction seq_mean_token_sum_norm and norm_adv_by_std_in_grpo false.",
     )
-    eps_clip_low: float = Field(0.2, description="PPO ratio clip below 1, in (0, 1).")
-    eps_clip_high: float = Field(0.2, description="PPO ratio clip above 1, in (0, 1).")
+    eps_clip_low: float = Field(
+        0.2,
+        description="Ratio clip below 1, in (0, 1), of 'regular', 'clip_cov' and 'gspo' (for "
+        "'gspo', of the sequence ratio: the paper uses 3e-4).",
+    )
+    eps_clip_high: float = Field(
+        0.2,
+        description="Ratio clip above 1, in (0, 1), of 'regular', 'clip_cov' and 'gspo' (for "
+        "'gspo' the paper uses 4e-4).",
+    )
     clip_ratio_c: float | None = Field(
         None,
-        description="Dual-clip bound (> 1) on the ratio for negative advantages; null is off.",
+        description="Dual-clip bound (> 1) on the ratio for negative advantages; null is off. "
+        "Policy loss 'regular' (and registered ones) only.",
+    )
+    cispo: CispoConfig = Field(
+        default_factory=CispoConfig,
+        description="Settings of policy_loss_type 'cispo' (CISPO, MiniMax-M1, "
+        "https://arxiv.org/abs/2506.13585); unused by the other losses.",
+    )
+    clip_cov: ClipCovConfig = Field(
+        default_factory=ClipCovConfig,
+        description="Settings of policy_loss_type 'clip_cov' (Clip-Cov, Cui et al. 2025, "
+        "https://arxiv.org/abs/2505.22617); unused by the other losses.",
+    )
+    kl_cov: KlCovConfig = Field(
+        default_factory=KlCovConfig,
+        description="Settings of policy_loss_type 'kl_cov' (KL-Cov, Cui et al. 2025, "
+        "https://arxiv.org/abs/2505.22617); unused by the other losses.",
+    )
+    sapo: SapoConfig = Field(
+        default_factory=SapoConfig,
+        description="Settings of policy_loss_type 'sapo' (SAPO, Gao et al. 2025, "
+        "https://arxiv.org/abs/2511.20347); unused by the other losses.",
     )
     loss_reduction: Literal["token_mean", "sequence_mean", "seq_mean_token_sum_norm"] = Field(
         "token_mean",

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from clew.algorithms import get_estimator, policy_loss_name
+from clew.config.algorithm import AlgorithmConfig
 from clew.config.schema import ClewConfig, LoraConfig, OptimizerConfig
 from clew.inference.engine import EngineOptions
 from clew.inference.sampling import SamplingParams
@@ -55,15 +56,29 @@ def engine_options(cfg: ClewConfig) -> EngineOptions:
     )
 
 
+def policy_loss_options(a: AlgorithmConfig) -> dict[str, Any]:
+    """The keyword arguments ``trainer.algorithm`` gives its policy loss: PPO's clip for
+    'regular' and registered losses (the arguments of ``ppo_clip_loss``), the loss's own
+    section for the others (SkyRL's keys, so each loss reads the settings SkyRL's does)."""
+    name = policy_loss_name(a.policy_loss_type)
+    clip = {"eps_clip_low": a.eps_clip_low, "eps_clip_high": a.eps_clip_high}
+    own = {
+        "gspo": clip,
+        "cispo": a.cispo.model_dump(),
+        "clip_cov": clip | a.clip_cov.model_dump(),
+        "kl_cov": a.kl_cov.model_dump(),
+        "sapo": a.sapo.model_dump(),
+    }
+    return own.get(name, clip | {"clip_ratio_c": a.clip_ratio_c})
+
+
 def ppo_settings(cfg: ClewConfig) -> PPOSettings:
     """The update's loss and geometry; the mini-batch counts the group's trajectories."""
     a, t, g = cfg.trainer.algorithm, cfg.trainer, cfg.generator
     temperature = g.sampling_params.temperature
     return PPOSettings(
         policy_loss=policy_loss_name(a.policy_loss_type),
-        eps_clip_low=a.eps_clip_low,
-        eps_clip_high=a.eps_clip_high,
-        clip_ratio_c=a.clip_ratio_c,
+        loss_options=policy_loss_options(a),
         loss_reduction=a.loss_reduction,
         max_seq_len=g.max_input_length,
         use_kl_loss=a.use_kl_loss,

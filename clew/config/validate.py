@@ -355,6 +355,7 @@ def _rules(cfg: ClewConfig) -> list[str]:
             fail("eps-clip", f"trainer.algorithm.{name} must be in (0, 1), got {eps}")
     if (c := alg.clip_ratio_c) is not None and c <= 1:
         fail("clip-ratio-c", f"trainer.algorithm.clip_ratio_c must be > 1 or null, got {c}")
+    _policy_loss_rules(cfg, fail)
     if alg.use_tis and alg.tis_imp_ratio_cap <= 0:
         fail(
             "tis-cap",
@@ -370,6 +371,35 @@ def _rules(cfg: ClewConfig) -> list[str]:
         fail("resume-path", "trainer.resume_mode is 'from_path' but trainer.resume_path is unset")
     _named_functions(cfg, fail)
     return bad
+
+
+# The built-in losses other than PPO's clip (clew.algorithms.policy_losses): none has a dual
+# clip, and the covariance ones take no truncated importance sampling (nor do SkyRL's).
+_OWN_CLIP_LOSSES = ("gspo", "cispo", "clip_cov", "kl_cov", "sapo")
+_NO_TIS_LOSSES = ("clip_cov", "kl_cov")
+
+
+def _policy_loss_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
+    """The policy loss's own settings, and the shared keys a built-in loss would ignore."""
+    alg = cfg.trainer.algorithm
+    name, key = alg.policy_loss_type, "trainer.algorithm"
+    if not (lb := alg.clip_cov.clip_cov_lb) < (ub := alg.clip_cov.clip_cov_ub):
+        fail(
+            "clip-cov-bounds",
+            f"{key}.clip_cov.clip_cov_lb ({lb}) must be below {key}.clip_cov.clip_cov_ub ({ub})",
+        )
+    if name in _OWN_CLIP_LOSSES and alg.clip_ratio_c is not None:
+        fail(
+            "clip-ratio-c",
+            f"{key}.clip_ratio_c (dual clip, {alg.clip_ratio_c}) applies to policy_loss_type "
+            f"'regular' only; {name!r} has no dual clip: set it to null",
+        )
+    if name in _NO_TIS_LOSSES and alg.use_tis:
+        fail(
+            "loss-tis",
+            f"{key}.use_tis is not supported with policy_loss_type {name!r} (nor by SkyRL); "
+            f"accepted with: 'regular', 'gspo', 'cispo', 'sapo'",
+        )
 
 
 def _engine_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:

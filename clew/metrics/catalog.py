@@ -123,7 +123,12 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     # policy/: the optimizer update.
     MetricSpec("policy/loss", "Policy loss, averaged over the step's mini-batches.", "loss"),
-    MetricSpec("policy/clip_fraction", "Fraction of tokens whose ratio was clipped (PPO clip)."),
+    MetricSpec(
+        "policy/clip_fraction",
+        "Fraction of tokens whose ratio was clipped: PPO's clip ('regular'), the sequence "
+        "ratio's ('gspo'), the weight's range ('cispo'), PPO's clip or the covariance's "
+        "('clip_cov'); 0 for 'kl_cov' and 'sapo' (trainer.algorithm.policy_loss_type).",
+    ),
     MetricSpec(
         "policy/approx_kl", "Approximate KL between the rollout and the updated policy.", "kl"
     ),

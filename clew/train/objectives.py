@@ -77,9 +77,7 @@ def ppo_objective(settings: PPOSettings) -> Objective:
             batch.values["old_logprobs"].to(dev),
             batch.values["advantages"].to(dev),
             mask,
-            eps_clip_low=settings.eps_clip_low,
-            eps_clip_high=settings.eps_clip_high,
-            clip_ratio_c=settings.clip_ratio_c,
+            **settings.loss_options,
             **tis,
             **reduction,
         )

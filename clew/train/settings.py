@@ -7,7 +7,9 @@ exist (tests now, Ray actors once workers on Ray exist), and the trainer maps
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 SCHEDULERS = ("constant_with_warmup", "cosine", "linear")
 
@@ -69,8 +71,11 @@ class PPOSettings:
     """One PPO update: its loss (``trainer.algorithm.*``) and its geometry (``trainer.*``).
 
     ``policy_loss`` is a name in ``clew.algorithms.POLICY_LOSSES`` (the config's "regular"
-    is "ppo_clip"). ``temperature`` and ``allowed_tokens`` must be the rollout's sampling
-    ones. ``use_kl_loss``: the worker scores the batch under the KL reference (in micro
+    is "ppo_clip"), called with ``loss_options`` as keyword arguments besides the tensors, the
+    reduction and TIS: its own settings, e.g. ``eps_clip_low``, ``eps_clip_high`` and
+    ``clip_ratio_c`` for "ppo_clip" (``clew.config.settings.policy_loss_options`` picks them
+    from ``trainer.algorithm``); empty, the loss's defaults. ``temperature`` and
+    ``allowed_tokens`` must be the rollout's sampling ones. ``use_kl_loss``: the worker scores the batch under the KL reference (in micro
     batches of ``forward_micro_batch_size``) and adds ``kl_loss_coef`` times the KL term.
 
     The geometry: ``epochs`` passes over the batch, one optimizer step per mini-batch of
@@ -88,9 +93,7 @@ class PPOSettings:
     """
 
     policy_loss: str = "ppo_clip"
-    eps_clip_low: float = 0.2
-    eps_clip_high: float = 0.2
-    clip_ratio_c: float | None = None
+    loss_options: Mapping[str, Any] = field(default_factory=dict)
     loss_reduction: str = "token_mean"
     max_seq_len: int | None = None
     use_kl_loss: bool = False
