@@ -159,11 +159,7 @@ class ChatFormat:
     def encode_frames(self, images: list[Image.Image]) -> tuple[Pixels, torch.Tensor]:
         """As ``encode_images``, but as ``Frames`` (patched on the model's device) where covered."""
         frames = fast_frames(images, self.image_processor)
-        if frames is None:
-            return self.encode_images(images)
-        grid = fast_grid(images, self.image_processor)
-        assert grid is not None
-        return frames, grid
+        return self.encode_images(images) if frames is None else (frames, frames.grid())
 
     def image_token_count(self, grid_thw: torch.Tensor) -> int:
         return int(grid_thw.prod().item()) // (self.merge_size**2)
@@ -238,7 +234,8 @@ class ChatFormat:
             grid = None if pixels else fast_grid(images, self.image_processor)
             if grid is None:
                 pixel_values, grid = self.encode_frames(images)
-        counts = iter([self.image_token_count(g) for g in grid] if grid is not None else [])
+        merged = self.merge_size**2
+        counts = iter([] if grid is None else [n // merged for n in grid.prod(-1).tolist()])
         text = ""
         for part in parts:
             if isinstance(part, str):

@@ -288,10 +288,7 @@ def _byte_table(scale: float, mean: tuple[float, ...], std: tuple[float, ...]) -
 def fast_patches(images: list[Image.Image], ip: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(pixel_values [N * gh * gw, C * T * P * P], image_grid_thw [N, 3])`` or ``None``."""
     frames = fast_frames(images, ip)
-    if frames is None:
-        return None
-    size = (int(frames.data.shape[1]), int(frames.data.shape[2]))
-    return frames.patches(), _grid(len(frames), size, frames.patch)
+    return None if frames is None else (frames.patches(), frames.grid())
 
 
 @dataclass(frozen=True)
@@ -313,6 +310,10 @@ class Frames:
 
     def __len__(self) -> int:
         return int(self.data.shape[0])
+
+    def grid(self) -> torch.Tensor:
+        """``image_grid_thw [N, 3]`` of these frames."""
+        return _grid(len(self), (int(self.data.shape[1]), int(self.data.shape[2])), self.patch)
 
     def patches(self, device: torch.device | str | None = None) -> torch.Tensor:
         """``pixel_values [N * gh * gw, C * T * P * P]`` float32 on ``device``."""
