@@ -46,6 +46,7 @@ from clew.inference.draws import RowDraws
 from clew.inference.kv_cache import SlotCache
 from clew.inference.sampling import SamplingParams
 from clew.kernels.fused_pointwise import pointwise_fused
+from clew.kernels.sdpa_backends import without_cudnn_attention
 from clew.kernels.slot_views import prefill_lengths
 from clew.models.chat import Chunk
 from clew.models.distinct_images import images_deduplicated
@@ -403,6 +404,7 @@ class CacheBatch:
             pointwise_fused(eng.fused_pointwise and fused),
             images_deduplicated(),
             eng.lora.rows(adapters),
+            without_cudnn_attention(),
         ):
             out = eng.model(
                 input_ids=input_ids.to(dev),

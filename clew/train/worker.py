@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from clew.errors import ClewError
+from clew.kernels.sdpa_backends import without_cudnn_attention
 from clew.models import count_parameters, load_policy
 from clew.models.chat import ChatFormat
 from clew.train import fsdp
@@ -162,6 +163,7 @@ class PolicyWorker(PolicyForward):
             self._policy(adapter_enabled) as model,
             fsdp.gathered(model),
             self._packing(model),
+            without_cudnn_attention(),
         ):
             for idx in plan:
                 batch = self._collate(seqs, idx, vision)
@@ -206,7 +208,7 @@ class PolicyWorker(PolicyForward):
             passes = fsdp.lockstep([idx for idx in plan if sum(tokens[i] for i in idx)], sync)
         self.model.train()
         # Backward included: gradient checkpointing recomputes the forwards in it.
-        with self._packing(self.model, g.pack):
+        with self._packing(self.model, g.pack), without_cudnn_attention():
             try:
                 for idx in passes:
                     if idx is None:
