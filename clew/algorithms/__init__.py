@@ -1,7 +1,9 @@
-"""RL algorithm math: advantages, policy losses, KL penalties, token statistics.
+"""RL algorithm math: advantages, policy losses, KL penalties, token statistics, entropy
+controls.
 
-Pure functions on torch tensors, independent of models, Ray and rollout code, so the
-numerics of training can be tested on CPU in milliseconds. Each family is a registry keyed by
+Pure functions on torch tensors (on floats for the per-step entropy controls), independent
+of models, Ray and rollout code, so the numerics of training can be tested on CPU in
+milliseconds. Each family is a registry keyed by
 the config name (``grpo``, ``ppo_clip``, ``gspo``, ``k3``, ...); add a variant with its ``register_*``
 decorator rather than a subclass. An advantage estimator registered with
 :func:`register_estimator` also says what it needs from the rollouts (see
@@ -14,6 +16,11 @@ from clew.algorithms.advantages import (
     rloo_advantages,
     token_advantages,
     turn_discounted_rewards,
+)
+from clew.algorithms.entropy_control import (
+    adapt_entropy_coef,
+    entropy_coef_in_effect,
+    linear_schedule,
 )
 from clew.algorithms.estimators import (
     ADVANTAGE_ESTIMATORS,
@@ -86,11 +93,13 @@ __all__ = [
     "EstimatorSettings",
     "EstimatorSpec",
     "LogprobGap",
+    "adapt_entropy_coef",
     "cispo_loss",
     "clip_cov_loss",
     "compute_advantages",
     "compute_policy_loss",
     "discounted_returns",
+    "entropy_coef_in_effect",
     "entropy_from_logits",
     "estimator_names",
     "get_estimator",
@@ -103,6 +112,7 @@ __all__ = [
     "kl_cov_loss",
     "kl_loss",
     "kl_penalty",
+    "linear_schedule",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",

@@ -211,7 +211,38 @@ class AlgorithmConfig(Section):
         "per-sequence means, or per-sequence sums divided by a fixed length.",
     )
     use_entropy_loss: bool = Field(False, description="Add an entropy bonus to the loss.")
-    entropy_loss_coef: float = Field(0.01, description="Weight of the entropy bonus.")
+    entropy_loss_coef: float = Field(
+        0.01,
+        description="Weight of the entropy bonus, >= 0; with entropy_target set, the weight's "
+        "starting value (in [entropy_coef_min, entropy_coef_max]).",
+    )
+    entropy_target: float | None = Field(
+        None,
+        description="Entropy floor, > 0 (mean token entropy in nats, as policy/entropy), or "
+        "null for a fixed entropy_loss_coef. Set, it needs use_entropy_loss: after each "
+        "update the bonus's weight moves by entropy_coef_step, up if that update's "
+        "policy/entropy was below the target, down if above, within [entropy_coef_min, "
+        "entropy_coef_max], and the next update weighs the bonus by it while the entropy is at "
+        "or below the target, by 0 above (the floor lifts, never pushes down). Skywork-OR1's "
+        "adaptive entropy control (https://arxiv.org/abs/2505.22312; its scripts: target 0.2, "
+        "step 0.001, bounds [0, 0.5]), as SAC tunes its temperature to a target entropy "
+        "(https://arxiv.org/abs/1812.05905). The weight and the last entropy are checkpointed; "
+        "policy/entropy_coef logs the weight each update used.",
+    )
+    entropy_coef_step: float = Field(
+        0.001,
+        description="How much, > 0, the entropy bonus's weight moves after each update under "
+        "entropy_target (Skywork-OR1's delta_ent_coef).",
+    )
+    entropy_coef_min: float = Field(
+        0.0,
+        description="Lowest weight, >= 0, of the entropy bonus under entropy_target.",
+    )
+    entropy_coef_max: float = Field(
+        0.5,
+        description="Highest weight, >= entropy_coef_min, of the entropy bonus under "
+        "entropy_target.",
+    )
     recompute_old_logprobs: bool = Field(
         False,
         description="Score each batch with the trainer's own forward before the update and "

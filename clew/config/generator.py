@@ -11,6 +11,18 @@ from clew.config.section import Section
 
 class SamplingParams(Section):
     temperature: float = Field(1.0, description="Sampling temperature; 0 is greedy.")
+    temperature_end: float | None = Field(
+        None,
+        description="Training rollouts (sampling_params only; null under "
+        "eval_sampling_params): the temperature of the last training step, > 0, reached "
+        "linearly from temperature (> 0) at step 1; null keeps temperature throughout. The "
+        "last step is the one the learning-rate schedule ends at: trainer.max_steps, or the "
+        "data's steps (rows // train_batch_size x epochs) if fewer. The update scores each "
+        "step's tokens at that step's temperature; train/temperature logs it. Lowering it "
+        "sharpens the rollouts as the policy improves, raising it samples more widely; a "
+        "higher rollout temperature slows entropy collapse (Skywork-OR1, "
+        "https://arxiv.org/abs/2505.22312).",
+    )
     top_p: float = Field(1.0, description="Nucleus sampling mass, in (0, 1].")
     top_k: int = Field(
         -1,

@@ -97,13 +97,28 @@ def ppo_settings(cfg: ClewConfig) -> PPOSettings:
     )
 
 
-def optimizer_steps(cfg: ClewConfig, num_rows: int) -> int:
+def _data_steps(cfg: ClewConfig, num_rows: int) -> int:
     t = cfg.trainer
     steps = (num_rows // t.train_batch_size) * t.epochs
     if t.max_steps >= 0:  # the run ends there, so a decaying schedule must reach its end there
         steps = min(steps, t.max_steps)
+    return steps
+
+
+def training_steps(cfg: ClewConfig, num_rows: int) -> int:
+    """The GRPO run's training steps over ``num_rows`` training rows (at least 1): the
+    data's, capped at ``trainer.max_steps``; the temperature schedule ends there."""
+    return max(1, _data_steps(cfg, num_rows))
+
+
+def optimizer_steps(cfg: ClewConfig, num_rows: int) -> int:
+    """The optimizer steps of those training steps; the learning-rate schedule ends there."""
+    t = cfg.trainer
     return max(
-        1, steps * (t.train_batch_size // t.policy_mini_batch_size) * t.update_epochs_per_batch
+        1,
+        _data_steps(cfg, num_rows)
+        * (t.train_batch_size // t.policy_mini_batch_size)
+        * t.update_epochs_per_batch,
     )
 
 

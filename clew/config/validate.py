@@ -311,6 +311,7 @@ def _rules(cfg: ClewConfig) -> list[str]:
                 f"generator.{name}.allowed_tokens must be null or a list of non-empty token "
                 f"texts, got {sp.allowed_tokens!r}",
             )
+    _temperature_schedule_rules(cfg, fail)
     if gen.eval_n_samples_per_prompt > 1 and gen.eval_sampling_params.temperature == 0:
         fail(
             "eval-samples-greedy",
@@ -356,6 +357,7 @@ def _rules(cfg: ClewConfig) -> list[str]:
     if (c := alg.clip_ratio_c) is not None and c <= 1:
         fail("clip-ratio-c", f"trainer.algorithm.clip_ratio_c must be > 1 or null, got {c}")
     _policy_loss_rules(cfg, fail)
+    _entropy_floor_rules(cfg, fail)
     if alg.use_tis and alg.tis_imp_ratio_cap <= 0:
         fail(
             "tis-cap",
@@ -399,6 +401,66 @@ def _policy_loss_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> Non
             "loss-tis",
             f"{key}.use_tis is not supported with policy_loss_type {name!r} (nor by SkyRL); "
             f"accepted with: 'regular', 'gspo', 'cispo', 'sapo'",
+        )
+
+
+def _entropy_floor_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
+    """The adaptive entropy coefficient's target, step and bounds (``entropy_target``)."""
+    alg, key = cfg.trainer.algorithm, "trainer.algorithm"
+    if not alg.entropy_coef_step > 0:
+        fail("entropy-floor", f"{key}.entropy_coef_step must be > 0, got {alg.entropy_coef_step}")
+    lo, hi = alg.entropy_coef_min, alg.entropy_coef_max
+    if not 0 <= lo <= hi:
+        fail(
+            "entropy-floor",
+            f"{key}.entropy_coef_min ({lo}) and entropy_coef_max ({hi}) must satisfy "
+            "0 <= entropy_coef_min <= entropy_coef_max",
+        )
+    if (target := alg.entropy_target) is None:
+        return
+    if not target > 0:
+        fail(
+            "entropy-floor",
+            f"{key}.entropy_target must be > 0 (a mean token entropy in nats) or null for "
+            f"off, got {target}",
+        )
+    if not alg.use_entropy_loss:
+        fail(
+            "entropy-floor",
+            f"{key}.entropy_target ({target}) adapts the entropy bonus's weight, but "
+            f"{key}.use_entropy_loss is false: set it to true (entropy_loss_coef is the "
+            "weight's starting value), or entropy_target to null",
+        )
+    elif 0 <= lo <= hi and not lo <= alg.entropy_loss_coef <= hi:
+        fail(
+            "entropy-floor",
+            f"{key}.entropy_loss_coef ({alg.entropy_loss_coef}), the starting weight under "
+            f"entropy_target, must lie in [entropy_coef_min, entropy_coef_max] = [{lo}, {hi}]",
+        )
+
+
+def _temperature_schedule_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
+    """``temperature_end``: training rollouts only, from and to a temperature > 0."""
+    gen, key = cfg.generator, "generator.sampling_params"
+    if (end := gen.eval_sampling_params.temperature_end) is not None:
+        fail(
+            "temperature-schedule",
+            f"generator.eval_sampling_params.temperature_end ({end}) must be null: the "
+            "temperature schedule is for training rollouts; evaluation keeps "
+            "eval_sampling_params.temperature",
+        )
+    if (end := gen.sampling_params.temperature_end) is None:
+        return
+    if not end > 0:
+        fail(
+            "temperature-schedule",
+            f"{key}.temperature_end must be > 0, or null for a constant temperature; got {end}",
+        )
+    if not (start := gen.sampling_params.temperature) > 0:
+        fail(
+            "temperature-schedule",
+            f"{key}.temperature_end ({end}) schedules from {key}.temperature, which must then "
+            f"be > 0 (0 is greedy, with no distribution to anneal); got {start}",
         )
 
 

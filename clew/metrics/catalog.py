@@ -92,6 +92,11 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Groups with reward spread the step updated on (dynamic sampling 'filter'); below "
         "train_batch_size when max_sample_batches or the data ran out first.",
     ),
+    MetricSpec(
+        "train/temperature",
+        "Sampling temperature of the step's training rollouts, at which the update scores "
+        "them: generator.sampling_params.temperature, or its schedule to temperature_end.",
+    ),
     MetricSpec("train/turns_mean", "Mean number of agent turns per episode.", "turns"),
     MetricSpec(
         "train/episode_tokens_mean", "Mean tokens per episode (prompt, observations and actions)."
@@ -134,6 +139,13 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("policy/kl_loss", "KL penalty to the reference policy, as added to the loss."),
     MetricSpec("policy/entropy", "Mean token entropy of the policy on generated tokens.", "ent"),
+    MetricSpec(
+        "policy/entropy_coef",
+        "trainer.algorithm.use_entropy_loss: the entropy bonus's weight in the step's loss; "
+        "entropy_loss_coef, unless trainer.algorithm.entropy_target is set: then the adaptive "
+        "weight (up a step after each update whose policy/entropy was below the target, down "
+        "after one above) while the last policy/entropy is at or below the target, 0 above.",
+    ),
     MetricSpec("policy/grad_norm", "Gradient norm before clipping.", "gnorm"),
     MetricSpec("policy/lr", "Learning rate used for the step."),
     MetricSpec(

@@ -8,6 +8,9 @@ go to a collector and from there to the loggers; timings are per phase. There is
 sync phase: the engine samples from the very modules the optimizer steps (colocated, on
 every worker of a group), so nothing is copied between update and generate.
 
+Two settings may change from step to step, the rollouts' temperature and the entropy
+bonus's weight: ``clew.trainer.step_settings``.
+
 A phase whose every episode ended as ``env_error`` (the env raised: an id a worker does not
 know, a simulator that is down) stops the run with that error: there is nothing to learn
 from, and going on would train on nothing and log zeros. Each export prints where it went.
@@ -31,7 +34,7 @@ from clew.algorithms import EstimatorBatch, compute_advantages, get_estimator
 from clew.checkpoint.state import Checkpointer
 from clew.cluster.group import WorkerGroup
 from clew.config import ClewConfig
-from clew.config.settings import ppo_settings, rollout_settings
+from clew.config.settings import ppo_settings, rollout_settings, training_steps
 from clew.data.rows import Row
 from clew.data.sampler import ResumableSampler
 from clew.errors import ClewError, EnvError
@@ -52,6 +55,7 @@ from clew.rollout.loop import RolloutSettings
 from clew.rollout.trajectory import Trajectory
 from clew.train.optim import MAX_DROPPED_STEPS
 from clew.train.training_batch import TrainingBatch
+from clew.trainer.step_settings import StepSettings
 from clew.trainer.stopping import GracefulStop
 
 
@@ -65,6 +69,11 @@ class LoopState:
     # a resumed run measures its evaluations against the best of the steps it goes on from.
     best_eval: float = -1.0
     best_step: int = -1
+    # The entropy bonus's adaptive weight (trainer.algorithm.entropy_target) and the
+    # policy/entropy of the last update, which set the next update's weight; checkpointed,
+    # so a resumed run weighs its bonus as the uninterrupted one would.
+    entropy_coef: float = 0.0
+    last_entropy: float | None = None
 
 
 # How each piece of per-turn data an estimator may need (EstimatorSpec.needs) is read
@@ -117,7 +126,8 @@ class GRPOTrainer:
         self.loggers = loggers
         self.run_dir = run_dir
         self.checkpointer = checkpointer
-        self.state = LoopState()
+        alg = cfg.trainer.algorithm
+        self.state = LoopState(entropy_coef=alg.entropy_loss_coef if alg.use_entropy_loss else 0.0)
         self.restarts = 0  # worker-group restarts so far (clew.trainer.launch.run_grpo sets it)
         self._saved_step = 0
         self._exported_step = -1  # the step of the latest global_step_N export
@@ -126,6 +136,9 @@ class GRPOTrainer:
         self.train_settings = rollout_settings(cfg, evaluation=False)
         self.eval_settings = rollout_settings(cfg, evaluation=True)
         self.ppo_settings = ppo_settings(cfg)
+        self.schedule = StepSettings(
+            cfg, training_steps(cfg, len(train_rows)), self.train_settings, self.ppo_settings
+        )
         # Progress lines for long rollouts go with the console logger's lines.
         self.show_progress = "console" in cfg.trainer.logger_names
 
@@ -207,9 +220,11 @@ class GRPOTrainer:
         want, limit = self.cfg.trainer.train_batch_size, ds.max_sample_batches
         discount = self.cfg.trainer.algorithm.turn_discount
         more = more if more is not None else iter(())
+        settings = self.schedule.rollout(step)
+        self.metrics.add("train/temperature", settings.sampling.temperature)
         with self.metrics.timer("generate"):
             if ds.type != "filter":
-                played = self._play(rows, self.train_settings, self._seed(step), "generate")
+                played = self._play(rows, settings, self._seed(step), "generate")
                 return played, played
 
             def draw() -> list[Row] | None:  # the next batch, unless the limit or data is out
@@ -218,14 +233,12 @@ class GRPOTrainer:
             first, drawn = list(rows), 1
             while drawn < self.state.sample_batches and (extra := draw()) is not None:
                 first, drawn = first + list(extra), drawn + 1
-            played = self._play(first, self.train_settings, self._seed(step), "generate")
+            played = self._play(first, settings, self._seed(step), "generate")
             groups = spread_groups(played, discount)
             counts = spread_per_batch(groups, drawn, len(rows))
             while len(groups) < want and (extra := draw()) is not None:
                 seed = self._seed(step) + 1_000_000_007 * drawn
-                batch = self._play(
-                    extra, self.train_settings, seed, "generate", f"batch {drawn + 1}"
-                )
+                batch = self._play(extra, settings, seed, "generate", f"batch {drawn + 1}")
                 found = spread_groups(batch, discount)
                 played, groups, drawn = played + batch, groups + found, drawn + 1
                 counts.append(len(found))
@@ -288,10 +301,14 @@ class GRPOTrainer:
     def update(self, trajs: Sequence, advantages: torch.Tensor | list[torch.Tensor]) -> None:
         if not trajs:
             return
+        settings = self.schedule.update(self.state.global_step, self.state)
         with self.metrics.timer("update"), self._peak_memory("update"):
             batch = TrainingBatch.from_trajectories(trajs, advantages)
-            stats = self.group.update(batch, self.ppo_settings)
+            stats = self.group.update(batch, settings)
         self.metrics.add_many(stats)
+        if self.cfg.trainer.algorithm.use_entropy_loss:
+            self.metrics.add("policy/entropy_coef", settings.entropy_loss_coef)
+        self.schedule.adapt_entropy_coef(self.state, stats)
         steps, dropped = (
             stats.get("policy/optimizer_steps", 0),
             stats.get("policy/skipped_steps", 0),
@@ -370,7 +387,8 @@ class GRPOTrainer:
         return dict(vars(self.state))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state = LoopState(**state)
+        # A key an older checkpoint lacks keeps this run's starting value.
+        self.state = LoopState(**(vars(self.state) | state))
 
     # -- helpers --------------------------------------------------------------------
     def _play(

@@ -286,6 +286,31 @@ def test_section_given_a_scalar_is_a_config_error_not_a_pydantic_one(tmp_path: P
         (["trainer.algorithm.eps_clip_high=0"], "eps-clip"),
         (["trainer.algorithm.clip_ratio_c=0.5"], "clip-ratio-c"),
         (["trainer.resume_mode=from_path"], "resume-path"),
+        (
+            ["trainer.algorithm.entropy_target=-0.1", "trainer.algorithm.use_entropy_loss=true"],
+            "entropy-floor",
+        ),
+        (["trainer.algorithm.entropy_target=0.2"], "entropy-floor"),  # no use_entropy_loss
+        (["trainer.algorithm.entropy_coef_step=0"], "entropy-floor"),
+        (["trainer.algorithm.entropy_coef_max=-1"], "entropy-floor"),
+        (
+            [
+                "trainer.algorithm.entropy_loss_coef=0.9",
+                "trainer.algorithm.use_entropy_loss=true",
+                "trainer.algorithm.entropy_target=0.2",
+            ],
+            "entropy-floor",
+        ),
+        (["generator.sampling_params.temperature_end=0"], "temperature-schedule"),
+        (["generator.sampling_params.temperature_end=-1.5"], "temperature-schedule"),
+        (
+            [
+                "generator.sampling_params.temperature=0",
+                "generator.sampling_params.temperature_end=1",
+            ],
+            "temperature-schedule",
+        ),
+        (["generator.eval_sampling_params.temperature_end=0.5"], "temperature-schedule"),
         (["trainer.max_prompt_length=8192"], "context-fits-turn"),
         (["generator.inference_engine.engine_init_kwargs.max_model_len=4096"], "max-model-len"),
         (["trainer.logger=[console,nope]"], "logger"),
@@ -472,6 +497,31 @@ def test_schedule_length_ends_at_max_steps_when_the_run_does() -> None:
     assert optimizer_steps(load_config(None, base), 2048) == 2 * 256 * 2
     capped = load_config(None, [*base, "trainer.max_steps=60"])
     assert optimizer_steps(capped, 2048) == 60 * 2
+
+
+def test_the_temperature_schedule_ends_at_the_training_step_the_lr_schedule_does() -> None:
+    from clew.config.settings import training_steps
+
+    base = ["trainer.train_batch_size=8", "trainer.policy_mini_batch_size=4", "trainer.epochs=2"]
+    assert training_steps(load_config(None, base), 2048) == 2 * 256
+    assert training_steps(load_config(None, [*base, "trainer.max_steps=60"]), 2048) == 60
+    assert training_steps(load_config(None, [*base, "trainer.max_steps=0"]), 2048) == 1
+
+
+def test_the_entropy_floor_and_the_temperature_schedule_are_accepted_in_range() -> None:
+    cfg = load_config(
+        None,
+        [
+            "trainer.algorithm.use_entropy_loss=true",
+            "trainer.algorithm.entropy_loss_coef=0.0",
+            "trainer.algorithm.entropy_target=0.3",
+            "generator.sampling_params.temperature=1.0",
+            "generator.sampling_params.temperature_end=0.6",
+        ],
+    )
+    assert cfg.trainer.algorithm.entropy_target == 0.3
+    assert cfg.generator.sampling_params.temperature_end == 0.6
+    assert cfg.generator.eval_sampling_params.temperature_end is None  # not inherited
 
 
 def test_an_unknown_estimator_names_the_registered_ones_and_the_nearest() -> None:
