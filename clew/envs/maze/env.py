@@ -5,10 +5,15 @@ A move into a wall or an unreadable reply leaves the state unchanged, uses a tur
 explained in the next text. The episode ends on ``stop`` or when ``max_turns`` are used;
 the reward is 1.0 for stopping on the goal (VisGym's rule), or, with
 ``success_on_reach=True``, for reaching it.
+
+The samples of a GRPO group reset to one seed: a seed's maze, its distances to the goal and
+its background frame are made once (``_seeded_maze``, the last ``MAZES_KEPT``), read only,
+and shared by the episodes that reset to it.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -64,6 +69,24 @@ def task_prompt(grid_size: int, max_turns: int, action_format: str, success_on_r
         f"{success_sentence(success_on_reach)} "
         f"You have {max_turns} turns in all, and stopping uses one."
     )
+
+
+# Mazes kept by _seeded_maze: far more than the groups a batch resets together.
+MAZES_KEPT = 512
+
+
+@lru_cache(maxsize=MAZES_KEPT)
+def _seeded_maze(
+    layout: str, size: int, seed: int, cell_px: int, border_px: int
+) -> tuple[Maze, np.ndarray, np.ndarray]:
+    """The maze of ``seed``, each cell's moves to its goal and its frame without the agent,
+    read only (shared by every env that resets to the seed)."""
+    maze = generate_layout(layout, size, seed)
+    dist = distances_to(maze, maze.goal)
+    background = render_background(maze, cell_px, border_px)
+    for array in (maze.walls, dist, background):
+        array.setflags(write=False)
+    return maze, dist, background
 
 
 class MazeEnv:
@@ -146,17 +169,17 @@ class MazeEnv:
         seeds start on a random open cell other than the goal from which the goal is
         reachable within the budget; the draw depends on the seed alone, so every sample of
         a GRPO group starts on the same cell."""
-        self.maze = generate_layout(self.layout, self.grid_size, int(seed))
+        self.maze, self._dist, self._background = _seeded_maze(
+            self.layout, self.grid_size, int(seed), self.cell_px, self.border_px
+        )
         if start is not None and not self.maze.is_open(tuple(start)):
             raise EnvError(f"start {tuple(start)} is not an open cell of maze {seed}")
-        self._dist = distances_to(self.maze, self.maze.goal)
         if start is None and self.start_anywhere > 0:
             start = self._anywhere(int(seed))
         self.agent = self.maze.start if start is None else tuple(start)
         self.start = self.agent
         self.turn = 0
         self.done = False
-        self._background = render_background(self.maze, self.cell_px, self.border_px)
         text = self.format.first_turn.format(task=self.prompt, **self._turn_fields())
         return self._observation(text)
 
