@@ -9,7 +9,11 @@ per variant from the same weights, evaluation and checkpoints off:
 - ``after``: the recipe's own settings (the defaults; padded micro-batches);
 - ``packed``: ``after`` with ``trainer.remove_microbatch_padding=true``;
 - ``eager``: ``after`` with every decode step run eagerly
-  (``generator.inference_engine.enforce_eager=true``; by default they replay CUDA graphs).
+  (``generator.inference_engine.enforce_eager=true``; by default they replay CUDA graphs);
+- ``unfused``: ``after`` with the engine's fused element-wise kernels off
+  (``generator.inference_engine.fused_pointwise=false``);
+- ``one_thread``: ``after`` with the envs stepped in the loop's own thread
+  (``generator.env_workers=1``; by default one thread per core, at most 8).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first (which pays the start-up), GRPO steps per minute and the speed-up
@@ -50,6 +54,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "after": {},
     "packed": {"trainer.remove_microbatch_padding": True},
     "eager": {"generator.inference_engine.enforce_eager": True},
+    "unfused": {"generator.inference_engine.fused_pointwise": False},
+    "one_thread": {"generator.env_workers": 1},
 }
 
 
