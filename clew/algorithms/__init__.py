@@ -59,6 +59,7 @@ from clew.algorithms.losses import (
     reduce_loss,
     register_policy_loss,
 )
+from clew.algorithms.pass_at_k import pass_at_k_advantages
 from clew.algorithms.policy_losses import (
     cispo_loss,
     clip_cov_loss,
@@ -116,6 +117,7 @@ __all__ = [
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",
+    "pass_at_k_advantages",
     "ppo_clip_loss",
     "reduce_loss",
     "register_estimator",

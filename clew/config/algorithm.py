@@ -40,6 +40,22 @@ class GigpoConfig(Section):
     )
 
 
+class PassAtKConfig(Section):
+    """The 'pass_at_k' estimator's subset size (a clew key: SkyRL has no such estimator)."""
+
+    k: int = Field(
+        4,
+        description="Subset size k of advantage_estimator 'pass_at_k' (Chen et al. 2025, "
+        "https://arxiv.org/abs/2508.10751, its analytical derivation): every k-subset of a "
+        "group scores 1 if any member passed, and each sample gets the mean GRPO-normalised "
+        "score of the subsets holding it, so a failed attempt is pushed down less when the "
+        "group also solved. An integer in [1, generator.n_samples_per_prompt - 1]: k = 1 is "
+        "GRPO (with the population std), and at k = n_samples_per_prompt a group has one "
+        "subset and no signal. Rewards must be 0 or 1 (turn_discount 1, reward_rule 'task'); "
+        "norm_adv_by_std_in_grpo and drop_zero_spread_groups apply as to 'grpo'.",
+    )
+
+
 class CispoConfig(Section):
     """CISPO's importance-weight range (SkyRL's ``trainer.algorithm.cispo``)."""
 
@@ -116,7 +132,8 @@ class AlgorithmConfig(Section):
         description="How advantages are computed within a group, by registered name: 'grpo' "
         "(reward minus group mean), 'rloo' (reward minus the mean of the others), 'gigpo' "
         "(GRPO per episode plus a per-turn advantage among the group's turns taken from the "
-        "same state; clew.algorithms.step_advantages), or one registered with "
+        "same state; clew.algorithms.step_advantages), 'pass_at_k' (each sample's share of "
+        "the pass@k of the group's k-subsets; section pass_at_k), or one registered with "
         "clew.algorithms.register_estimator (in a module of environment.modules, or before "
         "the config is loaded).",
     )
@@ -124,8 +141,14 @@ class AlgorithmConfig(Section):
         default_factory=GigpoConfig,
         description="Settings of the 'gigpo' estimator (unused by the others).",
     )
+    pass_at_k: PassAtKConfig = Field(
+        default_factory=PassAtKConfig,
+        description="Settings of the 'pass_at_k' estimator (unused by the others).",
+    )
     norm_adv_by_std_in_grpo: bool = Field(
-        True, description="Divide GRPO advantages by the group's reward standard deviation."
+        True,
+        description="Divide GRPO advantages by the group's reward standard deviation ("
+        "'pass_at_k': by that of its k-subsets' rewards).",
     )
     turn_discount: float = Field(
         1.0,

@@ -293,6 +293,8 @@ def _rules(cfg: ClewConfig) -> list[str]:
             f"{alg.advantage_estimator!r}, got {n}: it compares a prompt's samples with each "
             "other, and a smaller group has no reward spread, so every advantage would be zero",
         )
+    if alg.advantage_estimator == "pass_at_k":
+        _pass_at_k_rules(cfg, fail)
 
     # Sampling and engine.
     for name in ("sampling_params", "eval_sampling_params"):
@@ -401,6 +403,36 @@ def _policy_loss_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> Non
             "loss-tis",
             f"{key}.use_tis is not supported with policy_loss_type {name!r} (nor by SkyRL); "
             f"accepted with: 'regular', 'gspo', 'cispo', 'sapo'",
+        )
+
+
+def _pass_at_k_rules(cfg: ClewConfig, fail: Callable[[str, str], None]) -> None:
+    """Estimator 'pass_at_k': k leaves a group two subsets or more, and rewards stay 0 or 1."""
+    alg, key = cfg.trainer.algorithm, "trainer.algorithm"
+    n, k = cfg.generator.n_samples_per_prompt, alg.pass_at_k.k
+    if n >= 2 and not 1 <= k <= n - 1:
+        fail(
+            "pass-at-k",
+            f"{key}.pass_at_k.k must be in [1, generator.n_samples_per_prompt - 1] = [1, {n - 1}] "
+            f"for advantage_estimator 'pass_at_k', got {k}"
+            + (
+                f": at k = n_samples_per_prompt ({n}) a group is one k-subset, with nothing to "
+                "compare it with, so every advantage would be zero"
+                if k == n
+                else ""
+            ),
+        )
+    if alg.turn_discount != 1.0:
+        fail(
+            "pass-at-k",
+            f"{key}.turn_discount ({alg.turn_discount}) makes a solve worth less than 1, but "
+            "advantage_estimator 'pass_at_k' needs rewards of 0 or 1: set turn_discount to 1",
+        )
+    if (rule := cfg.environment.reward_rule) != "task":
+        fail(
+            "pass-at-k",
+            f"environment.reward_rule {rule!r} pays partial credit, but {key}."
+            "advantage_estimator 'pass_at_k' needs rewards of 0 or 1: use reward_rule 'task'",
         )
 
 

@@ -83,6 +83,17 @@ CATALOG: tuple[MetricSpec, ...] = (
         "gigpo: standard deviation of the per-turn advantages (episode plus step level).",
     ),
     MetricSpec(
+        "train/pass_at_k",
+        "pass_at_k: mean over the step's groups of the unbiased pass@k estimate 1 - C(N - c, "
+        "k) / C(N, k) (c of a group's N samples passed; k = trainer.algorithm.pass_at_k.k), "
+        "the objective the estimator raises.",
+    ),
+    MetricSpec(
+        "train/pass_at_k_saturated_groups",
+        "pass_at_k: groups with a failure but fewer than k, so that every k-subset holds a "
+        "pass: zero advantage although their rewards differ (not in train/zero_spread_groups).",
+    ),
+    MetricSpec(
         "train/dynamic_sampling/batches",
         "Batches of train_batch_size prompts played for the step (dynamic sampling 'filter'; "
         "1 when the first batch had enough groups with reward spread).",

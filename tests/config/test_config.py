@@ -528,7 +528,7 @@ def test_an_unknown_estimator_names_the_registered_ones_and_the_nearest() -> Non
     with pytest.raises(ConfigError) as err:
         load_config(None, ["trainer.algorithm.advantage_estimator=rlo"])
     message = str(err.value)
-    assert "'gigpo', 'grpo', 'rloo'" in message and "did you mean 'rloo'?" in message
+    assert "'gigpo', 'grpo', 'pass_at_k', 'rloo'" in message and "did you mean 'rloo'?" in message
     assert "clew.algorithms.register_estimator" in message
 
 
