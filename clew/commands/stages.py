@@ -46,6 +46,15 @@ def printed(cfg: object, args: argparse.Namespace) -> bool:
 @command("train", "GRPO training; takes SkyRL-style dotted overrides (key=value)")
 def _train(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--config", help="YAML config file (overrides apply on top)")
+    p.add_argument(
+        "-m",
+        "--multirun",
+        action="store_true",
+        help="a sweep, as Hydra's multirun: each KEY=A,B override is an axis ([A,B] and "
+        "'A,B' are one value); one run per combination, one after another, in "
+        "trainer.log_path/trainer.run_name/<key>=<value>,..., summarized in sweep.json there; "
+        "re-running goes on, skipping finished runs",
+    )
     add_print_config(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. trainer.epochs=2")
 
@@ -53,6 +62,8 @@ def _train(p: argparse.ArgumentParser) -> Handler:
         from clew.config import load_config
         from clew.trainer.launch import run_grpo
 
+        if args.multirun:
+            return _sweep(args)
         cfg = load_config(args.config, args.overrides)
         if printed(cfg, args):
             return 0
@@ -62,6 +73,21 @@ def _train(p: argparse.ArgumentParser) -> Handler:
         return 0
 
     return run
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """``clew train -m``: every combination checked, then run (or printed); 1 if any failed."""
+    from clew.config import config_yaml
+    from clew.trainer.sweep import plan_sweep, run_sweep
+
+    sweep = plan_sweep(args.config, args.overrides)
+    if args.print_config:
+        for i, run in enumerate(sweep.runs, 1):
+            print(f"# sweep run {i} of {len(sweep.runs)}: {run.combination.name}")
+            print(config_yaml(run.cfg), end="")
+        return 0
+    rows = run_sweep(sweep)
+    return 1 if any(r["status"] == "failed" for r in rows) else 0
 
 
 @command("sft", "supervised fine-tuning on expert demonstrations (makes a GRPO starting point)")

@@ -22,13 +22,18 @@ import signal
 import sys
 import threading
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class GracefulStop:
     """Context manager: ``requested`` turns true on the first SIGINT/SIGTERM inside it."""
+
+    # Stops requested in this process, over every GracefulStop: a caller that runs several
+    # loops one after another (a sweep, ``clew.trainer.sweep``) compares it before and after
+    # one to tell a loop that was stopped from one that ended.
+    stops: ClassVar[int] = 0
 
     def __init__(self, what: str = "the run") -> None:
         self.what = what
@@ -40,6 +45,7 @@ class GracefulStop:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        GracefulStop.stops += 1
         self.signal_name = signal.Signals(signum).name
         print(
             f"{self.signal_name}: {self.what} stops after the step in progress and saves "
