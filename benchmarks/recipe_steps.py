@@ -16,10 +16,12 @@ per variant from the same weights, evaluation and checkpoints off:
   (``generator.env_workers=1``; by default one thread per core, at most 8).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
-the steps after the first (which pays the start-up), GRPO steps per minute and the speed-up
-over the first variant run; then the floor of such a step (``bounds.grpo_step_floor``: its
-FLOPs at the card's measured matrix rate, its decode's bytes at its bandwidth, for the last
-step's episode lengths). ``--profile DIR`` runs the first variant's last step under the
+the steps after the first (which pays the start-up), GRPO steps per minute, the speed-up
+over the first variant run, and the seconds its final policy took to play ``--eval-rows``
+eval mazes greedily (the evaluation a run does every ``eval_interval`` steps); then the
+floor of such a step (``bounds.grpo_step_floor``: its FLOPs at the card's measured matrix
+rate, its decode's bytes at its bandwidth, for the last step's episode lengths).
+``--profile DIR`` runs the first variant's last step under the
 profilers and writes where its time went (``step_profile.py``).
 
     python benchmarks/recipe_steps.py --recipe recipes/easy-1gpu.yaml --steps 4
@@ -71,6 +73,12 @@ def main() -> None:
         type=Path,
         help="profile the last step of the first variant into this folder (step_profile.py)",
     )
+    p.add_argument(
+        "--eval-rows",
+        type=int,
+        default=64,
+        help="eval mazes the final policy of each variant plays greedily (0: no evaluation)",
+    )
     add_hardware_flags(p)
     args = p.parse_args()
     names = args.variants.split(",")
@@ -83,9 +91,10 @@ def main() -> None:
             f"trainer.log_path={out}",
             f"trainer.device={args.device}",
             "pipeline.stages=[dataset,model]",
-            "pipeline.dataset.eval_rows=8",
+            f"pipeline.dataset.eval_rows={max(args.eval_rows, 1)}",
             "trainer.eval_before_train=false",
-            "trainer.eval_interval=-1",
+            # Past the last step: the run evaluates its final policy once, after its steps.
+            f"trainer.eval_interval={args.steps + 1 if args.eval_rows > 0 else -1}",
             "trainer.ckpt_interval=-1",
             "trainer.hf_save_interval=-1",
             "trainer.export_best=false",
@@ -103,7 +112,7 @@ def main() -> None:
             cfg,
             {
                 "data.train_data": [str(out / "data" / "train.parquet")],
-                "data.val_data": [],
+                "data.val_data": [str(out / "data" / "eval.parquet")] if args.eval_rows else [],
                 "trainer.policy.model.path": str(model),
             },
         )
@@ -113,7 +122,8 @@ def main() -> None:
             f"up to {g.max_turns} turns, {args.steps} steps per variant (the first untimed)"
         )
         print(
-            f"{'variant':<8} {'step s':>7} {'generate':>9} {'update':>7} {'steps/min':>9} {'speed-up':>8}"
+            f"{'variant':<10} {'step s':>7} {'generate':>9} {'update':>7} {'steps/min':>9} "
+            f"{'speed-up':>8} {'eval s':>7}"
         )
         first, heads = None, []
         for name in names:
@@ -128,15 +138,17 @@ def main() -> None:
             heads += heads_of_run
             gc.collect()  # the last variant's policy and engine, before the next sizes its cache
             lines = (run_dir_of(run_cfg) / "metrics.jsonl").read_text().splitlines()
-            hist = [h for h in map(json.loads, lines) if "timing/step" in h]
+            logged = [json.loads(line) for line in lines]
+            hist = [h for h in logged if "timing/step" in h]
+            evals = [h["timing/evaluate"] for h in logged if "timing/evaluate" in h]
             timed = hist[1:] or hist
             step = statistics.mean(h["timing/step"] for h in timed)
             gen = statistics.mean(h["timing/generate"] for h in timed)
             upd = statistics.mean(h["timing/update"] for h in timed)
             first = first or step
             print(
-                f"{name:<8} {step:>7.2f} {gen:>9.2f} {upd:>7.2f} {60 / step:>9.2f} "
-                f"{first / step:>7.2f}x"
+                f"{name:<10} {step:>7.2f} {gen:>9.2f} {upd:>7.2f} {60 / step:>9.2f} "
+                f"{first / step:>7.2f}x " + (f"{evals[-1]:>7.2f}" if evals else f"{'-':>7}")
             )
             last = timed[-1]
         floor = grpo_step_floor(
@@ -148,7 +160,7 @@ def main() -> None:
             update_passes=t.update_epochs_per_batch,
         )
         print(
-            f"{'floor':<8} {floor.step:>7.2f} {floor.generate:>9.2f} {floor.update:>7.2f} "
+            f"{'floor':<10} {floor.step:>7.2f} {floor.generate:>9.2f} {floor.update:>7.2f} "
             f"{60 / floor.step:>9.0f}   (the FLOPs and bytes alone: bounds.grpo_step_floor)"
         )
         if heads:
