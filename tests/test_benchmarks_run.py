@@ -71,7 +71,16 @@ RUNS = {
             "trainer.micro_forward_batch_size_per_gpu=4",
         ]
         + ["--profile", "{tmp}/profile"],
-        ["after", "eager", "speed-up", "eval s", "floor", "profile of step 2", "generate:", "update:"],
+        [
+            "after",
+            "eager",
+            "speed-up",
+            "eval s",
+            "floor",
+            "profile of step 2",
+            "generate:",
+            "update:",
+        ],
     ),
 }
 
