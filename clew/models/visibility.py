@@ -13,21 +13,15 @@ start of chunk ``j + 1`` (it is sampled last and fed with the next observation).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
 def image_spans(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
     """``[start, end)`` of each run of image placeholder tokens, in order."""
-    spans, start = [], None
-    for i, t in enumerate(token_ids):
-        if t == image_token_id and start is None:
-            start = i
-        elif t != image_token_id and start is not None:
-            spans.append((start, i))
-            start = None
-    if start is not None:
-        spans.append((start, len(token_ids)))
-    return spans
+    is_image = np.frombuffer(bytes(1 if t == image_token_id else 0 for t in token_ids), np.int8)
+    edges = np.flatnonzero(np.diff(is_image, prepend=0, append=0))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
 def hiding_vectors(
@@ -36,20 +30,23 @@ def hiding_vectors(
     """Long ``[L]`` each: per query, the image index below which images are hidden from it;
     per key, the image it belongs to (-1 for text). ``visibility_from_vectors`` expands them."""
     n = len(token_ids)
-    image_of_key = torch.full((n,), -1, dtype=torch.long)
     spans = image_spans(token_ids, image_token_id)
     if not spans:
-        return torch.zeros(n, dtype=torch.long), image_of_key
-    starts = torch.tensor(chunk_starts, dtype=torch.long)
-    positions = torch.arange(n)
-    epoch = torch.searchsorted(starts, positions + 1, right=True) - 1
+        return torch.zeros(n, dtype=torch.long), torch.full((n,), -1, dtype=torch.long)
+    starts = np.asarray(chunk_starts, dtype=np.int64)
+    epoch = np.searchsorted(starts, np.arange(1, n + 1), side="right") - 1
     # Images fed up to and including each epoch (a chunk's images lie inside it).
-    image_epoch = torch.searchsorted(starts, torch.tensor([s for s, _ in spans]), right=True) - 1
-    images_upto = torch.stack([(image_epoch <= e).sum() for e in range(len(chunk_starts))])
-    hidden_below = images_upto[epoch.clamp(min=0)] - keep_last_k
-    for i, (s, e) in enumerate(spans):
-        image_of_key[s:e] = i
-    return hidden_below, image_of_key
+    image_epoch = np.searchsorted(starts, [s for s, _ in spans], side="right") - 1
+    images_upto = np.searchsorted(np.sort(image_epoch), np.arange(len(starts)), side="right")
+    hidden_below = images_upto[np.clip(epoch, 0, None)] - keep_last_k
+    bounds = np.asarray(spans, dtype=np.int64)
+    change = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(change, bounds[:, 0], 1)
+    np.add.at(change, bounds[:, 1], -1)
+    inside = np.cumsum(change[:n]) > 0
+    index = np.cumsum(np.isin(np.arange(n), bounds[:, 0])) - 1
+    image_of_key = np.where(inside, index, -1)
+    return torch.from_numpy(hidden_below.astype(np.int64)), torch.from_numpy(image_of_key)
 
 
 def visibility_from_vectors(

@@ -247,7 +247,7 @@ def _check_sequence(seq: SequenceLike, grid: Tensor | None, chat: ChatFormat, in
         raise ValueError(
             f"sequence {index} has {n} tokens but a loss mask of {len(seq.loss_mask)} entries"
         )
-    placeholders = sum(1 for t in seq.token_ids if t == chat.image_token_id)
+    placeholders = list(seq.token_ids).count(chat.image_token_id)
     expected = 0 if grid is None else sum(chat.image_token_count(g) for g in grid)
     if placeholders != expected:
         # Caught here: the model would fail later with an opaque shape error.
