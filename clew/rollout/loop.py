@@ -51,7 +51,7 @@ from clew.errors import ConfigError
 from clew.inference.engine import EngineOptions, InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
-from clew.rollout.trajectory import Trajectory, apply_reward_rule, state_key
+from clew.rollout.trajectory import PendingKey, Trajectory, apply_reward_rule, hash_state_keys
 
 # Episodes started together ahead of the wave that admits them (their envs reset and first
 # observations encoded on the env threads).
@@ -106,7 +106,7 @@ class RolloutSettings:
     reply_prefix: str = ""
     reply_suffix: str = ""
     # Record a state key per turn (Trajectory.state_keys) for per-turn credit (gigpo); off
-    # otherwise: hashing every frame adds host work to every turn.
+    # otherwise: hashing every frame adds host work (after the turns, on threads).
     state_keys: bool = False
     # Threads that step the envs and encode their observations (module docstring); 0: one
     # per CPU core, at most ENV_WORKERS_MAX.
@@ -211,7 +211,7 @@ def play(
                     break
                 ready.popleft()
                 peak = max(peak, expected)
-                key = state_key(obs.images, obs.text) if settings.state_keys else None
+                key = PendingKey(obs.images, obs.text) if settings.state_keys else None
                 ep.traj.add_observation(chunk, obs.images, key)
                 ep.traj.image_window = settings.keep_last_k_images
                 ep.traj.wave = wave
@@ -227,6 +227,7 @@ def play(
             )
             play_wave(cached, episodes, chunks, settings, pool.map, step, done, progress)
     done.sort(key=lambda t: (t.group_id, t.sample_index))
+    hash_state_keys(done, env_threads(0))
     apply_reward_rule(done, settings.reward_rule)
     return done
 
@@ -334,7 +335,7 @@ def next_turn(
     if length + len(chunk.token_ids) + settings.sampling.max_tokens > settings.max_input_length:
         traj.end_reason = "context_full"
         return None
-    key = state_key(obs.images, obs.text) if settings.state_keys else None
+    key = PendingKey(obs.images, obs.text) if settings.state_keys else None
     traj.add_observation(chunk, obs.images, key)
     return chunk
 

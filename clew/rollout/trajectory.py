@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,7 @@ class Trajectory:
     # Per turn: the reward env.step returned, and the state the reply acted from
     # (state_key of the observation before it), for estimators that credit turns (gigpo).
     turn_rewards: list[float] = field(default_factory=list)
+    # (A rollout records PendingKey entries and hashes them when it ends: hash_state_keys.)
     state_keys: list[str] = field(default_factory=list)
     infos: list[dict[str, Any]] = field(default_factory=list)
     reward: float = 0.0
@@ -50,7 +53,7 @@ class Trajectory:
     error: str | None = None
 
     def add_observation(
-        self, chunk: Chunk, images: list[Image.Image], state: str | None = None
+        self, chunk: Chunk, images: list[Image.Image], state: str | PendingKey | None = None
     ) -> None:
         if state is not None:
             self.state_keys.append(state)
@@ -111,6 +114,41 @@ class Trajectory:
             "events": [i.get("event") for i in self.infos],
             "optimal_turns": self.infos[0].get("optimal_turns") if self.infos else None,
         }
+
+
+@dataclass(frozen=True)
+class PendingKey:
+    """What an observation's state key is made of, hashed later (``hash_state_keys``)."""
+
+    images: list[Image.Image]
+    text: str
+
+
+def hash_state_keys(trajs: Sequence[Trajectory], threads: int) -> None:
+    """Replace every ``PendingKey`` in ``trajs``' state keys by its ``state_key``.
+
+    On ``threads`` threads, each a slice of the keys: SHA-256 releases the GIL over a
+    frame's bytes, so the frames of a whole rollout hash in parallel, after its turns
+    rather than between them."""
+    pending = [
+        (t, i, k) for t in trajs for i, k in enumerate(t.state_keys) if isinstance(k, PendingKey)
+    ]
+    if not pending:
+        return
+
+    def digests(part: list[tuple[Trajectory, int, PendingKey]]) -> list[str]:
+        return [state_key(k.images, k.text) for _, _, k in part]
+
+    size = -(-len(pending) // max(1, threads))
+    parts = [pending[i : i + size] for i in range(0, len(pending), size)]
+    if len(parts) == 1:
+        done = [digests(parts[0])]
+    else:
+        with ThreadPoolExecutor(len(parts), thread_name_prefix="clew-keys") as pool:
+            done = list(pool.map(digests, parts))
+    for part, keys in zip(parts, done, strict=True):
+        for (t, i, _), key in zip(part, keys, strict=True):
+            t.state_keys[i] = key
 
 
 def state_key(images: list[Image.Image], text: str) -> str:

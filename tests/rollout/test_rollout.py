@@ -18,7 +18,7 @@ from clew.models.positions import sequence_positions
 from clew.rollout.episode_stats import rollout_metrics
 from clew.rollout.evaluation import eval_metrics, evaluate
 from clew.rollout.loop import RolloutSettings, play
-from clew.rollout.trajectory import Trajectory
+from clew.rollout.trajectory import PendingKey, Trajectory, hash_state_keys, state_key
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
@@ -126,6 +126,32 @@ def test_loss_mask_marks_exactly_the_sampled_tokens(policy, rows):
         assert len(generated) == t.generated_tokens
         assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if not m)
         assert all(lp <= 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m)
+
+
+def test_state_keys_are_the_digests_of_each_turns_observation_frame(policy, rows):
+    model, chat = policy
+    trajs = play(InferenceEngine(model, chat), rows, _settings(state_keys=True), seed=1)
+    for t in trajs:
+        # The frame each turn acted from is the observation's image before it: replay the env.
+        env = make(t.env_id, **t.env_options)
+        obs, want = env.reset(t.seed), []
+        for action in t.actions:
+            want.append(state_key(obs.images, obs.text))
+            obs, *_ = env.step(action)
+        assert t.state_keys == want
+
+
+def test_hashing_pending_keys_on_threads_gives_the_keys_hashed_in_order(rows):
+    env = make(rows[0].env_id, **rows[0].options())
+    frames = [env.reset(int(r.seed)) for r in rows for _ in range(3)]
+    for threads in (1, 2, 5):
+        trajs = [Trajectory("e", {}, 0, 0, i) for i in range(3)]
+        for n, obs in enumerate(frames):
+            trajs[n % 3].state_keys.append(PendingKey(obs.images, obs.text))
+        hash_state_keys(trajs, threads)
+        assert [k for t in trajs for k in t.state_keys] == [
+            state_key(obs.images, obs.text) for i in range(3) for obs in frames[i::3]
+        ]
 
 
 def _assert_seeded(engine, rows) -> list:
