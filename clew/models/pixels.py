@@ -249,6 +249,12 @@ def _plan(
 
 
 def _grid(count: int, size: tuple[int, int], patch: int) -> torch.Tensor:
+    return _grid_of(count, size, patch).clone()  # the caller's to keep or change
+
+
+@lru_cache(maxsize=64)
+def _grid_of(count: int, size: tuple[int, int], patch: int) -> torch.Tensor:
+    """``_grid``'s value, built once per shape: a rollout encodes one frame an episode a turn."""
     height, width = size
     return torch.tensor([[1, height // patch, width // patch]] * count, dtype=torch.int64)
 
