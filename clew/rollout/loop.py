@@ -86,7 +86,7 @@ def env_pool(threads: int) -> Iterator[Any]:
 
         def sliced_map(fn: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
             items = list(items)
-            size = -(-len(items) // threads)
+            size = max(1, -(-len(items) // threads))
             slices = [items[i : i + size] for i in range(0, len(items), size)]
             done = pool.map(lambda part: [fn(item) for item in part], slices)
             return itertools.chain.from_iterable(done)
@@ -227,7 +227,8 @@ def play(
             )
             play_wave(cached, episodes, chunks, settings, pool.map, step, done, progress)
     done.sort(key=lambda t: (t.group_id, t.sample_index))
-    hash_state_keys(done, env_threads(0))
+    with env_pool(env_threads(0)) as hashing:  # whatever env_workers is: hashing scales
+        hash_state_keys(done, hashing.map)
     apply_reward_rule(done, settings.reward_rule)
     return done
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,31 +123,16 @@ class PendingKey:
     text: str
 
 
-def hash_state_keys(trajs: Sequence[Trajectory], threads: int) -> None:
-    """Replace every ``PendingKey`` in ``trajs``' state keys by its ``state_key``.
-
-    On ``threads`` threads, each a slice of the keys: SHA-256 releases the GIL over a
-    frame's bytes, so the frames of a whole rollout hash in parallel, after its turns
-    rather than between them."""
+def hash_state_keys(trajs: Sequence[Trajectory], map_: Callable[..., Iterable[str]]) -> None:
+    """Replace every ``PendingKey`` in ``trajs``' state keys by its ``state_key``, computed
+    with ``map_`` (a thread pool's: SHA-256 releases the GIL over a frame's bytes, so a
+    rollout's frames hash in parallel, after its turns rather than between them)."""
     pending = [
         (t, i, k) for t in trajs for i, k in enumerate(t.state_keys) if isinstance(k, PendingKey)
     ]
-    if not pending:
-        return
-
-    def digests(part: list[tuple[Trajectory, int, PendingKey]]) -> list[str]:
-        return [state_key(k.images, k.text) for _, _, k in part]
-
-    size = -(-len(pending) // max(1, threads))
-    parts = [pending[i : i + size] for i in range(0, len(pending), size)]
-    if len(parts) == 1:
-        done = [digests(parts[0])]
-    else:
-        with ThreadPoolExecutor(len(parts), thread_name_prefix="clew-keys") as pool:
-            done = list(pool.map(digests, parts))
-    for part, keys in zip(parts, done, strict=True):
-        for (t, i, _), key in zip(part, keys, strict=True):
-            t.state_keys[i] = key
+    keys = map_(lambda p: state_key(p[2].images, p[2].text), pending)
+    for (t, i, _), key in zip(pending, keys, strict=True):
+        t.state_keys[i] = key
 
 
 def state_key(images: list[Image.Image], text: str) -> str:

@@ -17,7 +17,7 @@ from clew.models.chat import ChatFormat
 from clew.models.positions import sequence_positions
 from clew.rollout.episode_stats import rollout_metrics
 from clew.rollout.evaluation import eval_metrics, evaluate
-from clew.rollout.loop import RolloutSettings, play
+from clew.rollout.loop import RolloutSettings, env_pool, play
 from clew.rollout.trajectory import PendingKey, Trajectory, hash_state_keys, state_key
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
@@ -148,7 +148,8 @@ def test_hashing_pending_keys_on_threads_gives_the_keys_hashed_in_order(rows):
         trajs = [Trajectory("e", {}, 0, 0, i) for i in range(3)]
         for n, obs in enumerate(frames):
             trajs[n % 3].state_keys.append(PendingKey(obs.images, obs.text))
-        hash_state_keys(trajs, threads)
+        with env_pool(threads) as pool:
+            hash_state_keys(trajs, pool.map)
         assert [k for t in trajs for k in t.state_keys] == [
             state_key(obs.images, obs.text) for i in range(3) for obs in frames[i::3]
         ]
