@@ -17,10 +17,16 @@ import numpy as np
 import torch
 
 
+def _run_starts(token_ids: list[int], image_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bool ``[L]`` each: which tokens are image placeholders, and which begin a run of them."""
+    is_image = np.asarray(token_ids, dtype=np.int64) == image_token_id
+    return is_image, is_image & ~np.concatenate([[False], is_image[:-1]])
+
+
 def image_spans(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
     """``[start, end)`` of each run of image placeholder tokens, in order."""
-    is_image = np.frombuffer(bytes(1 if t == image_token_id else 0 for t in token_ids), np.int8)
-    edges = np.flatnonzero(np.diff(is_image, prepend=0, append=0))
+    is_image, _ = _run_starts(token_ids, image_token_id)
+    edges = np.flatnonzero(np.diff(is_image.astype(np.int8), prepend=0, append=0))
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
@@ -30,23 +36,17 @@ def hiding_vectors(
     """Long ``[L]`` each: per query, the image index below which images are hidden from it;
     per key, the image it belongs to (-1 for text). ``visibility_from_vectors`` expands them."""
     n = len(token_ids)
-    spans = image_spans(token_ids, image_token_id)
-    if not spans:
+    is_image, run_starts = _run_starts(token_ids, image_token_id)
+    if not run_starts.any():
         return torch.zeros(n, dtype=torch.long), torch.full((n,), -1, dtype=torch.long)
     starts = np.asarray(chunk_starts, dtype=np.int64)
     epoch = np.searchsorted(starts, np.arange(1, n + 1), side="right") - 1
     # Images fed up to and including each epoch (a chunk's images lie inside it).
-    image_epoch = np.searchsorted(starts, [s for s, _ in spans], side="right") - 1
-    images_upto = np.searchsorted(np.sort(image_epoch), np.arange(len(starts)), side="right")
+    image_epoch = np.searchsorted(starts, np.flatnonzero(run_starts), side="right") - 1
+    images_upto = np.searchsorted(image_epoch, np.arange(len(starts)), side="right")
     hidden_below = images_upto[np.clip(epoch, 0, None)] - keep_last_k
-    bounds = np.asarray(spans, dtype=np.int64)
-    change = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(change, bounds[:, 0], 1)
-    np.add.at(change, bounds[:, 1], -1)
-    inside = np.cumsum(change[:n]) > 0
-    index = np.cumsum(np.isin(np.arange(n), bounds[:, 0])) - 1
-    image_of_key = np.where(inside, index, -1)
-    return torch.from_numpy(hidden_below.astype(np.int64)), torch.from_numpy(image_of_key)
+    image_of_key = np.where(is_image, np.cumsum(run_starts) - 1, -1)
+    return torch.from_numpy(hidden_below), torch.from_numpy(image_of_key)
 
 
 def visibility_from_vectors(
