@@ -47,14 +47,14 @@ REDUCTIONS = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm")
 LOG_RATIO_CLAMP = 20.0
 
 
-def _check_2d(**tensors: Tensor) -> None:
+def check_2d(**tensors: Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     first = next(iter(shapes.values()))
     if len(first) != 2 or any(s != first for s in shapes.values()):
         raise ValueError(f"expected tensors of one shape [N, T], got {shapes}")
 
 
-def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, active: Tensor) -> Tensor:
+def log_ratio_on_mask(logprobs: Tensor, old_logprobs: Tensor, active: Tensor) -> Tensor:
     """``logprobs - old_logprobs`` clamped to +-:data:`LOG_RATIO_CLAMP` on the ``active``
     tokens and 0 elsewhere, float32 at least: padding with -inf old log-probs, or one
     corrupted token, would otherwise overflow ``exp`` to inf and the backward pass to NaN."""
@@ -63,7 +63,7 @@ def _log_ratio(logprobs: Tensor, old_logprobs: Tensor, active: Tensor) -> Tensor
     return torch.where(active, log_ratio, 0.0)
 
 
-def _ratio_stats(ratio: Tensor, log_ratio: Tensor, active: Tensor) -> dict[str, float]:
+def ratio_stats(ratio: Tensor, log_ratio: Tensor, active: Tensor) -> dict[str, float]:
     """``approx_kl`` (k3: ``r - 1 - log r``), ``ratio_mean`` and ``ratio_max`` over the
     active tokens; 0.0 each when there are none."""
     with torch.no_grad():
@@ -75,7 +75,7 @@ def _ratio_stats(ratio: Tensor, log_ratio: Tensor, active: Tensor) -> dict[str, 
         }
 
 
-def _truncated_is(
+def truncated_is(
     losses: Tensor,
     active: Tensor,
     old_logprobs: Tensor,
@@ -88,7 +88,7 @@ def _truncated_is(
         return losses, {}
     if cap is None:
         raise ValueError("TIS (rollout_logprobs given) needs a tis_imp_ratio_cap > 0")
-    _check_2d(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs)
+    check_2d(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs)
     weights = torch.where(active, tis_weights(old_logprobs, rollout_logprobs, cap), 0.0)
     with torch.no_grad():
         capped = (weights >= cap) & active
@@ -118,7 +118,7 @@ def reduce_loss(
     Returns:
         A 0-dim tensor; 0 when the mask is all zero.
     """
-    _check_2d(values=values, mask=mask)
+    check_2d(values=values, mask=mask)
     if reduction == "token_mean":
         return masked_mean(values, mask)
     if reduction == "sequence_mean":
@@ -226,7 +226,7 @@ def ppo_clip_loss(
         never negative), ``ratio_mean`` and ``ratio_max``; with TIS also ``tis_weight_mean``
         and ``tis_capped_fraction`` (share of tokens whose weight the cap bounds).
     """
-    _check_2d(
+    check_2d(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
     )
     if eps_clip_low < 0 or eps_clip_high < 0:
@@ -235,7 +235,7 @@ def ppo_clip_loss(
         raise ValueError(f"clip_ratio_c must be > 1 (or None), got {clip_ratio_c}")
 
     active = loss_mask != 0
-    log_ratio = _log_ratio(logprobs, old_logprobs, active)
+    log_ratio = log_ratio_on_mask(logprobs, old_logprobs, active)
     ratio = torch.exp(log_ratio)
     adv = upcast_float(advantages)
 
@@ -248,7 +248,7 @@ def ppo_clip_loss(
         bound = -clip_ratio_c * adv
         dual = (adv < 0) & (bound < losses)
         losses = torch.where(dual, bound, losses)
-    losses, tis = _truncated_is(losses, active, old_logprobs, rollout_logprobs, tis_imp_ratio_cap)
+    losses, tis = truncated_is(losses, active, old_logprobs, rollout_logprobs, tis_imp_ratio_cap)
 
     loss = reduce_loss(losses, loss_mask, reduction, max_seq_len)
 
@@ -257,4 +257,4 @@ def ppo_clip_loss(
             "clip_fraction": masked_mean(clipped.float(), active.float()).item(),
             "dual_clip_fraction": masked_mean(dual.float(), active.float()).item(),
         }
-    return loss, stats | _ratio_stats(ratio, log_ratio, active) | tis
+    return loss, stats | ratio_stats(ratio, log_ratio, active) | tis

@@ -34,12 +34,12 @@ import torch
 from torch import Tensor
 
 from clew.algorithms.losses import (
-    _check_2d,
-    _log_ratio,
-    _ratio_stats,
-    _truncated_is,
+    check_2d,
+    log_ratio_on_mask,
+    ratio_stats,
     reduce_loss,
     register_policy_loss,
+    truncated_is,
 )
 from clew.algorithms.stats import masked_mean, upcast_float
 
@@ -99,12 +99,12 @@ def gspo_loss(
         is in effect), ``approx_kl`` (per token, from the token log-ratios), ``ratio_mean``
         and ``ratio_max`` (of ``s_i`` over the sequences with a masked token), plus TIS stats.
     """
-    _check_2d(
+    check_2d(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
     )
     _check_clip_range(eps_clip_low, eps_clip_high, "eps_clip_low and eps_clip_high")
     active = loss_mask != 0
-    token_log_ratio = _log_ratio(logprobs, old_logprobs, active)
+    token_log_ratio = log_ratio_on_mask(logprobs, old_logprobs, active)
     seq_log_ratio = masked_mean(token_log_ratio, loss_mask, dim=-1).detach()  # log s_i
     lp = upcast_float(logprobs)
     grad_only = torch.where(active, lp - lp.detach(), 0.0)  # 0 in value, grad of log pi
@@ -114,12 +114,12 @@ def gspo_loss(
     surr = ratio * adv
     surr_clipped = torch.clamp(ratio, 1.0 - eps_clip_low, 1.0 + eps_clip_high) * adv
     losses = -torch.minimum(surr, surr_clipped)
-    losses, tis = _truncated_is(losses, active, old_logprobs, rollout_logprobs, tis_imp_ratio_cap)
+    losses, tis = truncated_is(losses, active, old_logprobs, rollout_logprobs, tis_imp_ratio_cap)
     loss = reduce_loss(losses, loss_mask, reduction, max_seq_len)
 
     with torch.no_grad():
-        token_stats = _ratio_stats(token_log_ratio.exp(), token_log_ratio, active)
-        seq_stats = _ratio_stats(
+        token_stats = ratio_stats(token_log_ratio.exp(), token_log_ratio, active)
+        seq_stats = ratio_stats(
             seq_log_ratio.exp()[:, None], seq_log_ratio[:, None], active.any(dim=-1, keepdim=True)
         )
         stats = {
@@ -170,20 +170,20 @@ def cispo_loss(
         bounds), ``weight_mean`` (mean clipped weight), ``approx_kl``, ``ratio_mean``,
         ``ratio_max``, plus TIS stats.
     """
-    _check_2d(
+    check_2d(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
     )
     _check_clip_range(
         cispo_eps_clip_low, cispo_eps_clip_high, "cispo_eps_clip_low and cispo_eps_clip_high"
     )
     active = loss_mask != 0
-    log_ratio = _log_ratio(logprobs, old_logprobs, active)
+    log_ratio = log_ratio_on_mask(logprobs, old_logprobs, active)
     ratio = torch.exp(log_ratio)
     low, high = 1.0 - cispo_eps_clip_low, 1.0 + cispo_eps_clip_high
     weight = torch.clamp(ratio, low, high).detach()
     lp = torch.where(active, upcast_float(logprobs), 0.0)
     losses = -weight * upcast_float(advantages) * lp
-    losses, tis = _truncated_is(losses, active, old_logprobs, rollout_logprobs, tis_imp_ratio_cap)
+    losses, tis = truncated_is(losses, active, old_logprobs, rollout_logprobs, tis_imp_ratio_cap)
     loss = reduce_loss(losses, loss_mask, reduction, max_seq_len)
 
     with torch.no_grad():
@@ -191,7 +191,7 @@ def cispo_loss(
             "clip_fraction": _fraction((ratio < low) | (ratio > high), active),
             "weight_mean": masked_mean(weight, active.float()).item(),
         }
-    return loss, stats | _ratio_stats(ratio, log_ratio, active) | tis
+    return loss, stats | ratio_stats(ratio, log_ratio, active) | tis
 
 
 def _covariance(logprobs: Tensor, advantages: Tensor, loss_mask: Tensor) -> Tensor:
@@ -248,7 +248,7 @@ def clip_cov_loss(
         clip or the covariance's, which never overlap), ``ppo_clip_fraction``,
         ``cov_clip_fraction``, ``approx_kl``, ``ratio_mean``, ``ratio_max``.
     """
-    _check_2d(
+    check_2d(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
     )
     _check_clip_range(eps_clip_low, eps_clip_high, "eps_clip_low and eps_clip_high")
@@ -259,7 +259,7 @@ def clip_cov_loss(
             f"clip_cov_lb must be below clip_cov_ub, got {clip_cov_lb} and {clip_cov_ub}"
         )
     active = loss_mask != 0
-    log_ratio = _log_ratio(logprobs, old_logprobs, active)
+    log_ratio = log_ratio_on_mask(logprobs, old_logprobs, active)
     ratio = torch.exp(log_ratio)
     adv = upcast_float(advantages)
     surr = ratio * adv
@@ -283,7 +283,7 @@ def clip_cov_loss(
         "ppo_clip_fraction": _fraction(ppo_clipped, active),
         "cov_clip_fraction": _fraction(removed, active),
     }
-    return loss, stats | _ratio_stats(ratio, log_ratio, active)
+    return loss, stats | ratio_stats(ratio, log_ratio, active)
 
 
 @register_policy_loss("kl_cov")
@@ -322,7 +322,7 @@ def kl_cov_loss(
         ``(loss, stats)``: ``clip_fraction`` (0.0: nothing is clipped), ``kl_cov_fraction``
         (share of masked tokens penalised), ``approx_kl``, ``ratio_mean``, ``ratio_max``.
     """
-    _check_2d(
+    check_2d(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
     )
     if not 0.0 < kl_cov_frac <= 1.0:
@@ -330,7 +330,7 @@ def kl_cov_loss(
     if ppo_kl_coef < 0:
         raise ValueError(f"ppo_kl_coef must be >= 0, got {ppo_kl_coef}")
     active = loss_mask != 0
-    log_ratio = _log_ratio(logprobs, old_logprobs, active)
+    log_ratio = log_ratio_on_mask(logprobs, old_logprobs, active)
     ratio = torch.exp(log_ratio)
     losses = -ratio * upcast_float(advantages)
 
@@ -345,7 +345,7 @@ def kl_cov_loss(
     loss = reduce_loss(losses, loss_mask, reduction, max_seq_len)
 
     stats = {"clip_fraction": 0.0, "kl_cov_fraction": _fraction(selected, active)}
-    return loss, stats | _ratio_stats(ratio, log_ratio, active)
+    return loss, stats | ratio_stats(ratio, log_ratio, active)
 
 
 @register_policy_loss("sapo")
@@ -386,19 +386,19 @@ def sapo_loss(
         (mean of ``4 * s * (1 - s)``, the gate's scaling of each token's gradient; 1 on
         policy), ``approx_kl``, ``ratio_mean``, ``ratio_max``, plus TIS stats.
     """
-    _check_2d(
+    check_2d(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
     )
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"tau_pos and tau_neg must both be > 0, got {tau_pos} and {tau_neg}")
     active = loss_mask != 0
-    log_ratio = _log_ratio(logprobs, old_logprobs, active)
+    log_ratio = log_ratio_on_mask(logprobs, old_logprobs, active)
     ratio = torch.exp(log_ratio)
     adv = upcast_float(advantages)
     tau = torch.where(adv > 0, tau_pos, tau_neg).to(adv.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0))
     losses = -(4.0 / tau) * gate * adv
-    losses, tis = _truncated_is(losses, active, old_logprobs, rollout_logprobs, tis_imp_ratio_cap)
+    losses, tis = truncated_is(losses, active, old_logprobs, rollout_logprobs, tis_imp_ratio_cap)
     loss = reduce_loss(losses, loss_mask, reduction, max_seq_len)
 
     with torch.no_grad():
@@ -406,4 +406,4 @@ def sapo_loss(
             "clip_fraction": 0.0,
             "gate_weight_mean": masked_mean(4.0 * gate * (1.0 - gate), active.float()).item(),
         }
-    return loss, stats | _ratio_stats(ratio, log_ratio, active) | tis
+    return loss, stats | ratio_stats(ratio, log_ratio, active) | tis
