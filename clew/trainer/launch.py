@@ -155,9 +155,8 @@ def ray_worker_group(
 def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
     """The run's policy workers (``trainer.placement``): one in this process, else one Ray
     actor per GPU (a placement group) or per CPU worker, on Ray joined or started here."""
+    require_model_path(cfg)
     t = cfg.trainer
-    if not t.policy.model.path:
-        raise ConfigError("trainer.policy.model.path is required: a local checkpoint directory")
     device, on_gpus = placement_device(cfg)
     lora = t.policy.model.lora
     precision = "bf16-mixed" if t.bf16 else "32-true"
@@ -215,11 +214,22 @@ def run_grpo(cfg: ClewConfig) -> dict[str, float]:
         return _run_grpo(cfg)
 
 
-def _run_grpo(cfg: ClewConfig) -> dict[str, float]:
+def check_runnable(cfg: ClewConfig) -> None:
+    """What a GRPO run refuses before loading anything: no training data, no policy."""
     if not cfg.data.train_data:
         raise ConfigError(
             "data.train_data is empty: give one or more parquet files from `clew dataset`"
         )
+    require_model_path(cfg)
+
+
+def require_model_path(cfg: ClewConfig) -> None:
+    if not cfg.trainer.policy.model.path:
+        raise ConfigError("trainer.policy.model.path is required: a local checkpoint directory")
+
+
+def _run_grpo(cfg: ClewConfig) -> dict[str, float]:
+    check_runnable(cfg)
     import_env_modules(cfg.environment.modules)
     with_ray_metrics(cfg.trainer.logger, cfg.trainer.placement.num_workers)  # fails before loading
     train_rows, eval_rows = run_rows(cfg)

@@ -155,10 +155,15 @@ def _upstream(cfg: ClewConfig, out: Path, stages: tuple[str, ...]) -> dict[str, 
 def _record(out: Path, stage: str, settings: dict[str, Any], **made: Any) -> None:
     records = _records(out)
     records[stage] = {"settings": settings, **made}
-    path = out / STAGES_FILE
+    write_json(out / STAGES_FILE, records)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """``data`` as indented JSON at ``path``, written whole (a temporary file renamed over it),
+    so a record on disk is never half written."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(records, indent=2) + "\n")
-    tmp.replace(path)  # a record on disk is always whole
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
 
 
 # -- the stages ---------------------------------------------------------------------------

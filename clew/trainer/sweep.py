@@ -41,6 +41,8 @@ from typing import Any
 from clew.config import ClewConfig, config_yaml, load_config
 from clew.config.sweep import Combination, Grid, parse_grid
 from clew.errors import ClewError, ConfigError, DataError
+from clew.trainer import launch
+from clew.trainer.pipeline import updated, write_json
 
 FINISHED_FILE = "finished.json"
 SUMMARY_FILE = "sweep.json"
@@ -83,7 +85,7 @@ def plan_sweep(config: str | Path | None, overrides: list[str] | tuple[str, ...]
             cfg = load_config(config, combination.overrides)
             folder = Path(cfg.trainer.log_path) / cfg.trainer.run_name
             cfg = _placed(cfg, combination.name, grid)
-            check_runnable(cfg)
+            launch.check_runnable(cfg)
         except ConfigError as exc:
             raise ConfigError(
                 f"sweep run {i} of {len(combinations)} ({combination.name}): {exc}"
@@ -97,7 +99,6 @@ def _placed(cfg: ClewConfig, name: str, grid: Grid) -> ClewConfig:
     """``cfg`` as the combination ``name`` runs it: in its folder under the sweep's, and with
     a ``ckpt_path``/``export_path`` that every combination shares made its own."""
     from clew.checkpoint.storage import join
-    from clew.trainer.pipeline import updated
 
     t, swept = cfg.trainer, {a.key for a in grid.axes}
     values: dict[str, Any] = {"trainer.run_name": f"{t.run_name}/{name}"}
@@ -108,16 +109,6 @@ def _placed(cfg: ClewConfig, name: str, grid: Grid) -> ClewConfig:
         if path and key not in swept:
             values[key] = join(path, name)
     return updated(cfg, values)
-
-
-def check_runnable(cfg: ClewConfig) -> None:
-    """What ``run_grpo`` refuses before loading anything, refused here before any run."""
-    if not cfg.data.train_data:
-        raise ConfigError(
-            "data.train_data is empty: give one or more parquet files from `clew dataset`"
-        )
-    if not cfg.trainer.policy.model.path:
-        raise ConfigError("trainer.policy.model.path is required: a local checkpoint directory")
 
 
 def digest(cfg: ClewConfig) -> str:
@@ -142,9 +133,7 @@ def _mark_finished(run: SweepRun, last_eval: dict[str, float]) -> None:
         "finished_at": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "last_eval": last_eval,
     }
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(path)
+    write_json(path, record)
 
 
 def run_sweep(sweep: Sweep) -> list[dict[str, Any]]:
@@ -156,7 +145,6 @@ def run_sweep(sweep: Sweep) -> list[dict[str, Any]]:
     (``clew.metrics.summarize``) ``steps``, ``evals``, ``last_pass_at_1``,
     ``best_pass_at_1``, ``best_step``.
     """
-    from clew.trainer import launch
     from clew.trainer.stopping import GracefulStop
 
     rows = [_row(run) for run in sweep.runs]
@@ -254,9 +242,7 @@ def write_summary(sweep: Sweep, rows: list[dict[str, Any]]) -> Path:
         "axes": {a.key: list(a.values) for a in sweep.grid.axes},
         "runs": rows,
     }
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    write_json(path, data)
     return path
 
 
