@@ -107,6 +107,18 @@ class InferenceEngineConfig(Section):
         "faster in a many-turn Qwen3-VL-8B rollout (BENCHMARKS.md). No effect on a CPU or in "
         "the trainer's forwards.",
     )
+    prefill_cuda_graphs: bool = Field(
+        False,
+        description="true replays each turn's prefill (the language model's layers) from CUDA "
+        "graphs on a GPU, captured per shape (rows rounded up, the chunk's width, attention "
+        "width rounded up to 256 columns) for a whole batch without per-row adapters taking "
+        "the padded prefill (while images are hidden), and keeps the KV cache's buffers "
+        "between batches so later GRPO steps replay the graphs earlier ones captured "
+        "(clew.inference.prefill_graphs). For small policies, whose turns are bound by "
+        "kernel launches (BENCHMARKS.md, 'The small-model regime'); the buffers and graphs "
+        "then hold device memory through the policy update. Off with enforce_eager; no "
+        "effect on a CPU.",
+    )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="SkyRL engine options; clew reads `max_model_len` (the engine's context "

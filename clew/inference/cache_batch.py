@@ -44,6 +44,7 @@ from clew.inference.chunks import Prefill, pack
 from clew.inference.cuda_graphs import DecodeGraphs
 from clew.inference.draws import RowDraws
 from clew.inference.kv_cache import SlotCache
+from clew.inference.prefill_graphs import routed
 from clew.inference.sampling import SamplingParams
 from clew.kernels.fused_pointwise import pointwise_fused
 from clew.kernels.sdpa_backends import without_cudnn_attention
@@ -92,6 +93,7 @@ class CacheBatch:
             capacity_hint=capacity_hint,
             bytes_per_token=engine.bytes_per_token,
             budget_bytes=engine.max_cache_bytes,
+            store=engine.kv_store,
         )
         self.images_seen = [0] * size
         self.rows: list[int] = list(range(size))  # sequence ids, in cache row order
@@ -244,6 +246,12 @@ class CacheBatch:
         if packed:
             return self._packed_forward(part, lengths, extra)
         ids, pos = torch.from_numpy(part.ids), torch.from_numpy(part.pos)
+        graphs = self.engine.prefill_graphs
+        if graphs is not None and not by_length and rows is None and not any(self.adapters):
+            # The layers from a CUDA graph (clew.inference.prefill_graphs).
+            graphed = routed(graphs, self.engine.model, self.kv, self.engine._cache_kw)
+            with graphed:
+                return self._forward(ids, pos, attention_mask, **extra)
         with (
             prefill_lengths(lengths, self.engine.prefill_attention)
             if by_length

@@ -51,7 +51,9 @@ import torch
 from clew.errors import ConfigError
 from clew.inference.cache_batch import CacheBatch
 from clew.inference.kv_cache import cache_budget_bytes, kv_bytes_per_token
+from clew.inference.kv_store import KVStore
 from clew.inference.multi_lora import AdapterSource, MultiLoRA
+from clew.inference.prefill_graphs import PrefillGraphs
 from clew.kernels.fused_pointwise import fuse_pointwise
 from clew.models.chat import ChatFormat
 from clew.models.logit_masks import AllowedIds, banned_token_ids
@@ -121,6 +123,7 @@ class InferenceEngine:
         decode_attention: str = "auto",
         prefill_attention: str = "auto",
         fused_pointwise: bool | None = None,
+        prefill_graphs: bool = False,
     ) -> None:
         self.model = model
         # Decode steps replayed from CUDA graphs (rows without adapters); on a CPU the same
@@ -177,6 +180,13 @@ class InferenceEngine:
         # The ids of SamplingParams.allowed_tokens; a text that is not one token raises.
         self.allowed_ids = AllowedIds(chat, self.device)
         self._cache_kw = _cache_kwarg(model)
+        # A padded prefill's layers replayed from CUDA graphs (eagerly, bucketed, on a CPU),
+        # over KV buffers kept between batches (clew.inference.prefill_graphs, kv_store).
+        self.prefill_graphs: PrefillGraphs | None = None
+        self.kv_store: KVStore | None = None
+        if prefill_graphs:
+            self.prefill_graphs = PrefillGraphs(capture=on_cuda)
+            self.kv_store = KVStore()
         # Adapters rows can name (clew.inference.multi_lora); layers are wrapped on first add.
         self.lora = MultiLoRA(model)
 
@@ -227,6 +237,7 @@ class EngineOptions:
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     fused_pointwise: bool = True
+    prefill_cuda_graphs: bool = False  # on a CUDA device only
     gpu_memory_utilization: float = 0.45  # of a GPU, for the KV cache budget
     max_cache_mb: int = 4096  # the budget on a CPU
 
@@ -253,4 +264,5 @@ class EngineOptions:
             decode_attention=self.decode_attention,
             prefill_attention=self.prefill_attention,
             fused_pointwise=self.fused_pointwise,
+            prefill_graphs=self.prefill_cuda_graphs and device.type == "cuda",
         )

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from clew.inference.kv_store import KVStore
+
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of KV cache one token takes across all layers."""
@@ -100,8 +102,12 @@ class SlotCache(Cache):
         bytes_per_token: int,
         budget_bytes: int | None = None,
         capacity_hint: int | None = None,
+        store: KVStore | None = None,
     ) -> None:
         super().__init__(layers=[SlotLayer() for _ in range(num_layers)])
+        # Where the buffers come from when kept between batches (clew.inference.kv_store).
+        self.store = store
+        self._lent: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.device = device
         self.rows = rows  # live rows, in slots [0, rows)
         self.slots = rows
@@ -132,9 +138,12 @@ class SlotCache(Cache):
         layer = self.layers[layer_idx]
         if layer.keys is None:
             shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[3])
-            layer.keys = key_states.new_zeros(shape)
-            layer.values = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
-            layer.is_initialized = True
+            if self.store is not None:  # every layer's at once, from the store
+                self._allocate(shape, value_states.shape[3], key_states.dtype)
+            else:
+                layer.keys = key_states.new_zeros(shape)
+                layer.values = value_states.new_zeros(shape[:3] + (value_states.shape[3],))
+                layer.is_initialized = True
         # Advanced indices on dims 0 and 2 put their [B, T] first: [B, T, kv_heads, head_dim].
         layer.keys[rows, :, cols] = key_states.transpose(1, 2)
         layer.values[rows, :, cols] = value_states.transpose(1, 2)
@@ -142,6 +151,19 @@ class SlotCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.width
+
+    def _allocate(self, keys: tuple[int, ...], value_dim: int, dtype: torch.dtype) -> None:
+        """Every layer's buffers from the store, giving back the ones they replace."""
+        assert self.store is not None
+        lent = self.store.buffers(
+            self, len(self.layers), keys, keys[:3] + (value_dim,), dtype, self.device
+        )
+        if self._lent is not None:
+            self.store.release(self._lent)
+        self._lent = lent
+        for layer, (k, v) in zip(self.layers, lent, strict=True):
+            layer.keys, layer.values = k, v
+            layer.is_initialized = True
 
     # What the engine calls.
     @property
@@ -206,15 +228,24 @@ class SlotCache(Cache):
         visible[:rows, :width] = self.visible[:rows, :width]
         image[:rows, :width] = self.image_of_col[:rows, :width]
         self.visible, self.image_of_col = visible, image
-        for layer in self.layers:
-            if layer.keys is None:
-                continue
-            for name in ("keys", "values"):
-                old = getattr(layer, name)
-                new = old.new_zeros((slots, old.shape[1], capacity, old.shape[3]))
-                new[:rows, :, :width] = old[:rows, :, :width]
-                setattr(layer, name, new)
-                del old  # one layer's old buffer at a time: the peak is one layer over
+        first = self.layers[0].keys
+        if self.store is not None and first is not None:
+            kept = [(layer.keys, layer.values) for layer in self.layers]
+            shape = (slots, first.shape[1], capacity, first.shape[3])
+            self._allocate(shape, self.layers[0].values.shape[3], first.dtype)
+            for layer, (k, v) in zip(self.layers, kept, strict=True):
+                layer.keys[:rows, :, :width] = k[:rows, :, :width]
+                layer.values[:rows, :, :width] = v[:rows, :, :width]
+        else:
+            for layer in self.layers:
+                if layer.keys is None:
+                    continue
+                for name in ("keys", "values"):
+                    old = getattr(layer, name)
+                    new = old.new_zeros((slots, old.shape[1], capacity, old.shape[3]))
+                    new[:rows, :, :width] = old[:rows, :, :width]
+                    setattr(layer, name, new)
+                    del old  # one layer's old buffer at a time: the peak is one layer over
         self.slots, self.capacity = slots, capacity
         self._arange = torch.arange(slots, device=self.device)
         self.generation += 1

@@ -44,11 +44,16 @@ class FusedLoraLinear(PeftLinear):
         result = self.base_layer(x)
         dtype, shape = result.dtype, result.shape
         flat = result.reshape(-1, shape[-1])
+        autocast = torch.is_autocast_enabled(x.device.type)
         for name in adapters:
             a, b = self.lora_A[name].weight, self.lora_B[name].weight
-            h = F.linear(self._cast_input_dtype(x, a.dtype), a).reshape(-1, a.shape[0])
+            # Under autocast the product runs in the autocast dtype whatever x's: peft's cast
+            # of the activations to a float32 adapter's dtype would be cast straight back,
+            # two copies of x (and two in backward) for the very same values.
+            h = F.linear(x if autocast else self._cast_input_dtype(x, a.dtype), a)
+            h = h.reshape(-1, a.shape[0])
             # Outside autocast a float32 adapter over a bf16 base promotes, as peft's sum does.
-            if flat.dtype != h.dtype and not torch.is_autocast_enabled(h.device.type):
+            if flat.dtype != h.dtype and not autocast:
                 flat = flat.to(torch.promote_types(flat.dtype, h.dtype))
             flat = torch.addmm(flat, h, b.t().to(h.dtype), alpha=self.scaling[name])
         return flat.reshape(shape).to(dtype)

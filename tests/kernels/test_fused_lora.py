@@ -113,6 +113,28 @@ def test_a_float32_adapter_over_a_bf16_base_matches_peft(autocast: bool) -> None
     assert torch.allclose(a.float(), b.float(), atol=5e-2, rtol=2e-2)
 
 
+def test_under_autocast_the_activations_are_not_cast_to_the_adapter_s_dtype_and_back(
+    monkeypatch,
+) -> None:
+    fused = _model()
+    for name, p in fused.named_parameters():
+        if "lora_" not in name:
+            p.data = p.data.to(torch.bfloat16)
+    plain = copy.deepcopy(fused)
+    fuse_lora(plain, False)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = plain(x)
+        casts = []
+        cast = PeftLinear._cast_input_dtype
+        monkeypatch.setattr(
+            PeftLinear, "_cast_input_dtype", lambda self, t, d: casts.append(d) or cast(self, t, d)
+        )
+        out = fused(x)
+    assert casts == []
+    assert torch.allclose(out.float(), reference.float(), atol=5e-2, rtol=2e-2)
+
+
 @pytest.mark.gpu
 def test_on_cuda_under_bf16_autocast_the_fused_update_matches_peft() -> None:
     fused = _model().cuda()
