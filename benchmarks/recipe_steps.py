@@ -13,12 +13,21 @@ per variant from the same weights, evaluation and checkpoints off:
 - ``unfused``: ``after`` with the engine's fused element-wise kernels off
   (``generator.inference_engine.fused_pointwise=false``);
 - ``one_thread``: ``after`` with the envs stepped in the loop's own thread
-  (``generator.env_workers=1``; by default one thread per core, at most 8).
+  (``generator.env_workers=1``; by default one thread per core, at most 8);
+- ``eager_prefill``: ``after`` with every prefill run eagerly
+  (``generator.inference_engine.prefill_cuda_graphs=false``);
+- ``big_micro``: ``after`` with micro-batches of 96 trajectories for the update and its
+  forwards (``trainer.micro_train_batch_size_per_gpu`` and
+  ``micro_forward_batch_size_per_gpu``).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
-the steps after the first (which pays the start-up), GRPO steps per minute, the speed-up
-over the first variant run, and the seconds its final policy took to play ``--eval-rows``
-eval mazes greedily (the evaluation a run does every ``eval_interval`` steps); then the
+the steps after the first ``--warmup`` (which pay the start-up: the first step sizes the
+KV cache by the first observations, the next by later ones, and each captures the CUDA
+graphs of its shapes), GRPO steps per minute, the speed-up
+over the first variant run, and the seconds its last evaluation took to play
+``--eval-rows`` eval mazes greedily (the evaluation a run does every ``eval_interval``
+steps; the variant evaluates every ``--warmup`` steps, and a step's time leaves its
+evaluation out); then the
 floor of such a step (``bounds.grpo_step_floor``: its FLOPs at the card's measured matrix
 rate, its decode's bytes at its bandwidth, for the last step's episode lengths).
 ``--profile DIR`` runs the first variant's last step under the
@@ -58,13 +67,19 @@ VARIANTS: dict[str, dict[str, object]] = {
     "eager": {"generator.inference_engine.enforce_eager": True},
     "unfused": {"generator.inference_engine.fused_pointwise": False},
     "one_thread": {"generator.env_workers": 1},
+    "eager_prefill": {"generator.inference_engine.prefill_cuda_graphs": False},
+    "big_micro": {
+        "trainer.micro_train_batch_size_per_gpu": 96,
+        "trainer.micro_forward_batch_size_per_gpu": 96,
+    },
 }
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--recipe", default="recipes/easy-1gpu.yaml")
-    p.add_argument("--steps", type=int, default=4, help="GRPO steps per variant (first untimed)")
+    p.add_argument("--steps", type=int, default=4, help="GRPO steps per variant")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of each")
     p.add_argument("--device", default="auto")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides")
@@ -93,8 +108,9 @@ def main() -> None:
             "pipeline.stages=[dataset,model]",
             f"pipeline.dataset.eval_rows={max(args.eval_rows, 1)}",
             "trainer.eval_before_train=false",
-            # Past the last step: the run evaluates its final policy once, after its steps.
-            f"trainer.eval_interval={args.steps + 1 if args.eval_rows > 0 else -1}",
+            # Every --warmup steps: the evaluation's own start-up (its cache, its graphs) is paid
+            # before the last one, whose time is reported; a step's time leaves its out.
+            f"trainer.eval_interval={max(args.warmup, 1) if args.eval_rows > 0 else -1}",
             "trainer.ckpt_interval=-1",
             "trainer.hf_save_interval=-1",
             "trainer.export_best=false",
@@ -119,7 +135,8 @@ def main() -> None:
         g, t = cfg.generator, cfg.trainer
         print(
             f"{args.recipe}: {t.train_batch_size} prompts x {g.n_samples_per_prompt} samples, "
-            f"up to {g.max_turns} turns, {args.steps} steps per variant (the first untimed)"
+            f"up to {g.max_turns} turns, {args.steps} steps per variant (the first "
+            f"{args.warmup} untimed)"
         )
         print(
             f"{'variant':<10} {'step s':>7} {'generate':>9} {'update':>7} {'steps/min':>9} "
@@ -141,8 +158,8 @@ def main() -> None:
             logged = [json.loads(line) for line in lines]
             hist = [h for h in logged if "timing/step" in h]
             evals = [h["timing/evaluate"] for h in logged if "timing/evaluate" in h]
-            timed = hist[1:] or hist
-            step = statistics.mean(h["timing/step"] for h in timed)
+            timed = hist[args.warmup :] or hist
+            step = statistics.mean(h["timing/step"] - h.get("timing/evaluate", 0.0) for h in timed)
             gen = statistics.mean(h["timing/generate"] for h in timed)
             upd = statistics.mean(h["timing/update"] for h in timed)
             first = first or step
