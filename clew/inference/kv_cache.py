@@ -29,7 +29,9 @@ row plus the turn's growth (the longest chunk and every decode step) and the buf
 when that is more: to twice the old capacity or, under a budget, to ``capacity_hint`` (the
 longest row the rollout loop expects), never past the budget. A growth copies the live part
 once; a turn never does. The budget counts ``rows x (longest row + the turn's
-growth)`` columns, the rows' real lengths rather than the longest a row could grow.
+growth)`` columns, the rows' real lengths rather than the longest a row could grow. With a
+``store`` (``clew.inference.kv_store``) the buffers come from, and go back to, the engine's
+store, so the next batch of the same shape writes into the same memory.
 """
 
 from __future__ import annotations
