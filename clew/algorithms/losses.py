@@ -3,8 +3,14 @@
 A loss is a pure function of per-token tensors of one micro-batch:
 ``logprobs`` (current policy, carries the gradient), ``old_logprobs`` (the policy that
 sampled the rollout), ``advantages`` and ``loss_mask``, all ``Float[N, T]``. It returns a
-scalar to ``backward()`` and a dict of float statistics to log. Losses live in
-``POLICY_LOSSES`` under a config name; add one with ``@register_policy_loss("name")``.
+scalar to ``backward()`` and a dict of statistics to log. Losses live in ``POLICY_LOSSES``
+under a config name; add one with ``@register_policy_loss("name")``.
+
+The statistics are detached 0-dim tensors on the loss's device, computed without reading
+anything back to the host (no ``.item()``, ``float()`` or ``bool()`` of a tensor, no boolean
+indexing): each such read makes the host wait for the device before it can launch the
+backward, once per micro-batch. The caller reads them, all in one copy per mini-batch
+(``clew.train.worker.PolicyWorker.accumulate``).
 
 How per-token values become one scalar matters as much as the loss itself, and is a separate
 choice (``reduction``) shared with the KL term:
@@ -63,15 +69,22 @@ def log_ratio_on_mask(logprobs: Tensor, old_logprobs: Tensor, active: Tensor) ->
     return torch.where(active, log_ratio, 0.0)
 
 
-def ratio_stats(ratio: Tensor, log_ratio: Tensor, active: Tensor) -> dict[str, float]:
+def ratio_stats(ratio: Tensor, log_ratio: Tensor, active: Tensor) -> dict[str, Tensor]:
     """``approx_kl`` (k3: ``r - 1 - log r``), ``ratio_mean`` and ``ratio_max`` over the
-    active tokens; 0.0 each when there are none."""
+    active tokens; 0 each when there are none. Detached 0-dim tensors, computed without a
+    host synchronisation (no boolean indexing, no ``bool(active.any())``)."""
     with torch.no_grad():
         weight = active.float()
+        zero = ratio.new_zeros(())
+        if ratio.numel():  # a shape, known on the host
+            largest = torch.where(active, ratio, -torch.inf).max()
+            largest = torch.where(active.any(), largest, zero)
+        else:
+            largest = zero
         return {
-            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, weight).item(),
-            "ratio_mean": masked_mean(ratio, weight).item(),
-            "ratio_max": ratio[active].max().item() if bool(active.any()) else 0.0,
+            "approx_kl": masked_mean(ratio - 1.0 - log_ratio, weight),
+            "ratio_mean": masked_mean(ratio, weight),
+            "ratio_max": largest,
         }
 
 
@@ -81,9 +94,10 @@ def truncated_is(
     old_logprobs: Tensor,
     rollout_logprobs: Tensor | None,
     cap: float | None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """``losses`` times the TIS weights ``min(exp(old - rollout), cap)`` (no gradient), and
-    their stats; ``losses`` unchanged and no stats when ``rollout_logprobs`` is None."""
+    their stats (detached 0-dim tensors); ``losses`` unchanged and no stats when
+    ``rollout_logprobs`` is None."""
     if rollout_logprobs is None:
         return losses, {}
     if cap is None:
@@ -93,8 +107,8 @@ def truncated_is(
     with torch.no_grad():
         capped = (weights >= cap) & active
         stats = {
-            "tis_weight_mean": masked_mean(weights, active.float()).item(),
-            "tis_capped_fraction": masked_mean(capped.float(), active.float()).item(),
+            "tis_weight_mean": masked_mean(weights, active.float()),
+            "tis_capped_fraction": masked_mean(capped.float(), active.float()),
         }
     return losses * weights, stats
 
@@ -135,8 +149,9 @@ def reduce_loss(
     raise ValueError(f"unknown reduction {reduction!r}; accepted: {accepted}")
 
 
-PolicyLoss = Callable[..., tuple[Tensor, dict[str, float]]]
-"""``fn(logprobs, old_logprobs, advantages, loss_mask, *, reduction, max_seq_len, **cfg)``."""
+PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+"""``fn(logprobs, old_logprobs, advantages, loss_mask, *, reduction, max_seq_len, **cfg)``:
+the loss and its stats, detached 0-dim tensors (see the module docstring)."""
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
@@ -167,7 +182,7 @@ def compute_policy_loss(
     advantages: Tensor,
     loss_mask: Tensor,
     **kwargs,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Look up ``name`` and call it; ``kwargs`` go to the loss (reduction, clip ranges, ...)."""
     return get_policy_loss(name)(logprobs, old_logprobs, advantages, loss_mask, **kwargs)
 
@@ -186,7 +201,7 @@ def ppo_clip_loss(
     clip_ratio_c: float | None = None,
     rollout_logprobs: Tensor | None = None,
     tis_imp_ratio_cap: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate, with asymmetric clip range, optional dual clip and optional
     truncated importance sampling (TIS).
 
@@ -218,8 +233,9 @@ def ppo_clip_loss(
             ``rollout_logprobs``.
 
     Returns:
-        ``(loss, stats)``: a 0-dim tensor, and floats over masked tokens (0.0 when the mask is
-        empty): ``clip_fraction`` (share where the clipped branch is the one in effect),
+        ``(loss, stats)``: a 0-dim tensor, and detached 0-dim tensors over masked tokens (0
+        when the mask is empty; the caller reads them, see the module docstring):
+        ``clip_fraction`` (share where the clipped branch is the one in effect),
         ``dual_clip_fraction`` (share where the dual clip is in effect; 0 when off),
         ``approx_kl`` (mean k3 estimate of KL(old || current): ``r - 1 - log r`` with
         ``r = exp(logprobs - old_logprobs)``; unbiased under samples from the old policy and
@@ -254,7 +270,7 @@ def ppo_clip_loss(
 
     with torch.no_grad():
         stats = {
-            "clip_fraction": masked_mean(clipped.float(), active.float()).item(),
-            "dual_clip_fraction": masked_mean(dual.float(), active.float()).item(),
+            "clip_fraction": masked_mean(clipped.float(), active.float()),
+            "dual_clip_fraction": masked_mean(dual.float(), active.float()),
         }
     return loss, stats | ratio_stats(ratio, log_ratio, active) | tis

@@ -25,7 +25,9 @@ sampling (``rollout_logprobs``, ``tis_imp_ratio_cap``) as ``ppo_clip`` does; ``c
 from ``trainer.algorithm`` (``clew.config.settings.policy_loss_options``).
 
 Every loss returns ``clip_fraction`` and ``approx_kl`` (the k3 estimate of KL(old || current)
-over the masked tokens, as ``ppo_clip``), 0.0 when the mask is empty.
+over the masked tokens, as ``ppo_clip``), 0 when the mask is empty. Every stat is a detached
+0-dim tensor on the loss's device, computed without a host synchronisation; the caller reads
+them (see ``clew.algorithms.losses``).
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ from clew.algorithms.stats import masked_mean, upcast_float
 __all__ = ["cispo_loss", "clip_cov_loss", "gspo_loss", "kl_cov_loss", "sapo_loss"]
 
 
-def _fraction(flags: Tensor, active: Tensor) -> float:
-    """Share of the active tokens where ``flags`` holds (0.0 when none is active)."""
-    return masked_mean(flags.float(), active.float()).item()
+def _fraction(flags: Tensor, active: Tensor) -> Tensor:
+    """Share of the active tokens where ``flags`` holds (0 when none is active): a detached
+    0-dim tensor."""
+    with torch.no_grad():
+        return masked_mean(flags.float(), active.float())
 
 
 def _check_clip_range(eps_clip_low: float, eps_clip_high: float, names: str) -> None:
@@ -69,7 +73,7 @@ def gspo_loss(
     eps_clip_high: float = 4e-4,
     rollout_logprobs: Tensor | None = None,
     tis_imp_ratio_cap: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO-token (Zheng et al. 2025, arXiv 2507.18071, eqs. 13-14): PPO's clipped surrogate
     on a sequence-level importance ratio.
 
@@ -144,7 +148,7 @@ def cispo_loss(
     cispo_eps_clip_high: float = 4.0,
     rollout_logprobs: Tensor | None = None,
     tis_imp_ratio_cap: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4): REINFORCE weighted by the clipped and
     detached importance ratio. Per token, with ``r = exp(logprobs - old_logprobs)``::
 
@@ -189,7 +193,7 @@ def cispo_loss(
     with torch.no_grad():
         stats = {
             "clip_fraction": _fraction((ratio < low) | (ratio > high), active),
-            "weight_mean": masked_mean(weight, active.float()).item(),
+            "weight_mean": masked_mean(weight, active.float()),
         }
     return loss, stats | ratio_stats(ratio, log_ratio, active) | tis
 
@@ -220,7 +224,7 @@ def clip_cov_loss(
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
     generator: torch.Generator | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip-Cov (Cui et al. 2025, arXiv 2505.22617, sec. 4.2): PPO's clipped surrogate, with
     the gradient of a few high-covariance tokens removed.
 
@@ -297,7 +301,7 @@ def kl_cov_loss(
     max_seq_len: int | None = None,
     kl_cov_frac: float = 0.2,
     ppo_kl_coef: float = 1.0,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """KL-Cov (Cui et al. 2025, arXiv 2505.22617, sec. 4.2): the unclipped surrogate, plus a
     KL penalty on the tokens whose log-prob and advantage covary most.
 
@@ -319,7 +323,7 @@ def kl_cov_loss(
         ppo_kl_coef: the penalty's weight, >= 0.
 
     Returns:
-        ``(loss, stats)``: ``clip_fraction`` (0.0: nothing is clipped), ``kl_cov_fraction``
+        ``(loss, stats)``: ``clip_fraction`` (0: nothing is clipped), ``kl_cov_fraction``
         (share of masked tokens penalised), ``approx_kl``, ``ratio_mean``, ``ratio_max``.
     """
     check_2d(
@@ -344,7 +348,7 @@ def kl_cov_loss(
     losses = losses + torch.where(selected, ppo_kl_coef * log_ratio.abs(), 0.0)
     loss = reduce_loss(losses, loss_mask, reduction, max_seq_len)
 
-    stats = {"clip_fraction": 0.0, "kl_cov_fraction": _fraction(selected, active)}
+    stats = {"clip_fraction": ratio.new_zeros(()), "kl_cov_fraction": _fraction(selected, active)}
     return loss, stats | ratio_stats(ratio, log_ratio, active)
 
 
@@ -361,7 +365,7 @@ def sapo_loss(
     tau_neg: float = 1.05,
     rollout_logprobs: Tensor | None = None,
     tis_imp_ratio_cap: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO (Gao et al. 2025, arXiv 2511.20347): a soft, temperature-controlled gate on the
     ratio in place of PPO's hard clip. Per token, with ``r = exp(logprobs - old_logprobs)``
     and ``tau = tau_pos`` where ``A > 0``, else ``tau_neg``::
@@ -382,7 +386,7 @@ def sapo_loss(
             ``ppo_clip_loss``.
 
     Returns:
-        ``(loss, stats)``: ``clip_fraction`` (0.0: nothing is clipped), ``gate_weight_mean``
+        ``(loss, stats)``: ``clip_fraction`` (0: nothing is clipped), ``gate_weight_mean``
         (mean of ``4 * s * (1 - s)``, the gate's scaling of each token's gradient; 1 on
         policy), ``approx_kl``, ``ratio_mean``, ``ratio_max``, plus TIS stats.
     """
@@ -403,7 +407,7 @@ def sapo_loss(
 
     with torch.no_grad():
         stats = {
-            "clip_fraction": 0.0,
-            "gate_weight_mean": masked_mean(4.0 * gate * (1.0 - gate), active.float()).item(),
+            "clip_fraction": ratio.new_zeros(()),
+            "gate_weight_mean": masked_mean(4.0 * gate * (1.0 - gate), active.float()),
         }
     return loss, stats | ratio_stats(ratio, log_ratio, active) | tis

@@ -59,7 +59,7 @@ def observing(objective: Objective, gap: LogprobGap | None) -> Objective:
     if gap is None:
         return objective
 
-    def observed(batch: ModelBatch, out: TargetOutputs) -> tuple[Tensor, dict[str, float]]:
+    def observed(batch: ModelBatch, out: TargetOutputs) -> tuple[Tensor, dict[str, Tensor | float]]:
         trainer = out.per_target.detach()
         gap.add(trainer, batch.values["old_logprobs"], batch.target_mask)
         return objective(batch, out)

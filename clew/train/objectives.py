@@ -4,6 +4,10 @@ An objective sees one micro-batch and the policy's outputs at its loss-mask targ
 returns the loss *reduced over that micro-batch* plus token-mean statistics. The worker
 weights each micro-batch by its share of the mini-batch (see ``PolicyWorker.accumulate``),
 so an objective never needs to know how the mini-batch was split.
+
+The statistics are detached 0-dim tensors on the device (a float is accepted too), never
+read back to the host here: the worker reads a mini-batch's in one copy at its end, so the
+host need not wait for the device after each micro-batch's forward.
 """
 
 from __future__ import annotations
@@ -53,29 +57,38 @@ class TargetOutputs:
         return self.logits.detach().argmax(-1)
 
 
-Objective = Callable[[ModelBatch, TargetOutputs], tuple[Tensor, dict[str, float]]]
+Objective = Callable[[ModelBatch, TargetOutputs], tuple[Tensor, dict[str, Tensor | float]]]
+"""``(batch, outputs) -> (loss, stats)``; stats are detached 0-dim tensors (or floats)."""
+
+
+def _to(values: Tensor, device: torch.device) -> Tensor:
+    """``values`` on ``device``. A copy from the host does not wait for the device: a blocking
+    one would wait for the forward queued before it, so the host could not launch the
+    backward until the device is idle (a host-to-device copy from pageable memory is staged
+    at once, so the source may change right after)."""
+    return values.to(device, non_blocking=values.device.type == "cpu")
 
 
 def ppo_objective(settings: PPOSettings) -> Objective:
     """Policy loss, plus ``kl_loss_coef * KL`` when the batch has ``ref_logprobs``, minus
     ``entropy_loss_coef * entropy``; all under ``settings.loss_reduction``."""
 
-    def objective(batch: ModelBatch, out: TargetOutputs) -> tuple[Tensor, dict[str, float]]:
+    def objective(batch: ModelBatch, out: TargetOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         logprobs = out.per_target
         dev = logprobs.device
-        mask = batch.target_mask.to(dev)
+        mask = _to(batch.target_mask, dev)
         reduction = {"reduction": settings.loss_reduction, "max_seq_len": settings.max_seq_len}
         tis = {}
         if settings.use_tis:  # old_logprobs are the trainer's; rollout_logprobs the engine's
             tis = {
-                "rollout_logprobs": batch.values["rollout_logprobs"].to(dev),
+                "rollout_logprobs": _to(batch.values["rollout_logprobs"], dev),
                 "tis_imp_ratio_cap": settings.tis_imp_ratio_cap,
             }
         loss, pg = compute_policy_loss(
             settings.policy_loss,
             logprobs,
-            batch.values["old_logprobs"].to(dev),
-            batch.values["advantages"].to(dev),
+            _to(batch.values["old_logprobs"], dev),
+            _to(batch.values["advantages"], dev),
             mask,
             **settings.loss_options,
             **tis,
@@ -84,15 +97,16 @@ def ppo_objective(settings: PPOSettings) -> Objective:
         stats = {"clip_fraction": pg["clip_fraction"], "approx_kl": pg["approx_kl"]}
         stats |= {k: pg[k] for k in ("tis_weight_mean", "tis_capped_fraction") if k in pg}
         if "ref_logprobs" in batch.values:
-            ref = batch.values["ref_logprobs"].to(dev)
+            ref = _to(batch.values["ref_logprobs"], dev)
             kl = kl_loss(logprobs, ref, mask, settings.kl_estimator, **reduction)
             loss = loss + settings.kl_loss_coef * kl
-            stats["kl_loss"] = float(kl.detach())
+            stats["kl_loss"] = kl.detach()
         bonus = settings.entropy_loss_coef != 0
         # Without a bonus the entropy is only a metric: keep it out of the autograd graph.
         with contextlib.nullcontext() if bonus else torch.no_grad():
             entropy = out.entropies(settings.temperature)
-        stats["entropy"] = float(entropy.detach().mean()) if entropy.numel() else 0.0
+        metric = entropy.detach()
+        stats["entropy"] = metric.mean() if metric.numel() else metric.new_zeros(())
         if bonus:
             per_target = torch.zeros_like(logprobs).masked_scatter(mask > 0, entropy)
             loss = loss - settings.entropy_loss_coef * reduce_loss(per_target, mask, **reduction)
@@ -101,10 +115,11 @@ def ppo_objective(settings: PPOSettings) -> Objective:
     return objective
 
 
-def sft_objective(batch: ModelBatch, out: TargetOutputs) -> tuple[Tensor, dict[str, float]]:
-    """Cross-entropy of the loss-mask tokens (token mean), and greedy token accuracy."""
-    accuracy = (out.greedy_ids() == out.targets).float().mean()
-    return -out.logprobs.mean(), {"token_accuracy": float(accuracy)}
+def sft_objective(batch: ModelBatch, out: TargetOutputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """Cross-entropy of the loss-mask tokens (token mean), and greedy token accuracy (a
+    detached 0-dim tensor)."""
+    accuracy = (out.greedy_ids() == out.targets).float().mean().detach()
+    return -out.logprobs.mean(), {"token_accuracy": accuracy}
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,22 @@ if TYPE_CHECKING:
     from clew.train.grad_sync import GradSync
 
 
+def _exact(value: Tensor | float) -> Tensor | float:
+    """A statistic to add up: a tensor (detached) in float64, as the Python float it would
+    be read as, so a sum on the device equals the sum of the floats; a float as it is."""
+    return value.detach().double() if isinstance(value, Tensor) else float(value)
+
+
+def _read_stats(stats: dict[str, Tensor | float]) -> dict[str, float]:
+    """``stats`` as Python floats, the tensors among them read in one device-to-host copy."""
+    tensors = {k: v for k, v in stats.items() if isinstance(v, Tensor)}
+    if tensors:
+        device = next(iter(tensors.values())).device
+        read = torch.stack([v.to(device) for v in tensors.values()]).tolist()
+        stats = stats | dict(zip(tensors, read, strict=True))
+    return {k: float(v) for k, v in stats.items()}
+
+
 class PolicyWorker(PolicyForward):
     """Owns the policy (optionally LoRA-wrapped), AdamW and the LR schedule."""
 
@@ -179,14 +195,17 @@ class PolicyWorker(PolicyForward):
 
         Each micro-batch's loss is reduced over the micro-batch and scaled by its share of
         the mini-batch (``gradient.by_tokens``: its share of loss-mask tokens, for
-        ``token_mean``; else its share of sequences, for the per-sequence reductions), so the accumulated
-        gradient is that of the mini-batch loss whatever the micro-batch size. Statistics
-        are token-weighted means, except ``loss`` which is the mini-batch loss. None when the
-        mini-batch has no loss-mask token (nothing to learn from). ``pack`` packs the
-        mini-batch's sequences into rows (``_micro_batches``, ``collate``); a micro-batch is
-        then ``micro_batch_size`` packed rows. With ``remove_padding`` each micro-batch is
-        one packed row. The objective sees a packed micro-batch one sequence a row
-        (``ModelBatch.unpacked``), so any reduction gives the loss of the padded layout.
+        ``token_mean``; else its share of sequences, for the per-sequence reductions), so
+        the accumulated gradient is that of the mini-batch loss whatever the micro-batch
+        size. Statistics are token-weighted means, except ``loss`` which is the mini-batch
+        loss; they add up on the device (in float64) and are read to the host in one copy at
+        the end (``_read_stats``), so no micro-batch makes the host wait for the device
+        before its backward. None when the mini-batch has no loss-mask token (nothing to
+        learn from). ``pack`` packs the mini-batch's sequences into rows (``_micro_batches``,
+        ``collate``); a micro-batch is then ``micro_batch_size`` packed rows. With
+        ``remove_padding`` each micro-batch is one packed row. The objective sees a packed
+        micro-batch one sequence a row (``ModelBatch.unpacked``), so any reduction gives the
+        loss of the padded layout.
         A sharded policy runs ``fsdp.lockstep``: micro-batches with no loss-mask token give
         way to passes with no loss, on a two-token sequence, as many as the workers need.
         """
@@ -200,7 +219,7 @@ class PolicyWorker(PolicyForward):
         total_seqs = sync.total(len(indices)) if sync is not None else len(indices)
         if total_tokens == 0:
             return None
-        stats: dict[str, float] = {"loss": 0.0, "tokens": float(total_tokens)}
+        stats: dict[str, Tensor | float] = {"loss": 0.0, "tokens": float(total_tokens)}
         plan = self._micro_batches(seqs, indices, g.micro_batch_size, g.pack) if indices else []
         passes: Iterable[list[int] | None] = plan
         if sharded := fsdp.is_sharded(self.model):
@@ -228,14 +247,15 @@ class PolicyWorker(PolicyForward):
                     if sharded:
                         scaled = scaled + fsdp.all_weights(self.model)
                     scaled.backward()
-                    stats["loss"] += float(loss.detach()) * share
+                    stats["loss"] += _exact(loss) * share
                     for k, v in micro_stats.items():
-                        stats[k] = stats.get(k, 0.0) + v * n_tok / local_tokens
+                        stats[k] = stats.get(k, 0.0) + _exact(v) * n_tok / local_tokens
             finally:
                 self.model.eval()
+        out = _read_stats(stats)
         if sync is not None:  # each worker's share of the loss adds up to the mini-batch's
-            stats["loss"] = sync.total(stats["loss"])
-        return stats
+            out["loss"] = sync.total(out["loss"])
+        return out
 
     def _pass_without_loss(self) -> None:
         """Forward and backward on two tokens with a loss of 0: the collectives of a sharded

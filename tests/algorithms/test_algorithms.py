@@ -222,8 +222,8 @@ def test_ppo_clip_at_ratio_one_is_minus_advantage_under_each_reduction():
     for reduction, expected in [("token_mean", -7 / 3), ("sequence_mean", -2.75)]:
         loss, stats = ppo_clip_loss(lp, lp, adv, MASK, reduction=reduction)
         close(loss, expected)
-        assert stats["clip_fraction"] == 0.0 and stats["ratio_mean"] == 1.0
-        assert stats["approx_kl"] == 0.0
+        assert float(stats["clip_fraction"]) == 0.0 and float(stats["ratio_mean"]) == 1.0
+        assert float(stats["approx_kl"]) == 0.0
     loss, _ = ppo_clip_loss(lp, lp, adv, MASK, reduction="seq_mean_token_sum_norm", max_seq_len=4)
     close(loss, -0.875)
 
@@ -243,11 +243,11 @@ def test_ppo_clip_loss_value_and_clip_fraction():
     loss, stats = ppo_clip_loss(lp, old, adv, mask)
     # per token: -min(1.5, 1.2) = -1.2; -min(-0.5, -0.8) = 0.8; -1.0; -min(-1.5, -1.2) = 1.5
     close(loss, (-1.2 + 0.8 - 1.0 + 1.5) / 4)
-    assert stats["clip_fraction"] == pytest.approx(0.5)
-    assert stats["ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.0 + 1.5) / 4)
-    assert stats["ratio_max"] == pytest.approx(1.5)
+    assert float(stats["clip_fraction"]) == pytest.approx(0.5)
+    assert float(stats["ratio_mean"]) == pytest.approx((1.5 + 0.5 + 1.0 + 1.5) / 4)
+    assert float(stats["ratio_max"]) == pytest.approx(1.5)
     k3 = lambda r: r - 1 - math.log(r)  # noqa: E731
-    assert stats["approx_kl"] == pytest.approx((2 * k3(1.5) + k3(0.5)) / 4, abs=1e-6)
+    assert float(stats["approx_kl"]) == pytest.approx((2 * k3(1.5) + k3(0.5)) / 4, abs=1e-6)
 
 
 def test_ppo_clip_gives_zero_gradient_on_clipped_tokens_only():
@@ -270,7 +270,7 @@ def test_ppo_clip_asymmetric_range_uses_eps_clip_high_above():
     adv, mask = torch.ones(1, 1), torch.ones(1, 1)
     _, low = ppo_clip_loss(lp, old, adv, mask, eps_clip_low=0.2, eps_clip_high=0.2)
     _, high = ppo_clip_loss(lp, old, adv, mask, eps_clip_low=0.2, eps_clip_high=0.28)
-    assert (low["clip_fraction"], high["clip_fraction"]) == (1.0, 0.0)
+    assert (float(low["clip_fraction"]), float(high["clip_fraction"])) == (1.0, 0.0)
 
 
 def test_dual_clip_bounds_loss_of_negative_advantage_with_huge_ratio():
@@ -282,7 +282,7 @@ def test_dual_clip_bounds_loss_of_negative_advantage_with_huge_ratio():
     loss, stats = ppo_clip_loss(lp, old, adv, mask, clip_ratio_c=3.0)
     close(loss.detach(), 3.0)
     loss.backward()
-    assert lp.grad.item() == 0.0 and stats["dual_clip_fraction"] == 1.0
+    assert lp.grad.item() == 0.0 and float(stats["dual_clip_fraction"]) == 1.0
     with pytest.raises(ValueError, match="clip_ratio_c"):
         ppo_clip_loss(lp, old, adv, mask, clip_ratio_c=0.5)
 
@@ -314,8 +314,8 @@ def test_one_corrupted_old_logprob_gives_a_finite_loss_and_gradient(sign):
         loss, stats = ppo_clip_loss(lp, old, adv, mask, clip_ratio_c=clip_ratio_c)
         (grad,) = torch.autograd.grad(loss, lp)
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
-        assert all(math.isfinite(v) for v in stats.values())
-        assert stats["ratio_max"] == pytest.approx(math.exp(LOG_RATIO_CLAMP), rel=1e-5)
+        assert all(math.isfinite(float(v)) for v in stats.values())
+        assert float(stats["ratio_max"]) == pytest.approx(math.exp(LOG_RATIO_CLAMP), rel=1e-5)
         assert grad[0, 1] == 0.0  # past the clamp the token has no gradient
         assert (grad[1] != 0).all()  # the healthy tokens still learn
 
@@ -331,10 +331,41 @@ def test_all_zero_mask_gives_finite_zero_loss_and_gradient():
         loss.backward()
         assert torch.isfinite(loss) and loss.item() == 0.0
         assert torch.isfinite(lp.grad).all() and lp.grad.eq(0).all()
-        assert all(math.isfinite(v) for v in stats.values())
+        assert all(math.isfinite(float(v)) for v in stats.values())
         lp.grad = None
     kl = kl_loss(lp, old, mask, "k3", "sequence_mean")
     assert torch.isfinite(kl) and kl.item() == 0.0
+
+
+def test_ppo_clip_stats_are_detached_device_scalars_read_by_the_caller():
+    # The stats stay 0-dim tensors (no .item() per micro-batch, which would make the host
+    # wait for the device before the backward); ratio_max needs no boolean index either.
+    lp, old, adv, mask = _clip_case()
+    lp = lp.clone().requires_grad_(True)
+    rollout = old + math.log(2.0)  # TIS weights 0.5
+    options = {"clip_ratio_c": 3.0, "rollout_logprobs": rollout, "tis_imp_ratio_cap": 2.0}
+    _, stats = ppo_clip_loss(lp, old, adv, mask, **options)
+    assert set(stats) == {
+        "clip_fraction",
+        "dual_clip_fraction",
+        "approx_kl",
+        "ratio_mean",
+        "ratio_max",
+        "tis_weight_mean",
+        "tis_capped_fraction",
+    }
+    for name, value in stats.items():
+        assert isinstance(value, torch.Tensor) and value.dim() == 0, name
+        assert not value.requires_grad and value.device == lp.device, name
+    # The masked-out ratio 2.0 is no active token's: the largest active ratio is 1.5.
+    assert float(stats["ratio_max"]) == pytest.approx(1.5)
+    _, empty = ppo_clip_loss(lp, old, adv, torch.zeros_like(mask), **options)
+    assert all(v.dim() == 0 and not v.requires_grad for v in empty.values())
+    assert float(empty["ratio_max"]) == 0.0
+    assert all(float(v) == 0.0 for v in empty.values()), empty
+    none = torch.zeros(0, 3)
+    _, shapeless = ppo_clip_loss(none, none, none, none)
+    assert all(v.dim() == 0 and float(v) == 0.0 for v in shapeless.values()), shapeless
 
 
 # ---------------------------------------------------------------- KL

@@ -62,8 +62,8 @@ def test_tis_multiplies_each_tokens_loss_and_gradient_by_its_weight() -> None:
     per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
     torch.testing.assert_close(loss, (per_token * weights).mean())
     torch.testing.assert_close(grad, grad_plain * weights)
-    assert stats["tis_weight_mean"] == pytest.approx(weights.mean().item())
-    assert stats["tis_capped_fraction"] == pytest.approx(1 / 3)
+    assert float(stats["tis_weight_mean"]) == pytest.approx(weights.mean().item())
+    assert float(stats["tis_capped_fraction"]) == pytest.approx(1 / 3)
 
 
 def test_tis_with_agreeing_logprobs_leaves_the_loss_as_it_was() -> None:
@@ -73,7 +73,7 @@ def test_tis_with_agreeing_logprobs_leaves_the_loss_as_it_was() -> None:
     plain, _ = ppo_clip_loss(logprobs, old, adv, mask)
     same, stats = ppo_clip_loss(logprobs, old, adv, mask, rollout_logprobs=old, tis_imp_ratio_cap=2)
     torch.testing.assert_close(same, plain)
-    assert stats["tis_weight_mean"] == 1.0 and stats["tis_capped_fraction"] == 0.0
+    assert float(stats["tis_weight_mean"]) == 1.0 and float(stats["tis_capped_fraction"]) == 0.0
     with pytest.raises(ValueError, match="tis_imp_ratio_cap"):
         ppo_clip_loss(logprobs, old, adv, mask, rollout_logprobs=old)
 

@@ -374,6 +374,8 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(model_dir, trajecto
         stats = worker.accumulate_gradients(batch, settings)
         grads.append(torch.cat([p.grad.flatten() for p in worker.model.parameters()]))
         assert stats is not None and stats["loss"] != 0
+        # The micro-batches' device stats come back as Python floats, read at the end.
+        assert all(type(v) is float for v in stats.values()), stats
     scale = grads[0].abs().max().item()
     assert torch.allclose(grads[0], grads[1], atol=1e-5 * scale, rtol=1e-4)
 
