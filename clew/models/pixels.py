@@ -327,7 +327,9 @@ class Frames:
         if device is None or torch.device(device).type == "cpu":
             # numpy's strided copy is faster than torch's on a CPU for this layout.
             return torch.from_numpy(_patch_numpy(self.data.numpy(), self.table.numpy(), *shape))
-        return _patch_torch(self.data.to(device), self.table.to(device), *shape)
+        # Copies that do not wait for the device's queued work (a blocking one would).
+        data, table = (t.to(device, non_blocking=True) for t in (self.data, self.table))
+        return _patch_torch(data, table, *shape)
 
     def compatible(self, other: Frames) -> bool:
         return (

@@ -40,6 +40,7 @@ from clew.train.model_batch import (
     collate,
     encode_vision,
     pack_rows,
+    to_device,
     token_micro_batches,
 )
 from clew.train.model_batch import micro_batches as chunked
@@ -141,7 +142,7 @@ class PolicyForward:
     def _keep(self, batch: ModelBatch) -> Tensor:
         """Bool ``[B, L]``: the positions whose next token is a loss-mask target."""
         keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
-        keep[:, :-1] = (batch.target_mask > 0).to(self.device)
+        keep[:, :-1] = to_device(batch.target_mask > 0, self.device)
         return keep
 
     def _target_logits(
@@ -166,8 +167,9 @@ class PolicyForward:
         """The policy at ``batch``'s loss-mask targets. With ``logprobs_chunk_size`` set, the
         logprobs (and, ``with_entropy``, the entropies) come chunk by chunk from the final
         hidden states (``clew.models.token_logprobs``) and no ``[K, V]`` logits are kept."""
-        mask = (batch.target_mask > 0).to(self.device)
-        targets = batch.targets.to(self.device)[mask]
+        on_host = batch.target_mask > 0
+        mask = to_device(on_host, self.device)
+        targets = to_device(batch.targets[on_host], self.device)
         entropy = greedy = logits = None
         if chunk := self.settings.logprobs_chunk_size:
             with self._autocast():

@@ -42,6 +42,14 @@ Pixel values stay ``Frames`` (bytes) where they can, and are patched on the mode
 """
 
 
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """``t`` on ``device``. A copy from the host does not wait for the device: a blocking
+    copy waits for all the work queued before it, so the host could not prepare the next
+    micro-batch's forward while the device runs the last backward. From pageable memory the
+    copy is staged before this returns, so the source may change right after."""
+    return t.to(device, non_blocking=t.device.type == "cpu")
+
+
 class SequenceLike(Protocol):
     """What a training sequence must carry (``Trajectory`` and ``Sample`` both do)."""
 
@@ -118,8 +126,8 @@ class ModelBatch:
         forward must then run inside ``packed_attention(model)``.
         """
         inputs: dict[str, Any] = {
-            "input_ids": self.input_ids.to(device),
-            "position_ids": self.position_ids.to(device),
+            "input_ids": to_device(self.input_ids, device),
+            "position_ids": to_device(self.position_ids, device),
         }
         if self.document is not None:
             inputs["attention_mask"] = None
@@ -128,17 +136,17 @@ class ModelBatch:
             )
         elif self.hidden_below is not None and self.image_of_key is not None:
             allowed = visibility_from_vectors(
-                self.hidden_below.to(device),
-                self.image_of_key.to(device),
-                torch.tensor(self.lengths, device=device),
+                to_device(self.hidden_below, device),
+                to_device(self.image_of_key, device),
+                to_device(torch.tensor(self.lengths), device),
             )
             mask = torch.full(allowed.shape, torch.finfo(dtype).min, dtype=dtype, device=device)
             inputs["attention_mask"] = mask.masked_fill_(allowed, 0.0)
         else:
-            inputs["attention_mask"] = self.attention_mask.to(device)
+            inputs["attention_mask"] = to_device(self.attention_mask, device)
         if self.pixel_values is not None:
             inputs["pixel_values"] = as_patches(self.pixel_values, device)
-            inputs["image_grid_thw"] = self.image_grid_thw.to(device)
+            inputs["image_grid_thw"] = to_device(self.image_grid_thw, device)
         return inputs
 
     def unpad(self, per_target: Tensor) -> list[Tensor]:

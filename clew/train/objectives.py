@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from clew.algorithms import compute_policy_loss, entropy_from_logits, kl_loss, reduce_loss
-from clew.train.model_batch import ModelBatch, Vision
+from clew.train.model_batch import ModelBatch, Vision, to_device
 from clew.train.settings import PPOSettings
 
 
@@ -61,14 +61,6 @@ Objective = Callable[[ModelBatch, TargetOutputs], tuple[Tensor, dict[str, Tensor
 """``(batch, outputs) -> (loss, stats)``; stats are detached 0-dim tensors (or floats)."""
 
 
-def _to(values: Tensor, device: torch.device) -> Tensor:
-    """``values`` on ``device``. A copy from the host does not wait for the device: a blocking
-    one would wait for the forward queued before it, so the host could not launch the
-    backward until the device is idle (a host-to-device copy from pageable memory is staged
-    at once, so the source may change right after)."""
-    return values.to(device, non_blocking=values.device.type == "cpu")
-
-
 def ppo_objective(settings: PPOSettings) -> Objective:
     """Policy loss, plus ``kl_loss_coef * KL`` when the batch has ``ref_logprobs``, minus
     ``entropy_loss_coef * entropy``; all under ``settings.loss_reduction``."""
@@ -76,19 +68,19 @@ def ppo_objective(settings: PPOSettings) -> Objective:
     def objective(batch: ModelBatch, out: TargetOutputs) -> tuple[Tensor, dict[str, Tensor]]:
         logprobs = out.per_target
         dev = logprobs.device
-        mask = _to(batch.target_mask, dev)
+        mask = to_device(batch.target_mask, dev)
         reduction = {"reduction": settings.loss_reduction, "max_seq_len": settings.max_seq_len}
         tis = {}
         if settings.use_tis:  # old_logprobs are the trainer's; rollout_logprobs the engine's
             tis = {
-                "rollout_logprobs": _to(batch.values["rollout_logprobs"], dev),
+                "rollout_logprobs": to_device(batch.values["rollout_logprobs"], dev),
                 "tis_imp_ratio_cap": settings.tis_imp_ratio_cap,
             }
         loss, pg = compute_policy_loss(
             settings.policy_loss,
             logprobs,
-            _to(batch.values["old_logprobs"], dev),
-            _to(batch.values["advantages"], dev),
+            to_device(batch.values["old_logprobs"], dev),
+            to_device(batch.values["advantages"], dev),
             mask,
             **settings.loss_options,
             **tis,
@@ -97,7 +89,7 @@ def ppo_objective(settings: PPOSettings) -> Objective:
         stats = {"clip_fraction": pg["clip_fraction"], "approx_kl": pg["approx_kl"]}
         stats |= {k: pg[k] for k in ("tis_weight_mean", "tis_capped_fraction") if k in pg}
         if "ref_logprobs" in batch.values:
-            ref = _to(batch.values["ref_logprobs"], dev)
+            ref = to_device(batch.values["ref_logprobs"], dev)
             kl = kl_loss(logprobs, ref, mask, settings.kl_estimator, **reduction)
             loss = loss + settings.kl_loss_coef * kl
             stats["kl_loss"] = kl.detach()
