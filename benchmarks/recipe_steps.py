@@ -16,6 +16,8 @@ per variant from the same weights, evaluation and checkpoints off:
   (``generator.env_workers=1``; by default one thread per core, at most 8);
 - ``eager_prefill``: ``after`` with every prefill run eagerly
   (``generator.inference_engine.prefill_cuda_graphs=false``);
+- ``dense_attention``: ``after`` with the update's attention under the dense visibility
+  mask (``trainer.hidden_image_attention=dense``; by default by observation chunk);
 - ``big_micro``: ``after`` with micro-batches of 96 trajectories for the update and its
   forwards (``trainer.micro_train_batch_size_per_gpu`` and
   ``micro_forward_batch_size_per_gpu``).
@@ -68,6 +70,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "unfused": {"generator.inference_engine.fused_pointwise": False},
     "one_thread": {"generator.env_workers": 1},
     "eager_prefill": {"generator.inference_engine.prefill_cuda_graphs": False},
+    "dense_attention": {"trainer.hidden_image_attention": "dense"},
     "big_micro": {
         "trainer.micro_train_batch_size_per_gpu": 96,
         "trainer.micro_forward_batch_size_per_gpu": 96,

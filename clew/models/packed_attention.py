@@ -42,17 +42,19 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from clew.errors import ClewError
 from clew.models.visibility import visibility_from_vectors
 
-__all__ = ["IMPLEMENTATION", "PackedLayout", "packed_attention", "packed_sdpa"]
+__all__ = ["IMPLEMENTATION", "PackedLayout", "QueryGroup", "packed_attention", "packed_sdpa"]
 
 IMPLEMENTATION = "clew_packed_sdpa"
 
 
 @dataclass
-class _Group:
-    """Sequences of one length (and one kind of mask), attended in one call."""
+class QueryGroup:
+    """Queries attended in one call: sequences of one length (and one kind of mask), or
+    ``clew.models.turn_attention``'s blocks, whose keys are not their queries."""
 
-    index: Tensor  # Long[G, n]: each sequence's positions in the flattened rows
-    mask: Tensor | None  # Bool[G, 1, n, n] when some of them hide images; None: causal
+    index: Tensor  # Long[G, n]: the queries' positions in the flattened rows
+    mask: Tensor | None  # Bool[G, 1, n, K] when some of them hide images; None: causal
+    keys: Tensor | None = None  # Long[G, K]: the keys' positions; None: the queries'
 
 
 @dataclass
@@ -66,7 +68,7 @@ class PackedLayout:
 
     rows: int
     width: int
-    groups: list[_Group]
+    groups: list[QueryGroup]
     order: Tensor  # Long[rows * width]
     padding: int  # positions outside every sequence (their output is 0)
     calls: int = field(default=0, compare=False)
@@ -106,7 +108,7 @@ class PackedLayout:
         for (_, masked), members in sorted(spans.items()):
             index = torch.stack([flat for flat, _ in members]).to(device)
             mask = torch.stack([m for _, m in members])[:, None].to(device) if masked else None
-            groups.append(_Group(index, mask))
+            groups.append(QueryGroup(index, mask))
         pad = (~covered).nonzero().squeeze(-1)
         placed = torch.cat([*(g.index.flatten().cpu() for g in groups), pad])
         order = torch.empty_like(placed)
@@ -154,7 +156,9 @@ def packed_sdpa(
     flat = [t.transpose(1, 2).reshape(b * w, t.shape[1], d) for t in (query, key, value)]
     outputs = []
     for group in layout.groups:
-        q, k, v = (t[group.index].transpose(1, 2) for t in flat)  # [G, heads, n, D]
+        keys = group.index if group.keys is None else group.keys
+        q = flat[0][group.index].transpose(1, 2)  # [G, heads, n, D]
+        k, v = (t[keys].transpose(1, 2) for t in flat[1:])  # [G, kv_heads, K, D]
         if group.mask is not None and hk != h:
             # A mask keeps CUDA's SDPA off the kernels that read grouped KV heads as they are.
             k, v = k.repeat_interleave(h // hk, dim=1), v.repeat_interleave(h // hk, dim=1)
