@@ -47,6 +47,22 @@ def _blocks(hidden_below: np.ndarray, block: int) -> list[tuple[int, int]]:
     ]
 
 
+def _visible_counts(
+    below: np.ndarray, image: np.ndarray, row: np.ndarray, start: np.ndarray, end: np.ndarray
+) -> np.ndarray:
+    """How many keys each block sees: the positions before its end less the image tokens
+    hidden from it. Image ids rise along a row, so the hidden ones are a row's first
+    image tokens, as many as have an id below the block's ``hidden_below``."""
+    counts = np.empty(len(row), dtype=np.int64)
+    for b in np.unique(row):
+        at = np.flatnonzero(row == b)
+        ids = image[b][image[b] >= 0]  # the row's image tokens' ids, ascending
+        before = np.concatenate([[0], np.cumsum(image[b] >= 0)])[end[at]]
+        hidden = np.searchsorted(ids, below[b, start[at]], side="left")
+        counts[at] = end[at] - np.minimum(before, hidden)
+    return counts
+
+
 def turn_layout(
     hidden_below: Tensor,
     image_of_key: Tensor,
@@ -56,39 +72,41 @@ def turn_layout(
 ) -> PackedLayout:
     """The attention layout of right-padded rows ``[B, W]`` with their visibility vectors
     (``clew.models.visibility.hiding_vectors``) and real ``lengths``: query blocks and the
-    keys each sees (module docstring). Positions past a row's length get a zero output."""
+    keys each sees (module docstring). Positions past a row's length get a zero output.
+
+    The blocks and their key counts are planned on the host, a few numbers a block; which
+    keys those are is found on the device (a stable sort of each block's visible
+    positions to the front), so nothing is read back from it."""
     rows, width = hidden_below.shape
     below, image = hidden_below.numpy(), image_of_key.numpy()
-    queries: list[np.ndarray] = []
-    keys: list[np.ndarray] = []
-    for b, n in enumerate(lengths):
-        hb, img = below[b, :n], image[b, :n]
-        for s, e in _blocks(hb, block):
-            seen = (img[:e] < 0) | (img[:e] >= hb[s])
-            queries.append(b * width + np.arange(s, e))
-            keys.append(b * width + np.flatnonzero(seen))
-    q_len = max(len(q) for q in queries)
-    k_len = max(len(k) for k in keys)
-    count = len(queries)
-    q_index = np.zeros((count, q_len), dtype=np.int64)
-    k_index = np.zeros((count, k_len), dtype=np.int64)
-    q_pos = np.full((count, q_len), width, dtype=np.int64)  # padding queries see every key
-    k_pos = np.full((count, k_len), _NO_KEY, dtype=np.int64)
+    spans = [(b, s, e) for b, n in enumerate(lengths) for s, e in _blocks(below[b, :n], block)]
+    row, start, end = (np.array(x, dtype=np.int64) for x in zip(*spans, strict=True))
+    count = len(spans)
+    counts = _visible_counts(below, image, row, start, end)
+    k_len = int(counts.max())
+    q_len = int((end - start).max())
+    q_at = start[:, None] + np.arange(q_len)[None, :]
+    real = q_at < end[:, None]
+    q_index = np.where(real, row[:, None] * width + q_at, 0)
+    q_pos = np.where(real, q_at, width)  # padding queries see every key: finite, unread
     order = np.empty(rows * width, dtype=np.int64)
     covered = np.zeros(rows * width, dtype=bool)
-    for i, (q, k) in enumerate(zip(queries, keys, strict=True)):
-        q_index[i, : len(q)], k_index[i, : len(k)] = q, k
-        q_pos[i, : len(q)], k_pos[i, : len(k)] = q % width, k % width
-        order[q] = i * q_len + np.arange(len(q))
-        covered[q] = True
+    order[q_index[real]] = np.flatnonzero(real.reshape(-1))
+    covered[q_index[real]] = True
     padding = np.flatnonzero(~covered)
     order[padding] = count * q_len + np.arange(len(padding))
-    to = {"device": device, "non_blocking": True}
-    q_pos_d, k_pos_d = torch.from_numpy(q_pos).to(**to), torch.from_numpy(k_pos).to(**to)
-    mask = (k_pos_d[:, None, :] <= q_pos_d[:, :, None])[:, None]  # [blocks, 1, Q, K]
-    group = QueryGroup(
-        index=torch.from_numpy(q_index).to(**to),
-        mask=mask,
-        keys=torch.from_numpy(k_index).to(**to),
-    )
-    return PackedLayout(rows, width, [group], torch.from_numpy(order).to(**to), len(padding))
+
+    def dev(x: np.ndarray | Tensor) -> Tensor:
+        x = torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+        return x.to(device, non_blocking=True)
+
+    row_d, hides = dev(row), dev(below[row, start])
+    img = dev(image_of_key)[row_d]  # [blocks, W]
+    pos = torch.arange(width, device=img.device)
+    seen = (pos[None, :] < dev(end)[:, None]) & ((img < 0) | (img >= hides[:, None]))
+    cols = torch.argsort((~seen).to(torch.int8), dim=1, stable=True)[:, :k_len]
+    real_key = torch.arange(k_len, device=img.device)[None, :] < dev(counts)[:, None]
+    k_pos = torch.where(real_key, cols, _NO_KEY)
+    mask = (k_pos[:, None, :] <= dev(q_pos)[:, :, None])[:, None]  # [blocks, 1, Q, K]
+    group = QueryGroup(index=dev(q_index), mask=mask, keys=row_d[:, None] * width + cols)
+    return PackedLayout(rows, width, [group], dev(order), len(padding))
