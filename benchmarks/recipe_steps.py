@@ -18,9 +18,9 @@ per variant from the same weights, evaluation and checkpoints off:
   (``generator.inference_engine.prefill_cuda_graphs=false``);
 - ``dense_attention``: ``after`` with the update's attention under the dense visibility
   mask (``trainer.hidden_image_attention=dense``; by default by observation chunk);
-- ``big_micro``: ``after`` with micro-batches of 96 trajectories for the update and its
-  forwards (``trainer.micro_train_batch_size_per_gpu`` and
-  ``micro_forward_batch_size_per_gpu``).
+- ``big_micro``: ``after`` with one micro-batch a mini-batch for the update and its forwards
+  (``trainer.micro_train_batch_size_per_gpu`` and ``micro_forward_batch_size_per_gpu`` at
+  ``policy_mini_batch_size x n_samples_per_prompt`` trajectories).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first ``--warmup`` (which pay the start-up: the first step sizes the
@@ -72,8 +72,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "eager_prefill": {"generator.inference_engine.prefill_cuda_graphs": False},
     "dense_attention": {"trainer.hidden_image_attention": "dense"},
     "big_micro": {
-        "trainer.micro_train_batch_size_per_gpu": 96,
-        "trainer.micro_forward_batch_size_per_gpu": 96,
+        "trainer.micro_train_batch_size_per_gpu": "mini-batch",
+        "trainer.micro_forward_batch_size_per_gpu": "mini-batch",
     },
 }
 
@@ -147,7 +147,9 @@ def main() -> None:
         )
         first, heads = None, []
         for name in names:
-            run_cfg = updated(cfg, {"trainer.run_name": name, **VARIANTS[name]})
+            mini_batch = t.policy_mini_batch_size * g.n_samples_per_prompt
+            changes = {k: mini_batch if v == "mini-batch" else v for k, v in VARIANTS[name].items()}
+            run_cfg = updated(cfg, {"trainer.run_name": name, **changes})
             profiling = (
                 profiled_phases(args.profile, args.steps)
                 if args.profile and first is None
