@@ -3,6 +3,7 @@ visibility mask's attention (``clew.models.visibility``) over the blocks' own ke
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -65,3 +66,24 @@ def test_a_chunk_with_two_images_hides_its_first_from_the_tokens_after_its_secon
     out, _ = packed_sdpa(torch.nn.Module(), q, k, v, None, packed_layout=layout)
     want = _dense_reference(q, k, v, below[None], image[None], [len(ids)], None)
     torch.testing.assert_close(out, want)
+
+
+@pytest.mark.gpu
+def test_on_cuda_in_bfloat16_the_blocks_give_the_dense_mask_s_attention():
+    gen = torch.Generator().manual_seed(2)
+    episodes = [_episode(12, 100, 20, 200), _episode(5, 100, 20, 200)]
+    width = max(len(ids) for ids, _ in episodes)
+    hb = torch.zeros(2, width, dtype=torch.long)
+    img = torch.full((2, width), -1, dtype=torch.long)
+    for b, (ids, starts) in enumerate(episodes):
+        below, image = hiding_vectors(ids, starts, IMAGE, keep_last_k=1)
+        hb[b, : len(ids)], img[b, : len(ids)] = below, image
+    lengths = [len(ids) for ids, _ in episodes]
+    cast = {"device": "cuda", "dtype": torch.bfloat16}
+    q = torch.randn(2, 6, width, 64, generator=gen).to(**cast)
+    k, v = (torch.randn(2, 2, width, 64, generator=gen).to(**cast) for _ in range(2))
+    layout = turn_layout(hb, img, lengths, device="cuda")
+    out, _ = packed_sdpa(torch.nn.Module(), q, k, v, None, packed_layout=layout)
+    want = _dense_reference(q, k, v, hb.cuda(), img.cuda(), lengths, None)
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(out[b, :n].float(), want[b, :n].float(), atol=2e-2, rtol=2e-2)
