@@ -25,7 +25,8 @@ def _episode(turns: int, image: int, text: int, first_text: int) -> tuple[list[i
 
 
 def _dense_reference(q, k, v, hidden_below, image_of_key, lengths, scale):
-    allowed = visibility_from_vectors(hidden_below, image_of_key, torch.tensor(lengths))
+    lengths = torch.tensor(lengths, device=hidden_below.device)
+    allowed = visibility_from_vectors(hidden_below, image_of_key, lengths)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     return F.scaled_dot_product_attention(q, k, v, allowed, scale=scale).transpose(1, 2)
