@@ -17,7 +17,8 @@ per variant from the same weights, evaluation and checkpoints off:
 - ``eager_prefill``: ``after`` with every prefill run eagerly
   (``generator.inference_engine.prefill_cuda_graphs=false``);
 - ``dense_attention``: ``after`` with the update's attention under the dense visibility
-  mask (``trainer.hidden_image_attention=dense``; by default by observation chunk);
+  mask (``trainer.hidden_image_attention=dense``, the default; the small-model recipe
+  attends by observation chunk);
 - ``big_micro``: ``after`` with one micro-batch a mini-batch for the update and its forwards
   (``trainer.micro_train_batch_size_per_gpu`` and ``micro_forward_batch_size_per_gpu`` at
   ``policy_mini_batch_size x n_samples_per_prompt`` trajectories).
