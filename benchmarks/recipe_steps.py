@@ -14,11 +14,10 @@ per variant from the same weights, evaluation and checkpoints off:
   (``generator.inference_engine.fused_pointwise=false``);
 - ``one_thread``: ``after`` with the envs stepped in the loop's own thread
   (``generator.env_workers=1``; by default one thread per core, at most 8);
-- ``eager_prefill``: ``after`` with every prefill run eagerly
-  (``generator.inference_engine.prefill_cuda_graphs=false``);
-- ``dense_attention``: ``after`` with the update's attention under the dense visibility
-  mask (``trainer.hidden_image_attention=dense``, the default; the small-model recipe
-  attends by observation chunk);
+- ``prefill_graphs``: ``after`` with each turn's padded prefill replayed from CUDA graphs
+  (``generator.inference_engine.prefill_cuda_graphs=true``);
+- ``turn_blocks``: ``after`` with the update's attention by observation chunk
+  (``trainer.hidden_image_attention=blocks``; by default under the dense visibility mask);
 - ``big_micro``: ``after`` with one micro-batch a mini-batch for the update and its forwards
   (``trainer.micro_train_batch_size_per_gpu`` and ``micro_forward_batch_size_per_gpu`` at
   ``policy_mini_batch_size x n_samples_per_prompt`` trajectories).
@@ -70,8 +69,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     "eager": {"generator.inference_engine.enforce_eager": True},
     "unfused": {"generator.inference_engine.fused_pointwise": False},
     "one_thread": {"generator.env_workers": 1},
-    "eager_prefill": {"generator.inference_engine.prefill_cuda_graphs": False},
-    "dense_attention": {"trainer.hidden_image_attention": "dense"},
+    "prefill_graphs": {"generator.inference_engine.prefill_cuda_graphs": True},
+    "turn_blocks": {"trainer.hidden_image_attention": "blocks"},
     "big_micro": {
         "trainer.micro_train_batch_size_per_gpu": "mini-batch",
         "trainer.micro_forward_batch_size_per_gpu": "mini-batch",
