@@ -74,18 +74,29 @@ def _run(
 
 
 def logits_at(
-    model: torch.nn.Module, batch: ModelBatch, keep: Tensor, dtype: torch.dtype
+    model: torch.nn.Module,
+    batch: ModelBatch,
+    keep: Tensor,
+    dtype: torch.dtype,
+    keep_host: Tensor | None = None,
 ) -> Tensor:
     """The model's logits ``[K, V]`` at the K positions where ``keep [B, L]`` is True, row-major.
 
     Only those positions go through the output projection (see the module docstring).
     ``dtype`` is the dtype attention computes in (for the additive attention mask).
+    ``keep_host``: ``keep`` on the host, where the positions are then found without
+    waiting for the device.
     """
+    if BOOLEAN_LOGITS_TO_KEEP:
+        return _run(model, batch, keep, dtype, keep).logits
     # Older transformers (5.17, the oldest supported) take only positions shared by the whole
     # batch; project the union of the rows' positions there and pick each row's own.
-    cols = None if BOOLEAN_LOGITS_TO_KEEP else keep.any(0).nonzero().squeeze(-1)
-    out = _run(model, batch, keep, dtype, keep if cols is None else cols)
-    return out.logits if cols is None else out.logits[keep[:, cols]]
+    host = keep.cpu() if keep_host is None else keep_host
+    cols = host.any(0).nonzero().squeeze(-1)
+    picked = host[:, cols].reshape(-1).nonzero().squeeze(-1)
+    out = _run(model, batch, keep, dtype, to_device(cols, keep.device))
+    logits = out.logits.reshape(-1, out.logits.shape[-1])
+    return logits.index_select(0, to_device(picked, keep.device))
 
 
 def hidden_at(
@@ -146,10 +157,11 @@ class PolicyForward:
     def _autocast(self) -> contextlib.AbstractContextManager:
         return bf16_autocast(self.device, self.autocast)
 
-    def _keep(self, batch: ModelBatch) -> Tensor:
-        """Bool ``[B, L]``: the positions whose next token is a loss-mask target."""
-        keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
-        keep[:, :-1] = to_device(batch.target_mask > 0, self.device)
+    @staticmethod
+    def _keep(batch: ModelBatch) -> Tensor:
+        """Bool ``[B, L]`` on the host: the positions whose next token is a loss-mask target."""
+        keep = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
+        keep[:, :-1] = batch.target_mask > 0
         return keep
 
     def _target_logits(
@@ -159,7 +171,9 @@ class PolicyForward:
         with ``allowed`` (the rollouts' ``allowed_tokens``) every other id at -inf too."""
         keep = self._keep(batch)
         with self._autocast():
-            logits = logits_at(model, batch, keep, self.compute_dtype)
+            logits = logits_at(
+                model, batch, to_device(keep, self.device), self.compute_dtype, keep_host=keep
+            )
         logits = mask_banned(logits.float(), self.banned)
         return keep_allowed(logits, self.allowed_ids(allowed)) if allowed else logits
 
@@ -180,7 +194,8 @@ class PolicyForward:
         entropy = greedy = logits = None
         if chunk := self.settings.logprobs_chunk_size:
             with self._autocast():
-                hidden = hidden_at(model, batch, self._keep(batch), self.compute_dtype)
+                keep = to_device(self._keep(batch), self.device)
+                hidden = hidden_at(model, batch, keep, self.compute_dtype)
                 out = token_logprobs(
                     hidden,
                     model.get_output_embeddings(),
