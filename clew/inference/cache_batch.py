@@ -10,7 +10,9 @@ one: the cache writes each token at its row's column, the attention reads each r
 length (``prefill_lengths(starts=)``) and the logits of each row's last token come out
 (``logits_to_keep`` as positions). It needs an attention that reads rows by their lengths
 (``prefill_attention`` triton or varlen), so a forward with ``sdpa``, while images are
-hidden, or with per-row adapters, stays padded.
+hidden, or with per-row adapters, stays padded. With the engine's ``prefill_graphs``, a
+whole batch's padded prefill without per-row adapters replays its language-model layers
+from CUDA graphs (``clew.inference.prefill_graphs``).
 
 Joining (continuous batching): ``add_rows`` puts new rows into free slots of the running
 batch between two ``extend_and_generate`` calls, and the next call prefills
