@@ -45,6 +45,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -58,6 +59,24 @@ WIDTH_STEP = 256
 BY_LENGTH = ("varlen", "triton")  # the attentions that read each row's length, not a mask
 
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+T = TypeVar("T")
+
+
+def captured(run: Callable[[], T], pool: tuple) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``run`` recorded as a CUDA graph in the memory ``pool``, and what it returned while
+    recording (tensors in the pool, which every replay rewrites). A warm-up run on a side
+    stream comes first (cuBLAS workspaces, lazy initialisations), as torch's CUDA-graph
+    notes ask. A failed capture raises torch's ``RuntimeError``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: another thread's CUDA work (a server's, a logger's) may go on.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
 
 
 def rows_bucket(rows: int, slots: int) -> int:
@@ -180,24 +199,20 @@ class DecodeGraphs:
 
     def _capture(self, step: _Step, forward: Forward) -> None:
         start = time.perf_counter()
-        # A warm-up run on a side stream (cuBLAS workspaces, lazy initialisations), as
-        # torch's CUDA-graph notes ask; it writes the same keys the replay then writes.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._run(step, forward)
-        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
+
+        def run() -> None:  # the warm-up writes the same keys the replay then writes
+            logits = self._run(step, forward)
+            if not torch.cuda.is_current_stream_capturing():
+                return
+            if self._logits is None:
+                # Allocated in the pool by the first capture, kept alive for later ones.
+                self._logits = logits.new_empty((self.cache.slots, logits.shape[-1]))
+            self._logits[: logits.shape[0]].copy_(logits)
+
         try:
-            # thread_local: another thread's CUDA work (a server's, a logger's) may go on.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                logits = self._run(step, forward)
-                if self._logits is None:
-                    # Allocated in the pool by the first capture, kept alive for later ones.
-                    self._logits = logits.new_empty((self.cache.slots, logits.shape[-1]))
-                self._logits[: logits.shape[0]].copy_(logits)
+            graph, _ = captured(run, self._pool)
         except RuntimeError as error:
             rows, width = self.last_shape or (step.ids.shape[0], 0)
             raise ClewError(

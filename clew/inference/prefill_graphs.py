@@ -50,7 +50,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from clew.errors import ClewError
-from clew.inference.cuda_graphs import rows_bucket, width_bucket
+from clew.inference.cuda_graphs import captured, rows_bucket, width_bucket
 from clew.inference.kv_cache import SlotCache
 
 __all__ = ["PrefillGraphs", "language_model", "routed"]
@@ -247,19 +247,13 @@ class PrefillGraphs:
         self, text_model: torch.nn.Module, bucket: _Bucket, kv: SlotCache, cache_kw: str
     ) -> None:
         start = time.perf_counter()
-        # A warm-up run on a side stream, as torch's CUDA-graph notes ask; it writes the same
-        # columns the replay then writes.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._layers(text_model, bucket, kv, cache_kw)
-        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                bucket.out = self._layers(text_model, bucket, kv, cache_kw)
+            # The warm-up writes the same columns the replay then writes.
+            graph, bucket.out = captured(
+                lambda: self._layers(text_model, bucket, kv, cache_kw), self._pool
+            )
         except RuntimeError as error:
             rows, chunk, width = self.last_shape or (0, 0, 0)
             raise ClewError(
