@@ -98,14 +98,21 @@ def test_merged_and_dropout_adapters_keep_peft_s_forward() -> None:
     assert torch.equal(a, noisy(x))  # dropout: peft's own forward, the same draws
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_a_float32_adapter_over_a_bf16_base_matches_peft(autocast: bool) -> None:
+def _bf16_base_pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A model whose base weights are bf16 and adapters float32, fused, and a copy with
+    peft's own forward."""
     fused = _model()
     for name, p in fused.named_parameters():
         if "lora_" not in name:
             p.data = p.data.to(torch.bfloat16)
     plain = copy.deepcopy(fused)
     fuse_lora(plain, False)
+    return fused, plain
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_float32_adapter_over_a_bf16_base_matches_peft(autocast: bool) -> None:
+    fused, plain = _bf16_base_pair()
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         a, b = fused(x), plain(x)
@@ -116,12 +123,7 @@ def test_a_float32_adapter_over_a_bf16_base_matches_peft(autocast: bool) -> None
 def test_under_autocast_the_activations_are_not_cast_to_the_adapter_s_dtype_and_back(
     monkeypatch,
 ) -> None:
-    fused = _model()
-    for name, p in fused.named_parameters():
-        if "lora_" not in name:
-            p.data = p.data.to(torch.bfloat16)
-    plain = copy.deepcopy(fused)
-    fuse_lora(plain, False)
+    fused, plain = _bf16_base_pair()
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         reference = plain(x)

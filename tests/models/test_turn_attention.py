@@ -24,6 +24,20 @@ def _episode(turns: int, image: int, text: int, first_text: int) -> tuple[list[i
     return ids, starts
 
 
+def _rows(
+    episodes: list[tuple[list[int], list[int]]],
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The episodes' visibility vectors (keep_last_k=1) as right-padded rows, and their
+    lengths."""
+    width = max(len(ids) for ids, _ in episodes)
+    hb = torch.zeros(len(episodes), width, dtype=torch.long)
+    img = torch.full((len(episodes), width), -1, dtype=torch.long)
+    for b, (ids, starts) in enumerate(episodes):
+        below, image = hiding_vectors(ids, starts, IMAGE, keep_last_k=1)
+        hb[b, : len(ids)], img[b, : len(ids)] = below, image
+    return hb, img, [len(ids) for ids, _ in episodes]
+
+
 def _dense_reference(q, k, v, hidden_below, image_of_key, lengths, scale):
     lengths = torch.tensor(lengths, device=hidden_below.device)
     allowed = visibility_from_vectors(hidden_below, image_of_key, lengths)
@@ -34,14 +48,8 @@ def _dense_reference(q, k, v, hidden_below, image_of_key, lengths, scale):
 
 def test_blocks_over_their_own_keys_give_the_dense_visibility_mask_s_attention():
     gen = torch.Generator().manual_seed(0)
-    episodes = [_episode(5, 6, 3, 20), _episode(2, 6, 3, 20), _episode(7, 6, 2, 20)]
-    width = max(len(ids) for ids, _ in episodes)
-    hb = torch.zeros(3, width, dtype=torch.long)
-    img = torch.full((3, width), -1, dtype=torch.long)
-    for b, (ids, starts) in enumerate(episodes):
-        below, image = hiding_vectors(ids, starts, IMAGE, keep_last_k=1)
-        hb[b, : len(ids)], img[b, : len(ids)] = below, image
-    lengths = [len(ids) for ids, _ in episodes]
+    hb, img, lengths = _rows([_episode(5, 6, 3, 20), _episode(2, 6, 3, 20), _episode(7, 6, 2, 20)])
+    width = hb.shape[1]
     q = torch.randn(3, 4, width, 8, generator=gen)
     k, v = torch.randn(3, 2, width, 8, generator=gen), torch.randn(3, 2, width, 8, generator=gen)
     layout = turn_layout(hb, img, lengths, block=8)  # the first chunks split into blocks
@@ -72,14 +80,8 @@ def test_a_chunk_with_two_images_hides_its_first_from_the_tokens_after_its_secon
 @pytest.mark.gpu
 def test_on_cuda_in_bfloat16_the_blocks_give_the_dense_mask_s_attention():
     gen = torch.Generator().manual_seed(2)
-    episodes = [_episode(12, 100, 20, 200), _episode(5, 100, 20, 200)]
-    width = max(len(ids) for ids, _ in episodes)
-    hb = torch.zeros(2, width, dtype=torch.long)
-    img = torch.full((2, width), -1, dtype=torch.long)
-    for b, (ids, starts) in enumerate(episodes):
-        below, image = hiding_vectors(ids, starts, IMAGE, keep_last_k=1)
-        hb[b, : len(ids)], img[b, : len(ids)] = below, image
-    lengths = [len(ids) for ids, _ in episodes]
+    hb, img, lengths = _rows([_episode(12, 100, 20, 200), _episode(5, 100, 20, 200)])
+    width = hb.shape[1]
     cast = {"device": "cuda", "dtype": torch.bfloat16}
     q = torch.randn(2, 6, width, 64, generator=gen).to(**cast)
     k, v = (torch.randn(2, 2, width, 64, generator=gen).to(**cast) for _ in range(2))
