@@ -310,10 +310,17 @@ class SlotCache(Cache):
         self.fill = [f + a for f, a in zip(self.fill, active_host, strict=True)]
         return cols
 
+    @property
+    def planned(self) -> tuple[torch.Tensor, int, int, int] | None:
+        """The next forward's plan, if any: the columns each row writes, the width the
+        attention reads, the first slot and the number of rows it covers."""
+        return None if self._write is None else self._write[1:]
+
     def plan_write(self, cols: torch.Tensor, width: int) -> None:
-        """The next forward runs over slots ``[0, len(cols))``, slot ``i`` writing column
-        ``cols[i, 0]`` and attending over ``width`` columns (``clew.inference.cuda_graphs``:
-        fixed tensors a captured graph reads at every replay)."""
+        """The next forward runs over slots ``[0, len(cols))``, slot ``i`` writing columns
+        ``cols[i]`` (one for a decode step, a chunk's for a prefill) and attending over
+        ``width`` columns (``clew.inference.cuda_graphs``, ``prefill_graphs``: fixed tensors
+        a captured graph reads at every replay)."""
         self._write = (self._arange[: cols.shape[0], None], cols, width, 0, cols.shape[0])
 
     def hide_images(self, limit: torch.Tensor) -> None:

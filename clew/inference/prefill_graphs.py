@@ -106,7 +106,6 @@ class _Bucket:
     embeds: torch.Tensor  # [R, T, H]
     pos: torch.Tensor  # [P, R, T]
     mask: torch.Tensor  # [R, 1, T, W] bool
-    rows: torch.Tensor  # [R, T]: each row's slot
     cols: torch.Tensor  # [R, T]: the columns each row writes
     deep: list[torch.Tensor]  # [R, T, H] per deepstack level
     out: torch.Tensor | None = None  # [R, 1, H]
@@ -136,12 +135,11 @@ class PrefillGraphs:
         pos: torch.Tensor = kwargs["position_ids"]
         mask: torch.Tensor = kwargs["attention_mask"]
         deep = list(kwargs.get("deepstack_visual_embeds") or [])
-        write = kv._write
+        plan = kv.planned
         b, t, h = embeds.shape
         if (
-            write is None
-            or write[3] != 0
-            or write[4] != b
+            plan is None
+            or plan[2:] != (0, b)
             or mask is None
             or mask.dtype != torch.bool
             or mask.dim() != 4
@@ -150,15 +148,16 @@ class PrefillGraphs:
         ):
             return None  # not a whole batch's padded prefill over existing buffers
         r = rows_bucket(b, kv.slots)
-        w = width_bucket(write[2], kv.capacity)
+        cols, width = plan[:2]
+        w = width_bucket(width, kv.capacity)
         self.last_shape = (r, t, w)
         buckets = self._buckets(kv)
         key = (r, t, w, pos.shape[0], len(deep), embeds.dtype)
         bucket = buckets.get(key)
         if bucket is None:
             bucket = buckets[key] = self._bucket(kv, r, t, w, pos.shape[0], len(deep), embeds)
-        self._fill(bucket, kv, embeds, pos, mask, write[1], write[2], deep, kwargs)
-        kv._write = (bucket.rows, bucket.cols, w, 0, r)
+        self._fill(bucket, embeds, pos, mask, cols, width, deep, kwargs.get("visual_pos_masks"))
+        kv.plan_write(bucket.cols, w)  # slot i writes the bucket's row i
         self.replays += 1
         if not self.capture:
             out = self._layers(text_model, bucket, kv, cache_kw)
@@ -172,8 +171,7 @@ class PrefillGraphs:
 
     def _buckets(self, kv: SlotCache) -> dict[tuple, _Bucket]:
         """The buckets captured over ``kv``'s buffers (their addresses and shapes)."""
-        key = tuple((x.data_ptr(), *x.shape) for x in kv.buffers())
-        key = tuple(v for entry in key for v in entry)
+        key = tuple(v for x in kv.buffers() for v in (x.data_ptr(), *x.shape))
         if key not in self._by_buffers:
             self._by_buffers[key] = {}
             while len(self._by_buffers) > _KEEP_BUFFER_SETS:
@@ -190,7 +188,6 @@ class PrefillGraphs:
             embeds=like.new_zeros((r, t, h)),
             pos=torch.zeros((axes, r, t), dtype=torch.long, device=dev),
             mask=torch.ones((r, 1, t, w), dtype=torch.bool, device=dev),
-            rows=torch.arange(r, device=dev)[:, None].expand(r, t).contiguous(),
             # Padding rows write their chunk at the end of their own free slot.
             cols=(kv.capacity - t + torch.arange(t, device=dev))[None].repeat(r, 1),
             deep=[like.new_zeros((r, t, h)) for _ in range(levels)],
@@ -199,14 +196,13 @@ class PrefillGraphs:
     @staticmethod
     def _fill(
         bucket: _Bucket,
-        kv: SlotCache,
         embeds: torch.Tensor,
         pos: torch.Tensor,
         mask: torch.Tensor,
         cols: torch.Tensor,
         width: int,
         deep: list[torch.Tensor],
-        kwargs: dict[str, Any],
+        visual: torch.Tensor | None,
     ) -> None:
         """The live rows' inputs into the bucket; padding rows keep theirs (zeros, all
         visible, the end of their slot), which nothing overwrites."""
@@ -217,7 +213,8 @@ class PrefillGraphs:
         bucket.mask[:b, :, :, :width].copy_(mask)
         bucket.mask[:b, :, :, width:] = False
         if deep:
-            at = kwargs["visual_pos_masks"][:b].reshape(-1).nonzero().squeeze(1)
+            assert visual is not None, "deepstack features come with their positions"
+            at = visual[:b].reshape(-1).nonzero().squeeze(1)
             for dense, features in zip(bucket.deep, deep, strict=True):
                 dense.zero_()
                 dense[:b].view(-1, h).index_copy_(0, at, features.to(dense.dtype))
