@@ -316,12 +316,14 @@ class SlotCache(Cache):
         attention reads, the first slot and the number of rows it covers."""
         return None if self._write is None else self._write[1:]
 
-    def plan_write(self, cols: torch.Tensor, width: int) -> None:
+    def plan_write(self, cols: torch.Tensor, width: int, slots: torch.Tensor | None = None) -> None:
         """The next forward runs over slots ``[0, len(cols))``, slot ``i`` writing columns
         ``cols[i]`` (one for a decode step, a chunk's for a prefill) and attending over
         ``width`` columns (``clew.inference.cuda_graphs``, ``prefill_graphs``: fixed tensors
-        a captured graph reads at every replay)."""
-        self._write = (self._arange[: cols.shape[0], None], cols, width, 0, cols.shape[0])
+        a captured graph reads at every replay). ``slots``: the slot indices ``[rows, 1]``
+        (``arange``) as a tensor of the caller's, for a graph that outlives this cache."""
+        rows = self._arange[: cols.shape[0], None] if slots is None else slots
+        self._write = (rows, cols, width, 0, cols.shape[0])
 
     def hide_images(self, limit: torch.Tensor) -> None:
         """Hide, per row, the columns of images numbered below ``limit`` [rows]."""

@@ -107,6 +107,7 @@ class _Bucket:
     pos: torch.Tensor  # [P, R, T]
     mask: torch.Tensor  # [R, 1, T, W] bool
     cols: torch.Tensor  # [R, T]: the columns each row writes
+    slots: torch.Tensor  # [R, 1]: the slots they write (0..R-1; the graph outlives the cache)
     deep: list[torch.Tensor]  # [R, T, H] per deepstack level
     out: torch.Tensor | None = None  # [R, 1, H]
     graph: torch.cuda.CUDAGraph | None = None
@@ -157,7 +158,7 @@ class PrefillGraphs:
         if bucket is None:
             bucket = buckets[key] = self._bucket(kv, r, t, w, pos.shape[0], len(deep), embeds)
         self._fill(bucket, embeds, pos, mask, cols, width, deep, kwargs.get("visual_pos_masks"))
-        kv.plan_write(bucket.cols, w)  # slot i writes the bucket's row i
+        kv.plan_write(bucket.cols, w, bucket.slots)  # slot i writes the bucket's row i
         self.replays += 1
         if not self.capture:
             out = self._layers(text_model, bucket, kv, cache_kw)
@@ -190,6 +191,7 @@ class PrefillGraphs:
             mask=torch.ones((r, 1, t, w), dtype=torch.bool, device=dev),
             # Padding rows write their chunk at the end of their own free slot.
             cols=(kv.capacity - t + torch.arange(t, device=dev))[None].repeat(r, 1),
+            slots=torch.arange(r, device=dev)[:, None],
             deep=[like.new_zeros((r, t, h)) for _ in range(levels)],
         )
 

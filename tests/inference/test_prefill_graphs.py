@@ -8,7 +8,7 @@ import gc
 
 import pytest
 import torch
-from support.engine_cases import cuda_policy, maze_policy  # noqa: F401 (fixture)
+from support.engine_cases import assert_same_until_they_part, cuda_policy, maze_policy  # noqa: F401 (fixture)
 from support.rollout_cases import assert_same_samples, ending_at_different_turns
 
 from clew.config import load_config
@@ -120,7 +120,8 @@ def test_captured_prefill_graphs_sample_what_eager_prefills_sample_and_later_bat
     captured = engine.prefill_graphs.captures
     assert captured >= 2
     eager = _play(_engine(model, chat, graphs=False), rows, temperature=0.0)
-    assert_same_samples(graphed, eager, tol=2e-2)
+    # bfloat16 over other shapes: the same replies until a near tie parts them.
+    assert_same_until_they_part(graphed, eager, tol=2e-2)
     gc.collect()
     graphed = _play(engine, rows, temperature=0.0)  # the cache sized as later steps size it
     captured = engine.prefill_graphs.captures
