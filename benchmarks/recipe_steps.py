@@ -6,21 +6,20 @@ The recipe's dataset and model stages build the policy (random weights, no SFT: 
 run to the turn budget, a step's worst case), then its GRPO phase runs ``--steps`` steps
 per variant from the same weights, evaluation and checkpoints off:
 
-- ``after``: the recipe's own settings (the defaults; padded micro-batches);
-- ``packed``: ``after`` with ``trainer.remove_microbatch_padding=true``;
-- ``eager``: ``after`` with every decode step run eagerly
-  (``generator.inference_engine.enforce_eager=true``; by default they replay CUDA graphs);
-- ``unfused``: ``after`` with the engine's fused element-wise kernels off
-  (``generator.inference_engine.fused_pointwise=false``);
-- ``one_thread``: ``after`` with the envs stepped in the loop's own thread
-  (``generator.env_workers=1``; by default one thread per core, at most 8);
-- ``prefill_graphs``: ``after`` with each turn's padded prefill replayed from CUDA graphs
-  (``generator.inference_engine.prefill_cuda_graphs=true``);
-- ``turn_blocks``: ``after`` with the update's attention by observation chunk
-  (``trainer.hidden_image_attention=blocks``; by default under the dense visibility mask);
-- ``big_micro``: ``after`` with one micro-batch a mini-batch for the update and its forwards
-  (``trainer.micro_train_batch_size_per_gpu`` and ``micro_forward_batch_size_per_gpu`` at
-  ``policy_mini_batch_size x n_samples_per_prompt`` trajectories).
+- ``after``: the recipe's own settings;
+
+and each of the recipe's speed settings turned back to the default, one at a time, to show
+what it buys (a recipe that does not set one runs ``after`` again):
+
+- ``padded_update``: right-padded micro-batches in the update
+  (``trainer.remove_microbatch_padding=false``);
+- ``eager_prefill``: each turn's prefill layers run eagerly
+  (``generator.inference_engine.prefill_cuda_graphs=false``);
+- ``eager``: every decode step run eagerly (``generator.inference_engine.enforce_eager=true``,
+  prefill graphs off with it);
+- ``fused``: the engine's fused element-wise kernels on
+  (``generator.inference_engine.fused_pointwise=true``);
+- ``threads``: envs stepped on a thread per core (``generator.env_workers=0``).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first ``--warmup`` (which pay the start-up: the first step sizes the
@@ -29,7 +28,8 @@ graphs of its shapes), GRPO steps per minute, the speed-up
 over the first variant run, and the seconds its last evaluation took to play
 ``--eval-rows`` eval mazes greedily (the evaluation a run does every ``eval_interval``
 steps; the variant evaluates every ``--warmup`` steps, and a step's time leaves its
-evaluation out); then the
+evaluation out) and the timed steps' mean episode length in tokens (variants sample
+different episodes from the random policy: their lengths say how much work each did); then the
 floor of such a step (``bounds.grpo_step_floor``: its FLOPs at the card's measured matrix
 rate, its decode's bytes at its bandwidth, for the last step's episode lengths).
 ``--profile DIR`` runs the first variant's last step under the
@@ -65,16 +65,11 @@ from clew.trainer.pipeline import run_pipeline, updated  # noqa: E402
 
 VARIANTS: dict[str, dict[str, object]] = {
     "after": {},
-    "packed": {"trainer.remove_microbatch_padding": True},
+    "padded_update": {"trainer.remove_microbatch_padding": False},
+    "eager_prefill": {"generator.inference_engine.prefill_cuda_graphs": False},
     "eager": {"generator.inference_engine.enforce_eager": True},
-    "unfused": {"generator.inference_engine.fused_pointwise": False},
-    "one_thread": {"generator.env_workers": 1},
-    "prefill_graphs": {"generator.inference_engine.prefill_cuda_graphs": True},
-    "turn_blocks": {"trainer.hidden_image_attention": "blocks"},
-    "big_micro": {
-        "trainer.micro_train_batch_size_per_gpu": "mini-batch",
-        "trainer.micro_forward_batch_size_per_gpu": "mini-batch",
-    },
+    "fused": {"generator.inference_engine.fused_pointwise": True},
+    "threads": {"generator.env_workers": 0},
 }
 
 
@@ -143,13 +138,11 @@ def main() -> None:
         )
         print(
             f"{'variant':<10} {'step s':>7} {'generate':>9} {'update':>7} {'steps/min':>9} "
-            f"{'speed-up':>8} {'eval s':>7}"
+            f"{'speed-up':>8} {'eval s':>7} {'tokens':>7}"
         )
         first, heads = None, []
         for name in names:
-            mini_batch = t.policy_mini_batch_size * g.n_samples_per_prompt
-            changes = {k: mini_batch if v == "mini-batch" else v for k, v in VARIANTS[name].items()}
-            run_cfg = updated(cfg, {"trainer.run_name": name, **changes})
+            run_cfg = updated(cfg, {"trainer.run_name": name, **VARIANTS[name]})
             profiling = (
                 profiled_phases(args.profile, args.steps)
                 if args.profile and first is None
@@ -170,7 +163,9 @@ def main() -> None:
             first = first or step
             print(
                 f"{name:<10} {step:>7.2f} {gen:>9.2f} {upd:>7.2f} {60 / step:>9.2f} "
-                f"{first / step:>7.2f}x " + (f"{evals[-1]:>7.2f}" if evals else f"{'-':>7}")
+                f"{first / step:>7.2f}x "
+                + (f"{evals[-1]:>7.2f}" if evals else f"{'-':>7}")
+                + f" {statistics.mean(h['train/episode_tokens_mean'] for h in timed):>7.0f}"
             )
             last = timed[-1]
         floor = grpo_step_floor(

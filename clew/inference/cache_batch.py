@@ -11,8 +11,9 @@ length (``prefill_lengths(starts=)``) and the logits of each row's last token co
 (``logits_to_keep`` as positions). It needs an attention that reads rows by their lengths
 (``prefill_attention`` triton or varlen), so a forward with ``sdpa``, while images are
 hidden, or with per-row adapters, stays padded. With the engine's ``prefill_graphs``, a
-whole batch's padded prefill without per-row adapters replays its language-model layers
-from CUDA graphs (``clew.inference.prefill_graphs``).
+whole batch's prefill without per-row adapters is padded, images hidden or not, and replays
+its language-model layers from CUDA graphs (``clew.inference.prefill_graphs``): for the small
+policies graphs are for, one replay costs less host time than the packed layers' launches.
 
 Joining (continuous batching): ``add_rows`` puts new rows into free slots of the running
 batch between two ``extend_and_generate`` calls, and the next call prefills
@@ -227,8 +228,13 @@ class CacheBatch:
         """One forward of ``part``'s rows; their last logits ``[rows, vocab]``."""
         dev = self.engine.device
         mask, image = torch.from_numpy(part.mask).to(dev), torch.from_numpy(part.image).to(dev)
+        whole = (part.lo, part.hi) == (0, len(self.rows))
+        # The layers from a CUDA graph (clew.inference.prefill_graphs): a whole batch's padded
+        # prefill with no per-row adapters, whatever the attention by length would have run.
+        graphs = self.engine.prefill_graphs if whole and not any(self.adapters) else None
         by_length = (
-            self.engine.prefill_attention in ("varlen", "triton")
+            graphs is None
+            and self.engine.prefill_attention in ("varlen", "triton")
             and not self.kv.hidden_any  # a row's visible columns are then its first `fill`
         )
         # Packed: the real tokens alone, row after row in one sequence (no padding computed);
@@ -241,18 +247,14 @@ class CacheBatch:
         if part.pixels:
             extra["pixel_values"] = as_patches(cat_pixels(part.pixels), dev)
             extra["image_grid_thw"] = torch.cat(part.grids).to(dev)
-        rows = None if (part.lo, part.hi) == (0, len(self.rows)) else slice(part.lo, part.hi)
-        if rows is not None:
-            extra["rows"] = rows
+        if not whole:
+            extra["rows"] = slice(part.lo, part.hi)
         lengths = self.kv.fill_dev[part.lo : part.hi] if by_length else None
         if packed:
             return self._packed_forward(part, lengths, extra)
         ids, pos = torch.from_numpy(part.ids), torch.from_numpy(part.pos)
-        graphs = self.engine.prefill_graphs
-        if graphs is not None and not by_length and rows is None and not any(self.adapters):
-            # The layers from a CUDA graph (clew.inference.prefill_graphs).
-            graphed = routed(graphs, self.engine.model, self.kv, self.engine._cache_kw)
-            with graphed:
+        if graphs is not None:
+            with routed(graphs, self.engine.model, self.kv, self.engine._cache_kw):
                 return self._forward(ids, pos, attention_mask, **extra)
         with (
             prefill_lengths(lengths, self.engine.prefill_attention)
