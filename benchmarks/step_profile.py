@@ -56,7 +56,7 @@ def phase_report(name: str, wall: float, prof: profile, py: cProfile.Profile, cu
         )
     for order in ("tottime", "cumulative"):
         text = io.StringIO()
-        pstats.Stats(py, stream=text).sort_stats(order).print_stats(35)
+        pstats.Stats(py, stream=text).sort_stats(order).print_stats(70)
         lines.append(f"Python functions by {order}:\n" + text.getvalue())
     return "\n".join(lines)
 

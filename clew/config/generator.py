@@ -111,8 +111,8 @@ class InferenceEngineConfig(Section):
         False,
         description="true replays each turn's prefill (the language model's layers) from CUDA "
         "graphs on a GPU, captured per shape (rows rounded up, the chunk's width, attention "
-        "width rounded up to 256 columns) for a whole batch without per-row adapters taking "
-        "the padded prefill (while images are hidden), and keeps the KV cache's buffers "
+        "width rounded up to 256 columns) for a whole batch without per-row adapters, which "
+        "then takes the padded prefill, and keeps the KV cache's buffers "
         "between batches so later GRPO steps replay the graphs earlier ones captured "
         "(clew.inference.prefill_graphs). For small policies, whose turns are bound by "
         "kernel launches (BENCHMARKS.md, 'The small-model regime'); the buffers and graphs "

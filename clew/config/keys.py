@@ -54,6 +54,11 @@ RETIRED_KEYS: dict[str, tuple[Any, str]] = {
         "the engine always runs each distinct image "
         "of a forward through the vision tower once (measured faster than every copy)",
     ),
+    "trainer.hidden_image_attention": (
+        "dense",
+        "the update attends under the dense visibility "
+        "mask (attention by observation chunk, 'blocks', was measured slower)",
+    ),
 }
 
 # Values clew removed, by key: value -> what to set instead.

@@ -187,15 +187,6 @@ class TrainerConfig(Section):
         "block-diagonal mask), in the update and in log-prob scoring alike; the same loss and "
         "gradients as padded micro-batches. SkyRL defaults it to true.",
     )
-    hidden_image_attention: Literal["dense", "blocks"] = Field(
-        "dense",
-        description="The attention of a padded training forward whose trajectories hide old "
-        "images (generator.keep_last_k_images), in the update, log-prob scoring and SFT: "
-        "'dense' (the default) is SDPA under the whole [L, L] visibility mask; 'blocks' "
-        "attends each observation chunk's tokens over the keys they may see, gathered, in "
-        "one batched call a layer (clew.models.turn_attention), computing a fraction of the "
-        "pairs of a many-turn episode. Both give the same logprobs up to float rounding.",
-    )
     max_tokens_per_microbatch: int = Field(
         -1,
         description="When > 0, micro-batches (of the update and of log-prob scoring) hold "

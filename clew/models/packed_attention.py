@@ -49,12 +49,10 @@ IMPLEMENTATION = "clew_packed_sdpa"
 
 @dataclass
 class QueryGroup:
-    """Queries attended in one call: sequences of one length (and one kind of mask), or
-    ``clew.models.turn_attention``'s blocks, whose keys are not their queries."""
+    """Queries attended in one call: sequences of one length (and one kind of mask)."""
 
-    index: Tensor  # Long[G, n]: the queries' positions in the flattened rows
-    mask: Tensor | None  # Bool[G, 1, n, K] when some of them hide images; None: causal
-    keys: Tensor | None = None  # Long[G, K]: the keys' positions; None: the queries'
+    index: Tensor  # Long[G, n]: each sequence's positions in the flattened rows
+    mask: Tensor | None  # Bool[G, 1, n, n] when some of them hide images; None: causal
 
 
 @dataclass
@@ -156,9 +154,7 @@ def packed_sdpa(
     flat = [t.transpose(1, 2).reshape(b * w, t.shape[1], d) for t in (query, key, value)]
     outputs = []
     for group in layout.groups:
-        keys = group.index if group.keys is None else group.keys
-        q = flat[0][group.index].transpose(1, 2)  # [G, heads, n, D]
-        k, v = (t[keys].transpose(1, 2) for t in flat[1:])  # [G, kv_heads, K, D]
+        q, k, v = (t[group.index].transpose(1, 2) for t in flat)  # [G, heads, n, D]
         if group.mask is not None and hk != h:
             # A mask keeps CUDA's SDPA off the kernels that read grouped KV heads as they are.
             k, v = k.repeat_interleave(h // hk, dim=1), v.repeat_interleave(h // hk, dim=1)

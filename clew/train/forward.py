@@ -146,13 +146,6 @@ class PolicyForward:
         )
         # The dtype attention computes in, which an additive attention mask must match.
         self.compute_dtype = torch.bfloat16 if self.autocast else dtype
-        # Hidden images attended by observation chunk: through packed_attention, which is
-        # transformers' SDPA for every other batch, so only where the model attends with it.
-        text = getattr(model.config, "text_config", None) or model.config
-        self.turn_blocks = (
-            settings.hidden_image_attention == "blocks"
-            and getattr(text, "_attn_implementation", None) == "sdpa"
-        )
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return bf16_autocast(self.device, self.autocast)
@@ -267,7 +260,7 @@ class PolicyForward:
         row_width = None
         if self.settings.remove_padding:
             pack, row_width = True, sum(len(s.token_ids) for s in chosen)
-        batch = collate(
+        return collate(
             chosen,
             self.chat,
             vision=[vision[i] for i in idx],
@@ -275,14 +268,11 @@ class PolicyForward:
             pack=pack,
             row_width=row_width,
         )
-        batch.turn_blocks = self.turn_blocks and not pack
-        return batch
 
     def _packing(
         self, model: torch.nn.Module, pack: bool = False
     ) -> contextlib.AbstractContextManager:
-        """Per-sequence (or per-chunk) attention for the block when its batches may be
-        packed or hide images by observation chunk."""
-        if pack or self.settings.remove_padding or self.turn_blocks:
+        """Per-sequence attention for the block when its batches may be packed."""
+        if pack or self.settings.remove_padding:
             return packed_attention(model)
         return contextlib.nullcontext()

@@ -31,7 +31,6 @@ from clew.models.chat import ChatFormat
 from clew.models.packed_attention import PackedLayout
 from clew.models.pixels import Pixels, as_patches, cat_pixels
 from clew.models.positions import sequence_positions
-from clew.models.turn_attention import turn_layout
 from clew.models.visibility import hiding_vectors, visibility_from_vectors
 
 T = TypeVar("T")
@@ -97,9 +96,6 @@ class ModelBatch:
     # order they are laid out, and every sequence's length in that list's order.
     members: list[list[int]] | None = None
     sequence_lengths: list[int] | None = None
-    # Hidden images attended by observation chunk (``clew.models.turn_attention``) rather
-    # than under the dense mask; the forward must then run inside ``packed_attention``.
-    turn_blocks: bool = False
 
     @property
     def visibility(self) -> Tensor | None:
@@ -125,10 +121,9 @@ class ModelBatch:
         """Keyword arguments of the model's forward, on ``device``.
 
         With ``visibility``, the attention mask is a 4D additive mask in ``dtype`` (0 where
-        attention is allowed), which transformers passes to attention as it is, or with
-        ``turn_blocks`` a layout of observation chunks (``clew.models.turn_attention``).
-        Packed rows pass no mask but a ``packed_layout`` (``clew.models.packed_attention``):
-        the forward must then run inside ``packed_attention(model)``.
+        attention is allowed), which transformers passes to attention as it is. Packed rows
+        pass no mask but a ``packed_layout`` (``clew.models.packed_attention``): the
+        forward must then run inside ``packed_attention(model)``.
         """
         inputs: dict[str, Any] = {
             "input_ids": to_device(self.input_ids, device),
@@ -138,11 +133,6 @@ class ModelBatch:
             inputs["attention_mask"] = None
             inputs["packed_layout"] = PackedLayout.build(
                 self.document, self.hidden_below, self.image_of_key, device
-            )
-        elif self.hidden_below is not None and self.image_of_key is not None and self.turn_blocks:
-            inputs["attention_mask"] = None
-            inputs["packed_layout"] = turn_layout(
-                self.hidden_below, self.image_of_key, self.lengths, device
             )
         elif self.hidden_below is not None and self.image_of_key is not None:
             allowed = visibility_from_vectors(

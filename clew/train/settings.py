@@ -36,10 +36,8 @@ class WorkerSettings:
     ``logprobs_chunk_size`` computes logprobs and entropies from the final hidden states
     that many tokens at a time (``clew.models.token_logprobs``), never holding the whole
     ``[tokens, vocabulary]`` logits. ``gradient_checkpointing`` recomputes each decoder
-    layer's activations in backward instead of keeping them. ``hidden_image_attention``:
-    a padded forward of sequences that hide old images attends under the dense visibility
-    mask (``"dense"``) or by observation chunk (``"blocks"``, ``clew.models.turn_attention``). Each gives the same loss, gradients and logprobs as without it, to float
-    rounding.
+    layer's activations in backward instead of keeping them. Each gives the same loss,
+    gradients and logprobs as without it, to float rounding.
     """
 
     lr: float = 1e-6
@@ -58,7 +56,6 @@ class WorkerSettings:
     autocast_bf16: bool = False
     pack_sequences: bool = False
     remove_padding: bool = False
-    hidden_image_attention: str = "dense"
     max_tokens_per_microbatch: int | None = None
     logprobs_chunk_size: int | None = None
 

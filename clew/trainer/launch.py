@@ -169,7 +169,6 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
         autocast_bf16=autocast,
         gradient_checkpointing=t.gradient_checkpointing,
         remove_padding=t.remove_microbatch_padding,
-        hidden_image_attention=t.hidden_image_attention,
         max_tokens_per_microbatch=max(t.max_tokens_per_microbatch, 0) or None,  # -1: off
         logprobs_chunk_size=t.logprobs_chunk_size,
     )
@@ -395,7 +394,6 @@ def _run_sft_stage(cfg: ClewConfig, eval_fn: EvalFn | None) -> SFTResult:
         pack_sequences=s.pack_sequences,
         gradient_checkpointing=cfg.trainer.gradient_checkpointing,
         logprobs_chunk_size=cfg.trainer.logprobs_chunk_size,
-        hidden_image_attention=cfg.trainer.hidden_image_attention,
     )
     workers = cfg.trainer.placement.num_workers
     engine = engine_options(cfg)  # evaluations and DAgger episodes run on the run's engine

@@ -205,6 +205,7 @@ def test_a_removed_key_says_it_was_removed_and_what_clew_does_now(tmp_path: Path
         "generator.inference_engine.merged_projections": "true",
         "generator.inference_engine.packed_prefill": "false",
         "generator.inference_engine.dedup_images": "false",
+        "trainer.hidden_image_attention": "blocks",
     }
     assert set(asked_for) == set(RETIRED_KEYS)
     for key, (kept, why) in RETIRED_KEYS.items():
@@ -227,11 +228,12 @@ def test_a_removed_key_says_it_was_removed_and_what_clew_does_now(tmp_path: Path
     path.write_text(
         "generator:\n  inference_engine:\n    kv_cache: static\n    packed_prefill: true\n"
         "    dedup_images: true\n    merged_projections: false\n    enforce_eager: true\n"
+        "trainer:\n  hidden_image_attention: dense\n"
     )
     with pytest.warns(IgnoredKeyWarning) as seen:
         cfg = load_config(path)
     assert cfg.generator.inference_engine.enforce_eager is True
-    assert len({str(w.message) for w in seen if "was removed from clew" in str(w.message)}) == 4
+    assert len({str(w.message) for w in seen if "was removed from clew" in str(w.message)}) == 5
     # A removed value names what to set instead.
     for key, values in RETIRED_VALUES.items():
         for value, why in values.items():

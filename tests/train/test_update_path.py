@@ -37,7 +37,6 @@ SWITCHES = {
     "packed_token_budget": {"remove_padding": True, "max_tokens_per_microbatch": 900},
     "chunked_logprobs": {"logprobs_chunk_size": 5},
     "gradient_checkpointing": {"gradient_checkpointing": True},
-    "turn_blocks": {"hidden_image_attention": "blocks"},
     "all": {
         "remove_padding": True,
         "max_tokens_per_microbatch": 900,
@@ -268,18 +267,15 @@ def test_the_trainer_keys_reach_the_worker(model_dir):
         "trainer.max_tokens_per_microbatch=4096",
         "trainer.logprobs_chunk_size=256",
         "trainer.gradient_checkpointing=true",
-        "trainer.hidden_image_attention=blocks",
     ]
     group = build_worker_group(load_config(None, overrides), num_train_rows=4)
     s = group.worker.settings
-    assert s.hidden_image_attention == "blocks" and group.worker.turn_blocks
     assert (s.remove_padding, s.max_tokens_per_microbatch) == (True, 4096)
     assert (s.logprobs_chunk_size, s.gradient_checkpointing) == (256, True)
     assert any(getattr(m, "gradient_checkpointing", False) for m in group.worker.model.modules())
     # CUDA graphs are the default where there is CUDA; a CPU run steps eagerly.
     assert group.engine.cuda_graphs is False
     plain = build_worker_group(load_config(None, overrides[:2]), num_train_rows=4).worker.settings
-    assert plain.hidden_image_attention == "dense"
     assert (plain.remove_padding, plain.max_tokens_per_microbatch) == (False, None)
     assert (plain.logprobs_chunk_size, plain.gradient_checkpointing) == (None, False)
 
