@@ -43,12 +43,17 @@ class Observation:
     ``text_first``: the text comes before the images in the user turn (else after them);
     ``system``: the system prompt that opens the episode (read from the first observation;
     None: none). Both come from the env's prompt format (``clew.envs.prompt_format``).
+    ``state``: a name for the state the images show, equal for two observations of one task
+    exactly when their images are equal, from an env that can name it for less than a digest
+    of its frames costs (GiGPO's step groups, ``clew.rollout.trajectory.observation_key``);
+    None: the frames' digest names it.
     """
 
     images: list[Image.Image]
     text: str
     text_first: bool = False
     system: str | None = None
+    state: str | None = None
 
 
 @runtime_checkable

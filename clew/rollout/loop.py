@@ -51,7 +51,12 @@ from clew.errors import ConfigError
 from clew.inference.engine import EngineOptions, InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models.chat import Chunk
-from clew.rollout.trajectory import PendingKey, Trajectory, apply_reward_rule, hash_state_keys
+from clew.rollout.trajectory import (
+    Trajectory,
+    apply_reward_rule,
+    hash_state_keys,
+    observation_key,
+)
 
 # Episodes started together ahead of the wave that admits them (their envs reset and first
 # observations encoded on the env threads).
@@ -106,7 +111,8 @@ class RolloutSettings:
     reply_prefix: str = ""
     reply_suffix: str = ""
     # Record a state key per turn (Trajectory.state_keys) for per-turn credit (gigpo); off
-    # otherwise: hashing every frame adds host work (after the turns, on threads).
+    # otherwise: hashing every frame an env does not name adds host work (after the turns,
+    # on threads).
     state_keys: bool = False
     # Threads that step the envs and encode their observations (module docstring); 0: one
     # per CPU core, at most ENV_WORKERS_MAX.
@@ -211,7 +217,7 @@ def play(
                     break
                 ready.popleft()
                 peak = max(peak, expected)
-                key = PendingKey(obs.images, obs.text) if settings.state_keys else None
+                key = observation_key(obs) if settings.state_keys else None
                 ep.traj.add_observation(chunk, obs.images, key)
                 ep.traj.image_window = settings.keep_last_k_images
                 ep.traj.wave = wave
@@ -336,7 +342,7 @@ def next_turn(
     if length + len(chunk.token_ids) + settings.sampling.max_tokens > settings.max_input_length:
         traj.end_reason = "context_full"
         return None
-    key = PendingKey(obs.images, obs.text) if settings.state_keys else None
+    key = observation_key(obs) if settings.state_keys else None
     traj.add_observation(chunk, obs.images, key)
     return chunk
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image
 
 from clew.models.chat import ChatFormat, Chunk
+
+if TYPE_CHECKING:
+    from clew.envs.base import Observation
 
 END_REASONS = ("stop", "reached_goal", "max_turns", "context_full", "cache_budget", "env_error")
 
@@ -38,9 +41,10 @@ class Trajectory:
     wave: int = 0  # which engine batch of its rollout it ran in, from 0 (the KV cache budget)
     actions: list[str] = field(default_factory=list)
     # Per turn: the reward env.step returned, and the state the reply acted from
-    # (state_key of the observation before it), for estimators that credit turns (gigpo).
+    # (observation_key of the observation before it), for estimators that credit turns (gigpo).
     turn_rewards: list[float] = field(default_factory=list)
-    # (A rollout records PendingKey entries and hashes them when it ends: hash_state_keys.)
+    # (A rollout records the env's state names, or PendingKey entries that it hashes when it
+    # ends: hash_state_keys.)
     state_keys: list[str] = field(default_factory=list)
     infos: list[dict[str, Any]] = field(default_factory=list)
     reward: float = 0.0
@@ -121,6 +125,12 @@ class PendingKey:
 
     images: list[Image.Image]
     text: str
+
+
+def observation_key(obs: Observation) -> str | PendingKey:
+    """The state key of ``obs``: the env's name for its state where it gives one
+    (``Observation.state``), else its frames' digest, computed later (``hash_state_keys``)."""
+    return obs.state if obs.state is not None else PendingKey(obs.images, obs.text)
 
 
 def hash_state_keys(trajs: Sequence[Trajectory], map_: Callable[..., Iterable[str]]) -> None:

@@ -330,3 +330,26 @@ def test_start_anywhere_moves_a_seeded_share_of_starts_to_solvable_open_cells():
 def test_start_anywhere_out_of_range_says_what_is_accepted(bad):
     with pytest.raises(EnvError, match=r"start_anywhere must be a number in \[0, 1\]"):
         make("maze_2d/easy", start_anywhere=bad)
+
+
+@pytest.mark.parametrize("env_id", ["maze_2d/easy", "maze_2d/room"])
+def test_a_maze_names_its_state_exactly_when_its_frame_is_the_same(env_id):
+    from clew.rollout.trajectory import state_key
+
+    rng = np.random.default_rng(0)
+    for seed in (3, 11):
+        env = make(env_id, action_format="keyword")
+        moves = [env.action_names()[d] for d in ("up", "down", "left", "right")]
+        obs = env.reset(seed)
+        names: dict[str, set[str]] = {}
+        frames: dict[str, set[str]] = {}
+        for _ in range(60):  # a random walk revisits cells
+            digest = state_key(obs.images, obs.text)
+            names.setdefault(obs.state, set()).add(digest)
+            frames.setdefault(digest, set()).add(obs.state)
+            obs, _, done, _ = env.step(moves[rng.integers(4)])
+            if done:
+                obs = env.reset(seed)
+        assert len(names) > 3  # the walk saw several cells
+        assert all(len(v) == 1 for v in names.values())
+        assert all(len(v) == 1 for v in frames.values())

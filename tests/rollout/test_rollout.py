@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from support.tiny import tiny_policy
@@ -18,7 +20,13 @@ from clew.models.positions import sequence_positions
 from clew.rollout.episode_stats import rollout_metrics
 from clew.rollout.evaluation import eval_metrics, evaluate
 from clew.rollout.loop import RolloutSettings, env_pool, play
-from clew.rollout.trajectory import PendingKey, Trajectory, hash_state_keys, state_key
+from clew.rollout.trajectory import (
+    PendingKey,
+    Trajectory,
+    hash_state_keys,
+    observation_key,
+    state_key,
+)
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
@@ -128,17 +136,37 @@ def test_loss_mask_marks_exactly_the_sampled_tokens(policy, rows):
         assert all(lp <= 0.0 for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m)
 
 
-def test_state_keys_are_the_digests_of_each_turns_observation_frame(policy, rows):
+def test_state_keys_name_each_turns_observation_and_group_turns_as_its_frame_does(policy, rows):
     model, chat = policy
     trajs = play(InferenceEngine(model, chat), rows, _settings(state_keys=True), seed=1)
+    by_key, by_frame = {}, {}
     for t in trajs:
         # The frame each turn acted from is the observation's image before it: replay the env.
         env = make(t.env_id, **t.env_options)
         obs, want = env.reset(t.seed), []
         for action in t.actions:
-            want.append(state_key(obs.images, obs.text))
+            assert obs.state is not None  # the maze names its states
+            want.append(obs.state)
+            digest = state_key(obs.images, obs.text)
+            by_key.setdefault((t.group_id, obs.state), set()).add(digest)
+            by_frame.setdefault((t.group_id, digest), set()).add(obs.state)
             obs, *_ = env.step(action)
         assert t.state_keys == want
+    # Within a group, one key is one frame and one frame one key: the digest's grouping.
+    assert all(len(v) == 1 for v in by_key.values())
+    assert all(len(v) == 1 for v in by_frame.values())
+
+
+def test_an_observation_without_a_state_name_is_keyed_by_its_frames_digest(rows):
+    env = make(rows[0].env_id, **rows[0].options())
+    obs = env.reset(int(rows[0].seed))
+    named = observation_key(obs)
+    pending = observation_key(dataclasses.replace(obs, state=None))
+    assert named == obs.state and isinstance(pending, PendingKey)
+    t = Trajectory("e", {}, 0, 0, 0)
+    t.state_keys.append(pending)
+    hash_state_keys([t], map)
+    assert t.state_keys == [state_key(obs.images, obs.text)]
 
 
 def test_hashing_pending_keys_on_threads_gives_the_keys_hashed_in_order(rows):

@@ -154,6 +154,7 @@ class MazeEnv:
         self.maze: Maze | None = None
         self.agent: Cell = (0, 0)
         self.start: Cell = (0, 0)  # where this episode began
+        self.seed = 0  # the maze's, from reset
         self.turn = 0
         self.done = True
         self._background: np.ndarray | None = None
@@ -178,6 +179,7 @@ class MazeEnv:
             start = self._anywhere(int(seed))
         self.agent = self.maze.start if start is None else tuple(start)
         self.start = self.agent
+        self.seed = int(seed)
         self.turn = 0
         self.done = False
         text = self.format.first_turn.format(task=self.prompt, **self._turn_fields())
@@ -185,7 +187,9 @@ class MazeEnv:
 
     def _observation(self, text: str) -> Observation:
         frame = encode_frame(self.render(), self.format.image_codec)
-        return Observation([frame], text, self.format.text_first, self.format.system_prompt)
+        # The frame is the seed's maze with the agent stamped on its cell: the two name it.
+        state = f"{self.seed}:{self.agent[0]},{self.agent[1]}"
+        return Observation([frame], text, self.format.text_first, self.format.system_prompt, state)
 
     def _turn_fields(self) -> dict[str, Any]:
         remaining = self.max_turns - self.turn
