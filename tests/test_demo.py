@@ -11,15 +11,21 @@ import yaml
 
 from clew.cli import main
 from clew.config import load_config
+from clew.data.rows import read_rows, task_keys
 from clew.errors import ConfigError
+from clew.trainer import pipeline
 from clew.trainer.pipeline import check_stages
 
+FIGURES = ("solve_rate", "reward_pass_at_1")
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "cpu-demo.yaml"
 # The recipe at a size that runs in seconds: 16 train rows, 4 eval rows, 2 SFT steps,
-# 2 GRPO steps of 2 prompts x 2 samples, evaluated before the first step and after each.
+# 2 GRPO steps of 2 prompts x 2 samples, evaluated before the first step and after each,
+# then the 'test' stage on 6 held-out rows.
 TINY = [
+    "pipeline.stages=[dataset,model,sft,train,test]",
     "pipeline.dataset.train_rows=16",
     "pipeline.dataset.eval_rows=4",
+    "pipeline.test.rows=6",
     "sft.steps=2",
     "sft.batch_size=4",
     "trainer.max_steps=2",
@@ -51,12 +57,15 @@ def finished(tmp_path_factory, one_thread) -> Path:
 
 def test_pipeline_runs_sft_then_grpo_and_reports_both_eval_figures(finished: Path) -> None:
     summary = json.loads((finished / "summary.json").read_text())
+    tested = json.loads((finished / "test.json").read_text())
     assert set(summary) == {
         "sft_pass_at_1",
         "final_pass_at_1",
         "gain_points",
         "best_pass_at_1",
         "best_step",
+        "test_rows",
+        *(f"test_{name}_{figure}" for name in tested for figure in FIGURES),
     }
     run_dir = finished / "grpo"
     history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -95,14 +104,73 @@ def test_each_stage_runs_with_the_recipe_and_what_the_stage_before_made(finished
     assert (built["preset"], built["image_size"], built["patch_size"]) == ("tiny", 98, 14)
 
 
+def test_the_test_stage_draws_held_out_mazes_none_an_eval_maze(finished: Path) -> None:
+    held_out = read_rows(finished / "data" / "test.parquet")
+    evals = read_rows(finished / "data" / "eval.parquet")
+    assert len(held_out) == 6 and {r.split for r in held_out} == {"eval"}
+    keys = [r.facts()["layout_key"] for r in held_out]
+    assert len(set(keys)) == 6
+    assert set(keys).isdisjoint(task_keys(evals))
+    assert {r.seed for r in held_out}.isdisjoint({r.seed for r in evals})
+    assert min(r.seed for r in held_out) >= 2_000_000_000
+    assert held_out[0].options() == evals[0].options()  # the eval set's distribution
+
+
+def test_the_test_figures_are_of_the_sft_policy_and_grpos_last_export(finished: Path) -> None:
+    summary = json.loads((finished / "summary.json").read_text())
+    tested = json.loads((finished / "test.json").read_text())
+    exports = finished / "grpo" / "exports"
+    best = json.loads((exports / "best" / "best.json").read_text())["step"]
+    assert list(tested) == ["start", "final"] + (["best"] if best not in (0, 2) else [])
+    assert tested["start"]["policy"] == str(finished / "sft" / "exports" / "final" / "policy")
+    assert tested["start"]["step"] == 0
+    # The last export: GRPO's 2 steps end at global_step_2.
+    assert tested["final"]["policy"] == str(exports / "global_step_2" / "policy")
+    assert tested["final"]["step"] == 2
+    assert summary["test_rows"] == 6
+    for name, result in tested.items():
+        metrics = json.loads((finished / "test" / name / "metrics.json").read_text())
+        assert result["episodes"] == metrics["eval/all/episodes"] == 6
+        for figure in FIGURES:
+            assert summary[f"test_{name}_{figure}"] == result[figure]
+            assert result[figure] == metrics[f"eval/all/{figure}"]
+        assert (finished / "test" / name / "trajectories.jsonl").is_file()
+
+
+def test_the_test_stage_runs_again_once_grpo_has_gone_further(
+    finished: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    out = tmp_path / "copy"
+    shutil.copytree(finished, out)
+    exports = out / "grpo" / "exports"
+    shutil.copytree(exports / "global_step_2", exports / "global_step_3")  # a later export
+    # GRPO itself is not run again: the export above stands for its further steps.
+    monkeypatch.setitem(pipeline._STAGE_FNS, "train", lambda cfg, _: cfg)
+    inputs = [
+        "pipeline.stages=[train,test]",
+        f"trainer.policy.model.path={out / 'sft' / 'exports' / 'final' / 'policy'}",
+        f"data.train_data=[{out / 'data' / 'train.parquet'}]",
+        f"data.val_data=[{out / 'data' / 'eval.parquet'}]",
+    ]
+    capsys.readouterr()
+    assert (
+        main(["pipeline", "--config", str(RECIPE), "--output-dir", str(out), *TINY, *inputs]) == 0
+    )
+    assert "test: start (step 0), final (step 3)" in capsys.readouterr().out
+    tested = json.loads((out / "test.json").read_text())
+    assert tested["final"]["policy"] == str(exports / "global_step_3" / "policy")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["test_final_solve_rate"] == tested["final"]["solve_rate"]
+
+
 def test_rerunning_a_finished_pipeline_skips_its_stages(finished: Path, capsys) -> None:
     base = finished / "models" / "base" / "model.safetensors"
     before = (base.stat().st_mtime_ns, (finished / "grpo" / "metrics.jsonl").read_text())
-    summary = (finished / "summary.json").read_text()
+    summary, tested = (finished / "summary.json").read_text(), (finished / "test.json").read_text()
     capsys.readouterr()
     assert _pipeline(finished) == 0
     said = capsys.readouterr().out
-    for stage in ("dataset", "model", "sft"):
+    for stage in ("dataset", "model", "sft", "test"):
         assert any(
             line.startswith("[pipeline") and f"] {stage}:" in line and "skipped" in line
             for line in said.splitlines()
@@ -110,6 +178,7 @@ def test_rerunning_a_finished_pipeline_skips_its_stages(finished: Path, capsys) 
     assert "resumed from" in said  # GRPO goes on from its last checkpoint: nothing to do
     assert (base.stat().st_mtime_ns, (finished / "grpo" / "metrics.jsonl").read_text()) == before
     assert (finished / "summary.json").read_text() == summary
+    assert (finished / "test.json").read_text() == tested
 
 
 def test_output_of_other_settings_is_refused_naming_what_differs(finished: Path, capsys) -> None:
@@ -140,6 +209,8 @@ def test_a_stage_made_from_a_rebuilt_input_is_refused_not_reused(
         (["pipeline.stages=[sft,train]"], "needs sft.model_path"),
         (["pipeline.stages=[train]"], "needs trainer.policy.model.path"),
         (["pipeline.stages=[model,sft]"], "need data.train_data"),
+        (["pipeline.stages=[dataset,model,sft,test]"], "needs 'train' in pipeline.stages"),
+        (["pipeline.test.rows=0"], "pipeline.test.rows must be >= 1"),
         (["sft.run_name=grpo"], "both 'grpo'"),
         (["trainer.run_name=data"], "share its folder"),
     ],

@@ -78,6 +78,7 @@ def test_the_seed_recipe_maps_the_walkthroughs_run() -> None:
 
 def test_the_easy_recipe_chains_sft_and_grpo_from_scratch() -> None:
     cfg = load_config(RECIPES / "easy-1gpu.yaml")
-    assert cfg.pipeline.stages == ["dataset", "model", "sft", "train"]
+    assert cfg.pipeline.stages == ["dataset", "model", "sft", "train", "test"]
     assert cfg.pipeline.dataset.env_id == "maze_2d/easy"
+    assert cfg.pipeline.test.rows == 1024
     check_stages(cfg)

@@ -1,4 +1,4 @@
-"""The ``pipeline`` command: a recipe's stages (dataset, model, sft, train) in one run."""
+"""The ``pipeline`` command: a recipe's stages (dataset, model, sft, train, test) in one run."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from clew.commands.stages import add_print_config, flag_overrides, printed
 
 @command(
     "pipeline",
-    "run a recipe (recipes/*.yaml) end to end: dataset, base model, SFT, GRPO; re-running "
-    "it goes on where it stopped",
+    "run a recipe (recipes/*.yaml) end to end: dataset, base model, SFT, GRPO, a held-out "
+    "test; re-running it goes on where it stopped",
 )
 def _pipeline(p: argparse.ArgumentParser) -> Handler:
     p.add_argument("--config", required=True, help="recipe YAML (or a run folder's config.yaml)")

@@ -51,17 +51,37 @@ class PipelineModelConfig(Section):
     seed: int = Field(0, description="Seed of the random initial weights.")
 
 
+class PipelineTestConfig(Section):
+    rows: int = Field(
+        1024,
+        description="Held-out rows generated: eval-split rows of the 'dataset' stage's env id "
+        "and eval options (env_options | eval_env_options), each a distinct task that is none "
+        "of the eval set's (data.val_data).",
+    )
+    seed_start: int = Field(
+        2_000_000_000,
+        description="First seed of the held-out rows' walk (the eval set's starts at "
+        "1,000,000,000).",
+    )
+
+
 class PipelineConfig(Section):
-    stages: list[Literal["dataset", "model", "sft", "train"]] = Field(
+    stages: list[Literal["dataset", "model", "sft", "train", "test"]] = Field(
         default_factory=lambda: ["dataset", "model", "sft", "train"],
         description="Stages `clew pipeline` runs, in this order, under trainer.log_path: "
         "'dataset' writes data/{train,eval}.parquet and sets data.train_data/val_data; "
         "'model' builds models/base offline and sets sft.model_path; 'sft' runs `clew sft` "
-        "and sets trainer.policy.model.path to its final policy; 'train' runs GRPO.",
+        "and sets trainer.policy.model.path to its final policy; 'train' runs GRPO; 'test' "
+        "(after 'train') writes data/test.parquet of held-out mazes and evaluates GRPO's "
+        "start, final and best policies on them as GRPO evaluates, in test/<name>/ and "
+        "test.json.",
     )
     dataset: PipelineDatasetConfig = Field(
         default_factory=PipelineDatasetConfig, description="The 'dataset' stage."
     )
     model: PipelineModelConfig = Field(
         default_factory=PipelineModelConfig, description="The 'model' stage."
+    )
+    test: PipelineTestConfig = Field(
+        default_factory=PipelineTestConfig, description="The 'test' stage."
     )

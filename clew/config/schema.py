@@ -19,7 +19,12 @@ from pydantic import Field
 from clew.config.algorithm import AlgorithmConfig, DynamicSamplingConfig, GigpoConfig
 from clew.config.data import ENV_CLASS_ALIASES, DataConfig, EnvironmentConfig
 from clew.config.generator import GeneratorConfig, InferenceEngineConfig, SamplingParams
-from clew.config.pipeline import PipelineConfig, PipelineDatasetConfig, PipelineModelConfig
+from clew.config.pipeline import (
+    PipelineConfig,
+    PipelineDatasetConfig,
+    PipelineModelConfig,
+    PipelineTestConfig,
+)
 from clew.config.section import Section
 from clew.config.sft import SFTConfig, SFTDaggerConfig, SFTOptimizerConfig
 from clew.config.trainer import (
@@ -52,6 +57,7 @@ __all__ = [
     "PipelineConfig",
     "PipelineDatasetConfig",
     "PipelineModelConfig",
+    "PipelineTestConfig",
     "PlacementConfig",
     "PolicyConfig",
     "RefConfig",

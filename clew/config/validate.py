@@ -65,6 +65,7 @@ COUNT_KEYS: tuple[str, ...] = (
     "sft.steps",
     "sft.batch_size",
     "sft.dagger.rows",
+    "pipeline.test.rows",
 )
 # Step intervals: >= 1, or -1 for never.
 INTERVAL_KEYS: tuple[str, ...] = (

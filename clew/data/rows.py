@@ -12,7 +12,9 @@ seed's episode belongs to, what makes it a distinct task and what to record; an 
 without hooks gives every seed of the walk. Where the env has an expert, each row also
 records ``turns_needed`` (the expert's turns from the start) and ``solvable`` (they fit in
 the turn budget), whatever the env. The maze registers hooks that split by layout digest,
-so train and eval never share a maze, and record the path length and the digest.
+so train and eval never share a maze, and record the path length and the digest. Rows
+given as ``exclude`` keep their tasks out of the new set: a held-out set drawn beside an
+eval set repeats none of its tasks.
 
 An env whose options give tasks for a fixed range of seeds only (a recorded set, such as
 the maze's ``layout=visgym_easy_eval``: VisGym's 64 eval mazes) says so through a
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -103,12 +106,14 @@ def generate_rows(
     seed_start: int | None = None,
     env_options: dict[str, Any] | None = None,
     distinct: bool | None = None,
+    exclude: Sequence[Row] = (),
 ) -> list[Row]:
     """``num_rows`` rows of ``split``, from consecutive seeds whose episodes fall in it.
 
     ``distinct`` (default: True for eval, False for train) skips seeds whose task (the
     key of the env's ``row_facts``) is already in the set, so an eval set of N rows is N
-    different tasks.
+    different tasks. ``exclude``: rows whose tasks the new rows must not repeat (a
+    held-out set beside an eval set); seeds of those tasks are skipped.
     """
     distinct = split == "eval" if distinct is None else distinct
     if split not in SPLITS:
@@ -124,6 +129,7 @@ def generate_rows(
     fixed = _fixed_seeds(env_spec, env)
     first = DEFAULT_SEED_START[split] if fixed is None else fixed.start
     seed = first if seed_start is None else int(seed_start)
+    excluded = task_keys(exclude)
     seen: set[str] = set()
     rows: list[Row] = []
     tried = 0
@@ -138,7 +144,8 @@ def generate_rows(
         obs = env.reset(seed)
         facts = row_facts(env) if row_facts is not None else RowFacts()
         key = str(seed) if facts.key is None else facts.key
-        if facts.split in (None, split) and not (distinct and key in seen):
+        new = key not in excluded and not (distinct and key in seen)
+        if facts.split in (None, split) and new:
             seen.add(key)
             metadata = dict(facts.metadata)
             if expert is not None:
@@ -155,6 +162,23 @@ def generate_rows(
                 "have more)"
             )
     return rows
+
+
+def task_keys(rows: Sequence[Row]) -> set[str]:
+    """The tasks of ``rows``: the key the env's ``row_facts`` gives each row's episode (its
+    seed, as text, where the env gives none), from an env of the row's own id and options
+    reset at its seed."""
+    envs: dict[tuple[str, str], Any] = {}
+    keys: set[str] = set()
+    for row in rows:
+        env = envs.get((row.env_id, row.env_options))
+        if env is None:
+            env = envs[(row.env_id, row.env_options)] = make(row.env_id, **row.options())
+        env.reset(row.seed)
+        row_facts = spec(row.env_id).dataset.row_facts
+        key = row_facts(env).key if row_facts is not None else None
+        keys.add(str(row.seed) if key is None else key)
+    return keys
 
 
 def _fixed_seeds(env_spec: Any, env: Any) -> range | None:

@@ -1,4 +1,4 @@
-"""A recipe run end to end: ``clew pipeline`` chains dataset, model, SFT and GRPO.
+"""A recipe run end to end: ``clew pipeline`` chains dataset, model, SFT, GRPO and a test.
 
 Each stage reads its section of the one config and hands what it made to the next by
 updating the config (``data.train_data``/``val_data``, ``sft.model_path``,
@@ -11,7 +11,11 @@ with. Everything lands under ``trainer.log_path`` (LOG)::
     LOG/models/base/               the 'model' stage: the policy SFT starts from
     LOG/<sft.run_name>/            the SFT run; its exports/final/policy is GRPO's start
     LOG/<trainer.run_name>/        the GRPO run, with report.png
-    LOG/summary.json               eval pass@1 of the start, the end and the best step
+    LOG/data/test.parquet          the 'test' stage: held-out mazes, none an eval maze
+    LOG/test/<name>/               GRPO's start, final and best policies played on them
+    LOG/test.json                  their solve rates (clew.trainer.heldout)
+    LOG/summary.json               eval pass@1 of the start, the end and the best step, and
+                                   the held-out figures
 
 Re-running the same command after an interruption goes on where it stopped: a stage whose
 output is complete and was made from the same settings is skipped, and SFT and GRPO
@@ -33,7 +37,7 @@ from clew.config.overrides import build_config
 from clew.envs.plugins import import_env_modules
 from clew.errors import ConfigError
 
-STAGES: tuple[str, ...] = ("dataset", "model", "sft", "train")
+STAGES: tuple[str, ...] = ("dataset", "model", "sft", "train", "test")
 STAGES_FILE = "stages.json"
 SUMMARY_FILE = "summary.json"
 EVAL_KEY = "eval/all/pass_at_1"
@@ -49,7 +53,9 @@ def run_pipeline(cfg: ClewConfig) -> dict[str, float]:
     The summary (also ``LOG/summary.json``) is GRPO's: ``sft_pass_at_1`` (its evaluation
     before the first step, i.e. the start's), ``final_pass_at_1``, ``gain_points``,
     ``best_pass_at_1`` and ``best_step``; empty when no 'train' stage ran or it evaluated
-    nothing.
+    nothing. After a 'test' stage it also holds ``test_rows`` and, per policy the stage
+    evaluated (start, final, best), ``test_<name>_solve_rate`` and
+    ``test_<name>_reward_pass_at_1``.
     """
     check_stages(cfg)
     import_env_modules(cfg.environment.modules)
@@ -78,6 +84,11 @@ def check_stages(cfg: ClewConfig) -> None:
         bad.append("the 'sft' and 'train' stages without 'dataset' need data.train_data")
     if "train" in stages and "sft" not in stages and not cfg.trainer.policy.model.path:
         bad.append("the 'train' stage without 'sft' needs trainer.policy.model.path")
+    if "test" in stages and "train" not in stages:
+        bad.append(
+            "the 'test' stage evaluates GRPO's policies: it needs 'train' in pipeline.stages "
+            "(a finished GRPO run resumes at its last step and stops)"
+        )
     names = {"sft.run_name": cfg.sft.run_name, "trainer.run_name": cfg.trainer.run_name}
     for key, name in names.items():
         if name in ("data", "models"):
@@ -290,11 +301,36 @@ def _train(cfg: ClewConfig, out: Path) -> ClewConfig:
     return cfg
 
 
+def _test(cfg: ClewConfig, out: Path) -> ClewConfig:
+    """Plays GRPO's start, final and best policies on held-out mazes (clew.trainer.heldout);
+    made again when GRPO has exported a later step since."""
+    from clew.trainer import heldout
+
+    policies = heldout.grpo_policies(cfg)
+    settings = (
+        _settings("pipeline.test", cfg.pipeline.test)
+        | heldout.depends_on(cfg)
+        | _upstream(cfg, out, ("dataset", "model", "sft"))
+    )
+    done = heldout.read_results(out)
+    rows_made = (out / heldout.ROWS_FILE).is_file()
+    present = rows_made and done is not None and heldout.evaluated(done) == policies
+    if _finished(out, "test", settings, str(out / heldout.TEST_FILE), present):
+        say(f"test: the figures of {', '.join(done or ())} are already in {out}; skipped")
+    else:
+        names = ", ".join(f"{p.name} (step {p.step})" for p in policies)
+        say(f"test: {names} on {cfg.pipeline.test.rows} held-out mazes")
+        heldout.run_test(cfg, out, policies, say)
+        _record(out, "test", settings, rows=str(out / heldout.ROWS_FILE))
+    return cfg
+
+
 _STAGE_FNS: dict[str, Callable[[ClewConfig, Path], ClewConfig]] = {
     "dataset": _dataset,
     "model": _model,
     "sft": _sft,
     "train": _train,
+    "test": _test,
 }
 
 
@@ -320,9 +356,11 @@ def _compared(evals: list[tuple[int, float]], reached: int) -> str:
 
 
 def report(cfg: ClewConfig, out: Path) -> dict[str, float]:
-    """GRPO's evaluations in brief: LOG/summary.json, the run's report.png, one line."""
+    """GRPO's evaluations in brief, with the 'test' stage's figures where it ran in this
+    chain: LOG/summary.json, the run's report.png, a few lines."""
     from clew.data.rows import read_rows
     from clew.metrics import draw_report, read_history
+    from clew.trainer import heldout
 
     run_dir = Path(cfg.trainer.log_path) / cfg.trainer.run_name
     history = read_history(run_dir)
@@ -331,9 +369,13 @@ def report(cfg: ClewConfig, out: Path) -> dict[str, float]:
         for h in history
         if isinstance(h.get(EVAL_KEY), int | float) and math.isfinite(h[EVAL_KEY])
     ]
+    held_out = heldout.summary_figures(out) if "test" in cfg.pipeline.stages else {}
     if not evals:
         say(f"GRPO logged no {EVAL_KEY} (data.val_data empty or trainer.eval_interval -1)")
-        return {}
+        if held_out:
+            write_json(out / SUMMARY_FILE, held_out)
+            say(heldout.describe(out))
+        return held_out
     (_, start), (last_step, final) = evals[0], evals[-1]
     reached = max(h["step"] for h in history)
     best_step, best = max(evals, key=lambda e: (e[1], -e[0]))  # ties: the earlier step
@@ -343,8 +385,8 @@ def report(cfg: ClewConfig, out: Path) -> dict[str, float]:
         "gain_points": 100 * (final - start),
         "best_pass_at_1": best,
         "best_step": best_step,
-    }
-    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    } | held_out
+    write_json(out / SUMMARY_FILE, summary)
     png = draw_report(run_dir)
     rows = [r for p in cfg.data.val_data for r in read_rows(p)]
     env_ids = ", ".join(sorted({r.env_id for r in rows}))
@@ -356,6 +398,8 @@ def report(cfg: ClewConfig, out: Path) -> dict[str, float]:
             f"best evaluation: {best:.1%} at step {best_step}"
             + (f", kept as {kept}" if kept.is_dir() else "")
         )
+    if held_out:
+        say(heldout.describe(out))
     gifs = sorted((export_path / "eval").glob(f"global_step_{last_step}/gifs/solved*.gif"))
     say(f"report: {png}" + (f"; a solved maze: {gifs[0]}" if gifs else ""))
     return summary

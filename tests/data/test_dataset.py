@@ -9,7 +9,14 @@ import pytest
 from PIL import Image
 
 from clew.cli import main
-from clew.data.rows import Row, dataset_stats, generate_rows, read_rows, write_rows
+from clew.data.rows import (
+    Row,
+    dataset_stats,
+    generate_rows,
+    read_rows,
+    task_keys,
+    write_rows,
+)
 from clew.envs import make
 from clew.envs.maze.dataset import split_of_layout
 from clew.envs.maze.solver import shortest_actions
@@ -41,6 +48,23 @@ def test_train_and_eval_never_share_a_maze_even_from_the_same_seeds():
     assert all(split_of_layout(r.facts()["layout_key"]) == "eval" for r in evals)
     default_eval = generate_rows("maze_2d/easy", 64, "eval")
     assert min(r.seed for r in default_eval) >= 1_000_000_000
+
+
+def test_rows_drawn_with_exclude_repeat_none_of_the_excluded_tasks():
+    def keys(rows):
+        return {r.facts()["layout_key"] for r in rows}
+
+    held = generate_rows("maze_2d/small", 6, "eval", seed_start=0)[::2]
+    plain = generate_rows("maze_2d/small", 12, "eval", seed_start=0)
+    drawn = generate_rows("maze_2d/small", 12, "eval", seed_start=0, exclude=held)
+    assert keys(plain) >= keys(held)  # the same walk without exclude repeats them all
+    assert len(drawn) == 12 and keys(drawn).isdisjoint(keys(held))
+    assert task_keys(held) == keys(held)
+    # An env that names no task key: an excluded row's task is its seed.
+    import envs_for_tests  # noqa: F401  (registers test/digits)
+
+    first = generate_rows("test/digits", 2)
+    assert [r.seed for r in generate_rows("test/digits", 3, exclude=first)] == [2, 3, 4]
 
 
 def test_stats_count_path_lengths_and_the_solvable_share():
