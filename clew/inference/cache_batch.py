@@ -47,7 +47,7 @@ from clew.inference.chunks import Prefill, pack
 from clew.inference.cuda_graphs import DecodeGraphs
 from clew.inference.draws import RowDraws
 from clew.inference.kv_cache import SlotCache
-from clew.inference.prefill_graphs import routed
+from clew.inference.prefill_graphs import CHUNK_WIDTH_STEP, routed
 from clew.inference.sampling import SamplingParams
 from clew.kernels.fused_pointwise import pointwise_fused
 from clew.kernels.sdpa_backends import without_cudnn_attention
@@ -207,12 +207,14 @@ class CacheBatch:
             self.pending[r] = None
         split = 0 < new < b and any(token_lists[:new])
         spans = [(0, new), (new, b)] if split else [(0, b)]
+        # A graph is captured per chunk width: widths rounded up keep their number small.
+        step = CHUNK_WIDTH_STEP if self.engine.prefill_graphs is not None else 1
         parts = []
         for lo, hi in spans:
             row_chunks = [chunks[seq] for seq in self.rows[lo:hi]]
             part, self.images_seen[lo:hi] = pack(
                 self.engine.chat, token_lists[lo:hi], pos_lists[lo:hi], row_chunks,
-                self.images_seen[lo:hi], lo,
+                self.images_seen[lo:hi], lo, step,
             )  # fmt: skip
             parts.append(part)
         self._hide_old_images()

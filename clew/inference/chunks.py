@@ -37,12 +37,14 @@ def pack(
     chunks: list[Chunk],
     images_seen: list[int],
     lo: int,
+    width_step: int = 1,
 ) -> tuple[Prefill, list[int]]:
     """The rows ``lo, lo + 1, ...``'s new tokens (``token_lists``, their M-RoPE positions
-    ``pos_lists``, from ``chunks``) left-padded to one width, and each row's count of images
-    seen after them (``images_seen`` before)."""
+    ``pos_lists``, from ``chunks``) left-padded to one width, a multiple of ``width_step``
+    (a few widths, for forwards replayed from CUDA graphs captured per width), and each row's
+    count of images seen after them (``images_seen`` before)."""
     b = len(token_lists)
-    width = max(len(t) for t in token_lists)
+    width = -(-max(len(t) for t in token_lists) // width_step) * width_step
     ids_np = np.full((b, width), chat.pad_id, dtype=np.int64)
     pos_np = np.zeros((3, b, width), dtype=np.int64)
     mask_np = np.zeros((b, width), dtype=np.int64)

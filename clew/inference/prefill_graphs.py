@@ -24,8 +24,9 @@ graph adds whole (the same sums: every other position adds 0).
 
 Buckets, as for decode steps: the rows rounded up (``rows_bucket``; padding rows live in
 free slots of the cache, write their chunk at the end of their own slot and attend to all
-of it, so they stay finite and touch no live row), the chunk's width as it is (a turn's
-chunks are one template with one image: a handful of widths in a run), and the columns the
+of it, so they stay finite and touch no live row), the chunk's width (which ``CacheBatch``
+pads to a multiple of ``CHUNK_WIDTH_STEP``: a reply and the env's message vary a turn's
+chunks by a few tokens, and each width would be a capture of its own), and the columns the
 attention reads rounded up to ``WIDTH_STEP`` (more columns masked, as for a shorter row).
 A graph records the addresses of the cache's buffers, so the graphs of one set of buffers
 are kept by their addresses, and the engine keeps the buffers between batches
@@ -53,9 +54,10 @@ from clew.errors import ClewError
 from clew.inference.cuda_graphs import captured, rows_bucket, width_bucket
 from clew.inference.kv_cache import SlotCache
 
-__all__ = ["PrefillGraphs", "language_model", "routed"]
+__all__ = ["CHUNK_WIDTH_STEP", "PrefillGraphs", "language_model", "routed"]
 
 _LOCAL = threading.local()  # the runner of this thread's routed block, if any
+CHUNK_WIDTH_STEP = 16  # a graphed prefill's chunk width, in columns, is a multiple of this
 _KEEP_BUFFER_SETS = 2  # the graphs of this many sets of cache buffers (training, evaluation)
 
 
@@ -124,6 +126,11 @@ class PrefillGraphs:
         self.last_shape: tuple[int, int, int] | None = None  # (rows, chunk, width)
         self._by_buffers: OrderedDict[tuple[int, ...], dict[tuple, _Bucket]] = OrderedDict()
         self._pool = None
+
+    @property
+    def shapes(self) -> set[tuple[int, int, int]]:
+        """The (rows, chunk, width) of every bucket kept (benchmarks, tests)."""
+        return {key[:3] for buckets in self._by_buffers.values() for key in buckets}
 
     def run(
         self, text_model: torch.nn.Module, kwargs: dict[str, Any], kv: SlotCache, cache_kw: str
