@@ -19,7 +19,12 @@ what it buys (a recipe that does not set one runs ``after`` again):
   prefill graphs off with it);
 - ``fused``: the engine's fused element-wise kernels on
   (``generator.inference_engine.fused_pointwise=true``);
-- ``threads``: envs stepped on a thread per core (``generator.env_workers=0``).
+- ``threads``: envs stepped on a thread per core (``generator.env_workers=0``);
+
+and a candidate the recipe does not set yet:
+
+- ``query_blocks``: the update's masked attention 512 queries at a time, each block over
+  the keys up to its end (``trainer.attention_query_block=512``).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first ``--warmup`` (which pay the start-up: the first step sizes the
@@ -70,6 +75,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "eager": {"generator.inference_engine.enforce_eager": True},
     "fused": {"generator.inference_engine.fused_pointwise": True},
     "threads": {"generator.env_workers": 0},
+    "query_blocks": {"trainer.attention_query_block": 512},
 }
 
 

@@ -224,6 +224,12 @@ def _rules(cfg: ClewConfig) -> list[str]:
             f"trainer.logprobs_chunk_size must be >= 1 tokens, or null for all at once; "
             f"got {chunk}",
         )
+    if (block := tr.attention_query_block) is not None and block < 1:
+        fail(
+            "positive-count",
+            f"trainer.attention_query_block must be >= 1 queries, or null for one attention "
+            f"call over the whole square; got {block}",
+        )
     for key in INTERVAL_KEYS:
         if (value := get_key(cfg, key)) < 1 and value != -1:
             fail("interval", f"{key} must be >= 1, or -1 for never; got {value}")

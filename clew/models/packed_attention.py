@@ -23,6 +23,15 @@ The layout reaches attention as a keyword argument of the model's forward
 switches the language model's attention to ``packed_sdpa`` for a block of forwards (and
 their backward, where gradient checkpointing recomputes them). Without a layout it is
 transformers' own SDPA, call for call.
+
+Query blocks (``packed_attention(model, query_block=N)``): a padded training forward whose
+rows hide images attends under a dense ``[W, W]`` mask, and SDPA's memory-efficient kernel
+computes every pair of it, the future's too. The mask of a causal forward is empty above the
+diagonal, so the queries ``[q0, q1)`` need the keys ``[0, q1)`` alone: ``causal_block_sdpa``
+attends each block of ``N`` queries over its keys and mask, about ``(n + 1) / 2n`` of the
+pairs for ``n`` blocks, with the same softmax over the same visible keys. The block travels
+on the language model's config (``QUERY_BLOCK``), which every attention call reads whatever
+thread runs it (CUDA's backward, recomputing a checkpointed layer, runs on another).
 """
 
 from __future__ import annotations
@@ -42,9 +51,18 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from clew.errors import ClewError
 from clew.models.visibility import visibility_from_vectors
 
-__all__ = ["IMPLEMENTATION", "PackedLayout", "QueryGroup", "packed_attention", "packed_sdpa"]
+__all__ = [
+    "IMPLEMENTATION",
+    "QUERY_BLOCK",
+    "PackedLayout",
+    "QueryGroup",
+    "causal_block_sdpa",
+    "packed_attention",
+    "packed_sdpa",
+]
 
 IMPLEMENTATION = "clew_packed_sdpa"
+QUERY_BLOCK = "_clew_query_block"  # the config attribute packed_attention(query_block=) sets
 
 
 @dataclass
@@ -139,6 +157,16 @@ def packed_sdpa(
     ``value [B, Hkv, W, D]``; returns ``[B, W, H, D]``. With ``packed_layout``, attention
     within each sequence (see the module docstring); without, transformers' SDPA."""
     if packed_layout is None:
+        block = getattr(getattr(module, "config", None), QUERY_BLOCK, None)
+        if (
+            block
+            and attention_mask is not None
+            and attention_mask.dim() == 4
+            and query.shape[2] == key.shape[2] > block
+        ):
+            return causal_block_sdpa(
+                module, query, key, value, attention_mask, block, dropout, scaling, **kwargs
+            )
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -174,6 +202,38 @@ def packed_sdpa(
     return torch.cat(outputs)[layout.order].view(b, w, h, d), None
 
 
+def causal_block_sdpa(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor,
+    block: int,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """A causal forward's attention (``query`` ``[B, H, W, D]``, ``attention_mask``
+    ``[B, 1, W, W]`` empty above the diagonal) a block of ``block`` queries at a time, each
+    over the keys up to its last query (module docstring); returns ``[B, W, H, D]``."""
+    width = query.shape[2]
+    outputs = []
+    for q0 in range(0, width, block):
+        q1 = min(width, q0 + block)
+        out, _ = sdpa_attention_forward(
+            module,
+            query[:, :, q0:q1],
+            key[:, :, :q1],
+            value[:, :, :q1],
+            attention_mask[:, :, q0:q1, :q1],
+            dropout=dropout,
+            scaling=scaling,
+            **kwargs,
+        )
+        outputs.append(out)
+    return torch.cat(outputs, dim=1), None
+
+
 AttentionInterface.register(IMPLEMENTATION, packed_sdpa)
 # Batches without a layout keep SDPA's own masks (padding), built the same way.
 AttentionMaskInterface.register(IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
@@ -188,16 +248,19 @@ def _language_configs(model: torch.nn.Module) -> list[Any]:
 
 
 @contextlib.contextmanager
-def packed_attention(model: torch.nn.Module) -> Iterator[None]:
+def packed_attention(model: torch.nn.Module, query_block: int | None = None) -> Iterator[None]:
     """Run ``model``'s language attention through ``packed_sdpa`` for the block; forwards
     of packed rows (and the backward of any that gradient checkpointing recomputes) must
-    run inside it. Restores what was set before on the way out."""
+    run inside it. ``query_block``: padded causal forwards under a 4D mask attend that many
+    queries at a time (module docstring). Restores what was set before on the way out."""
     configs = _language_configs(model)
-    before = [c._attn_implementation for c in configs]
+    before = [(c._attn_implementation, getattr(c, QUERY_BLOCK, None)) for c in configs]
     for c in configs:
         c._attn_implementation = IMPLEMENTATION
+        setattr(c, QUERY_BLOCK, query_block)
     try:
         yield
     finally:
-        for c, impl in zip(configs, before, strict=True):
+        for c, (impl, block) in zip(configs, before, strict=True):
             c._attn_implementation = impl
+            setattr(c, QUERY_BLOCK, block)

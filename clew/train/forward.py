@@ -272,7 +272,9 @@ class PolicyForward:
     def _packing(
         self, model: torch.nn.Module, pack: bool = False
     ) -> contextlib.AbstractContextManager:
-        """Per-sequence attention for the block when its batches may be packed."""
-        if pack or self.settings.remove_padding:
-            return packed_attention(model)
+        """Per-sequence attention for the block when its batches may be packed, and padded
+        forwards' attention by query blocks with ``attention_query_block``."""
+        block = self.settings.attention_query_block
+        if pack or self.settings.remove_padding or block:
+            return packed_attention(model, query_block=block)
         return contextlib.nullcontext()

@@ -171,6 +171,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
         remove_padding=t.remove_microbatch_padding,
         max_tokens_per_microbatch=max(t.max_tokens_per_microbatch, 0) or None,  # -1: off
         logprobs_chunk_size=t.logprobs_chunk_size,
+        attention_query_block=t.attention_query_block,
     )
     options = engine_options(cfg)
     allowed = [
@@ -394,6 +395,7 @@ def _run_sft_stage(cfg: ClewConfig, eval_fn: EvalFn | None) -> SFTResult:
         pack_sequences=s.pack_sequences,
         gradient_checkpointing=cfg.trainer.gradient_checkpointing,
         logprobs_chunk_size=cfg.trainer.logprobs_chunk_size,
+        attention_query_block=cfg.trainer.attention_query_block,
     )
     workers = cfg.trainer.placement.num_workers
     engine = engine_options(cfg)  # evaluations and DAgger episodes run on the run's engine

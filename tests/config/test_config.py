@@ -267,6 +267,7 @@ def test_section_given_a_scalar_is_a_config_error_not_a_pydantic_one(tmp_path: P
     [
         (["trainer.epochs=0"], "positive-count"),
         (["generator.max_turns=-1"], "positive-count"),
+        (["trainer.attention_query_block=0"], "positive-count"),
         (["trainer.eval_interval=0"], "interval"),
         (["trainer.max_ckpts_to_keep=0"], "max-ckpts"),
         (["trainer.policy.optimizer_config.lr=0.0"], "positive"),
