@@ -27,7 +27,18 @@ class WorkerLost(ClewError):
 
 class WorkerStartFailed(ClewError):
     """A policy worker raised while starting (loading the policy, joining the group): the
-    same error would come again, so the run fails rather than restart."""
+    same error would come again, so the run fails rather than restart (except where the
+    rendezvous port was taken meanwhile: ``port_taken``)."""
+
+
+# Starts of a worker group, each on a newly chosen rendezvous port, before the group fails.
+START_ATTEMPTS = 3
+
+
+def port_taken(exc: WorkerStartFailed) -> bool:
+    """Whether rank 0 could not listen on the rendezvous port: another process took it
+    between its choice and the group's start, and another port may do."""
+    return "EADDRINUSE" in str(exc)
 
 
 def start_cause(exc: Exception) -> str:

@@ -22,7 +22,10 @@ and stops the run on any difference: silent weight desync would otherwise train 
 copies and sample from them unnoticed.
 
 A worker whose actor dies raises ``WorkerLost``; one that cannot start raises
-``WorkerStartFailed`` (``clew.cluster.ray_calls``).
+``WorkerStartFailed`` (``clew.cluster.ray_calls``), except where rank 0 could not listen on
+the rendezvous port (a ``tcp://`` port is chosen free, and another process may take it
+before rank 0 listens): the group then starts its workers again on another port, up to
+``START_ATTEMPTS`` times.
 
 Given a ``name`` (a run's is ``clew-<run name>``), the actors are named ``<name>-worker-<rank>``
 in the driver's Ray namespace, so ``ray list actors`` and the dashboard tell the ranks and
@@ -44,10 +47,12 @@ from clew.cluster.data_parallel import DataParallelWorker
 from clew.cluster.placement import rendezvous_in
 from clew.cluster.ray_calls import (
     SHUTDOWN_WAIT_S,
+    START_ATTEMPTS,
     WorkerLost,
     WorkerStartFailed,
     gather,
     lost_worker,
+    port_taken,
     start_cause,
     wait_until_free,
     worker_name,
@@ -125,47 +130,58 @@ class RayWorkerGroup:
                 }
                 for rank in range(num_workers)
             ]
-        if placement_group is None or on_this_machine:
-            address = local_rendezvous()  # opens no port
-        else:
-            address = rendezvous_in(placement_group)
-        self.rendezvous = address
         self.workers = []
         self.names = [] if name is None else [worker_name(name, r) for r in range(num_workers)]
-        try:
-            for rank in range(num_workers):
-                named = {"name": self.names[rank]} if self.names else {}
-                self.workers.append(
-                    actor.options(**options[rank], **named, runtime_env=runtime_env).remote(
-                        str(model_path),
-                        settings,
-                        rank,
-                        num_workers,
-                        address,
-                        dtype=dtype,
-                        device=device,
-                        num_threads=num_threads,
-                        timeout_s=timeout_s,
-                        **worker_options,
-                    )
-                )
-        except ValueError as exc:  # Ray's answer to a name already taken
-            taken = self.names[len(self.workers)]
-            self.names = self.names[: len(self.workers)]  # the names this group holds
-            self.shutdown()
-            raise ClewError(
-                f"Ray refused the worker actor name {taken!r} ({exc}): another live run of "
-                "that name holds it in this Ray namespace; give this run another "
-                "trainer.run_name (or sft.run_name), or stop the other run"
-            ) from None
-        try:
-            self._await_start()
-            self.sharded = bool(
-                gather([self.workers[0].__ray_call__.remote(_is_sharded)], self.workers)[0]
+        self.rendezvous = ""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            self.rendezvous = (
+                local_rendezvous()  # opens no port
+                if placement_group is None or on_this_machine
+                else rendezvous_in(placement_group)
             )
-        except BaseException:
-            self.shutdown()
-            raise
+            try:
+                for rank in range(num_workers):
+                    named = {"name": self.names[rank]} if self.names else {}
+                    self.workers.append(
+                        actor.options(**options[rank], **named, runtime_env=runtime_env).remote(
+                            str(model_path),
+                            settings,
+                            rank,
+                            num_workers,
+                            self.rendezvous,
+                            dtype=dtype,
+                            device=device,
+                            num_threads=num_threads,
+                            timeout_s=timeout_s,
+                            **worker_options,
+                        )
+                    )
+            except ValueError as exc:  # Ray's answer to a name already taken
+                taken = self.names[len(self.workers)]
+                self.names = self.names[: len(self.workers)]  # the names this group holds
+                self.shutdown()
+                raise ClewError(
+                    f"Ray refused the worker actor name {taken!r} ({exc}): another live run "
+                    "of that name holds it in this Ray namespace; give this run another "
+                    "trainer.run_name (or sft.run_name), or stop the other run"
+                ) from None
+            try:
+                self._await_start()
+                self.sharded = bool(
+                    gather([self.workers[0].__ray_call__.remote(_is_sharded)], self.workers)[0]
+                )
+                return
+            except WorkerStartFailed as exc:
+                # A tcp:// rendezvous names a port that was free when chosen; another
+                # process may take it before rank 0 listens. Another port, other workers.
+                if not port_taken(exc) or attempt == START_ATTEMPTS:
+                    self.shutdown()
+                    raise
+                self._kill_workers()
+                print(f"{exc}; starting the workers again on another port", flush=True)
+            except BaseException:
+                self.shutdown()
+                raise
 
     def _await_start(self) -> None:
         """Wait until every worker has loaded the policy and joined the group; a worker
@@ -353,12 +369,7 @@ class RayWorkerGroup:
         remove the placement group; stop Ray if the group owns it."""
         import ray
 
-        for w in self.workers:
-            with contextlib.suppress(ray.exceptions.RayError):  # already gone is fine
-                ray.kill(w)
-        if self.names and not self.owns_ray and ray.is_initialized():
-            wait_until_free(self.names, SHUTDOWN_WAIT_S)
-        self.workers = []
+        self._kill_workers()
         if self.placement_group is not None:
             from ray.util.placement_group import remove_placement_group
 
@@ -368,6 +379,17 @@ class RayWorkerGroup:
         remove_rendezvous(getattr(self, "rendezvous", ""))
         if self.owns_ray:
             ray.shutdown()
+
+    def _kill_workers(self) -> None:
+        """Kill the workers and wait (up to ``SHUTDOWN_WAIT_S``) until their names are free."""
+        import ray
+
+        for w in self.workers:
+            with contextlib.suppress(ray.exceptions.RayError):  # already gone is fine
+                ray.kill(w)
+        if self.names and not self.owns_ray and ray.is_initialized():
+            wait_until_free(self.names, SHUTDOWN_WAIT_S)
+        self.workers = []
 
 
 def _unresolved_envs(actor: Any, env_ids: list[str]) -> dict[str, str]:

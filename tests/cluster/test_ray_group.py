@@ -183,3 +183,32 @@ def test_two_ray_workers_take_the_step_of_one_worker(ray_group, model_dir, start
     assert a == b
     assert got["policy/optimizer_steps"] == 2
     assert got["policy/loss"] == pytest.approx(metrics["policy/loss"], abs=1e-6)
+
+
+def test_a_group_whose_rendezvous_port_was_taken_starts_again_on_another(
+    ray_group, model_dir, monkeypatch, capsys
+):
+    import socket
+
+    from clew.cluster import ray_group as module
+    from clew.cluster.ray_group import RayWorkerGroup
+    from clew.train.grad_sync import free_loopback_address
+
+    with socket.socket() as held:  # another process took the port after it was chosen
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        addresses = [f"tcp://127.0.0.1:{held.getsockname()[1]}", free_loopback_address()]
+        tried: list[str] = []
+        monkeypatch.setattr(
+            module, "local_rendezvous", lambda: tried.append(addresses[len(tried)]) or tried[-1]
+        )
+        group = RayWorkerGroup(
+            model_dir, LORA, num_workers=2, num_cpus_per_worker=0, timeout_s=60, name="port"
+        )
+    try:
+        assert tried == addresses and group.rendezvous == addresses[1]
+        a, b = group.trainable_fingerprints()
+        assert a == b
+        assert "EADDRINUSE" in capsys.readouterr().out  # it said why it started again
+    finally:
+        group.shutdown()
