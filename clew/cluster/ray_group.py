@@ -132,7 +132,6 @@ class RayWorkerGroup:
             ]
         self.workers = []
         self.names = [] if name is None else [worker_name(name, r) for r in range(num_workers)]
-        self.rendezvous = ""
         for attempt in range(1, START_ATTEMPTS + 1):
             self.rendezvous = (
                 local_rendezvous()  # opens no port

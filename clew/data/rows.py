@@ -143,7 +143,7 @@ def generate_rows(
             )
         obs = env.reset(seed)
         facts = row_facts(env) if row_facts is not None else RowFacts()
-        key = str(seed) if facts.key is None else facts.key
+        key = _task_key(facts, seed)
         new = key not in excluded and not (distinct and key in seen)
         if facts.split in (None, split) and new:
             seen.add(key)
@@ -176,9 +176,13 @@ def task_keys(rows: Sequence[Row]) -> set[str]:
             env = envs[(row.env_id, row.env_options)] = make(row.env_id, **row.options())
         env.reset(row.seed)
         row_facts = spec(row.env_id).dataset.row_facts
-        key = row_facts(env).key if row_facts is not None else None
-        keys.add(str(row.seed) if key is None else key)
+        keys.add(_task_key(row_facts(env) if row_facts is not None else RowFacts(), row.seed))
     return keys
+
+
+def _task_key(facts: RowFacts, seed: int) -> str:
+    """A seed's task: the key its ``row_facts`` give, else the seed itself."""
+    return str(seed) if facts.key is None else facts.key
 
 
 def _fixed_seeds(env_spec: Any, env: Any) -> range | None:

@@ -33,7 +33,7 @@ from clew.checkpoint.layout import parse_step
 from clew.config import ClewConfig
 from clew.data.rows import Row
 from clew.errors import ClewError
-from clew.trainer.pipeline import write_json
+from clew.trainer.pipeline import grpo_exports, write_json
 
 TEST_FILE = "test.json"
 ROWS_FILE = Path("data") / "test.parquet"
@@ -56,9 +56,7 @@ class EvaluatedPolicy:
 
 def export_path(cfg: ClewConfig) -> Path:
     """Where the GRPO run of ``cfg`` exports its policies (a local folder)."""
-    path = cfg.trainer.export_path or str(
-        Path(cfg.trainer.log_path) / cfg.trainer.run_name / "exports"
-    )
+    path = grpo_exports(cfg)
     if "://" in path:
         raise ClewError(
             f"the 'test' stage reads GRPO's exports from a local folder; trainer.export_path "

@@ -251,6 +251,13 @@ def _model(cfg: ClewConfig, out: Path) -> ClewConfig:
     return updated(cfg, {"sft.model_path": str(folder)})
 
 
+def grpo_exports(cfg: ClewConfig) -> str:
+    """Where the GRPO run of ``cfg`` exports its policies (``trainer.export_path``, else the
+    run folder's exports/)."""
+    run_dir = Path(cfg.trainer.log_path) / cfg.trainer.run_name
+    return cfg.trainer.export_path or str(run_dir / "exports")
+
+
 def sft_final_policy(cfg: ClewConfig) -> str:
     """Where the SFT run of ``cfg`` exports its final policy."""
     from clew.checkpoint.storage import join
@@ -391,7 +398,7 @@ def report(cfg: ClewConfig, out: Path) -> dict[str, float]:
     rows = [r for p in cfg.data.val_data for r in read_rows(p)]
     env_ids = ", ".join(sorted({r.env_id for r in rows}))
     say(f"eval pass@1 on {len(rows)} fixed {env_ids} mazes: " + _compared(evals, reached))
-    export_path = Path(cfg.trainer.export_path or run_dir / "exports")
+    export_path = Path(grpo_exports(cfg))
     if best_step != last_step:
         kept = export_path / "best" / "policy"
         say(
