@@ -21,10 +21,12 @@ what it buys (a recipe that does not set one runs ``after`` again):
   (``generator.inference_engine.fused_pointwise=true``);
 - ``threads``: envs stepped on a thread per core (``generator.env_workers=0``);
 
-and a candidate the recipe does not set yet:
+and candidates the recipe does not set yet:
 
 - ``query_blocks``: the update's masked attention 512 queries at a time, each block over
-  the keys up to its end (``trainer.attention_query_block=512``).
+  the keys up to its end (``trainer.attention_query_block=512``);
+- ``vision_graphs``: each turn's vision tower replayed from CUDA graphs
+  (``generator.inference_engine.vision_cuda_graphs=true``).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first ``--warmup`` (which pay the start-up: the first step sizes the
@@ -76,6 +78,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "fused": {"generator.inference_engine.fused_pointwise": True},
     "threads": {"generator.env_workers": 0},
     "query_blocks": {"trainer.attention_query_block": 512},
+    "vision_graphs": {"generator.inference_engine.vision_cuda_graphs": True},
 }
 
 

@@ -119,6 +119,15 @@ class InferenceEngineConfig(Section):
         "then hold device memory through the policy update. Off with enforce_eager; no "
         "effect on a CPU.",
     )
+    vision_cuda_graphs: bool = Field(
+        False,
+        description="true replays each turn's vision tower from CUDA graphs on a GPU, captured "
+        "per number of distinct frames (rounded up: 1, 2, 4, 8, then multiples of 16) and "
+        "frame size, its positions worked out once per shape (clew.inference.vision_graphs). "
+        "For small policies, whose turns are bound by kernel launches; a tower whose output "
+        "differs from its own forward's turns the graphs off with a warning. Off with "
+        "enforce_eager; no effect on a CPU.",
+    )
     engine_init_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="SkyRL engine options; clew reads `max_model_len` (the engine's context "

@@ -49,6 +49,7 @@ def engine_options(cfg: ClewConfig) -> EngineOptions:
     return EngineOptions(
         cuda_graphs=not ie.enforce_eager,
         prefill_cuda_graphs=ie.prefill_cuda_graphs and not ie.enforce_eager,
+        vision_cuda_graphs=ie.vision_cuda_graphs and not ie.enforce_eager,
         decode_attention=ie.decode_attention,
         prefill_attention=ie.prefill_attention,
         fused_pointwise=ie.fused_pointwise,

@@ -408,7 +408,8 @@ class CacheBatch:
         The engine's model-side paths are on for this forward only, in this thread (the
         trainer's forwards of the same model keep transformers' code): its attention, the
         fused element-wise kernels where on, each distinct image through the vision tower
-        once (``clew.models.distinct_images``) and each row's adapter."""
+        once (``clew.models.distinct_images``), through the vision graphs where the engine has
+        them (``clew.inference.vision_graphs``), and each row's adapter."""
         eng = self.engine
         dev = eng.device
         adapters = self.adapters if rows is None else self.adapters[rows]
@@ -417,6 +418,7 @@ class CacheBatch:
             engine_attention(eng.model),
             pointwise_fused(eng.fused_pointwise and fused),
             images_deduplicated(),
+            eng.vision_graphs.routed() if eng.vision_graphs else contextlib.nullcontext(),
             eng.lora.rows(adapters),
             without_cudnn_attention(),
         ):

@@ -54,6 +54,7 @@ from clew.inference.kv_cache import cache_budget_bytes, kv_bytes_per_token
 from clew.inference.kv_store import KVStore
 from clew.inference.multi_lora import AdapterSource, MultiLoRA
 from clew.inference.prefill_graphs import PrefillGraphs
+from clew.inference.vision_graphs import VisionGraphs
 from clew.kernels.fused_pointwise import fuse_pointwise
 from clew.models.chat import ChatFormat
 from clew.models.logit_masks import AllowedIds, banned_token_ids
@@ -124,6 +125,7 @@ class InferenceEngine:
         prefill_attention: str = "auto",
         fused_pointwise: bool | None = None,
         prefill_graphs: bool = False,
+        vision_graphs: bool = False,
     ) -> None:
         self.model = model
         # Decode steps replayed from CUDA graphs (rows without adapters); on a CPU the same
@@ -187,6 +189,9 @@ class InferenceEngine:
         if prefill_graphs:
             self.prefill_graphs = PrefillGraphs(capture=on_cuda)
             self.kv_store = KVStore()
+        # The vision tower replayed from CUDA graphs by bucket of distinct frames (eagerly,
+        # bucketed, on a CPU): clew.inference.vision_graphs.
+        self.vision_graphs = VisionGraphs(capture=on_cuda) if vision_graphs else None
         # Adapters rows can name (clew.inference.multi_lora); layers are wrapped on first add.
         self.lora = MultiLoRA(model)
 
@@ -238,6 +243,7 @@ class EngineOptions:
     prefill_attention: str = "auto"
     fused_pointwise: bool = True
     prefill_cuda_graphs: bool = False  # on a CUDA device only
+    vision_cuda_graphs: bool = False  # on a CUDA device only
     gpu_memory_utilization: float = 0.45  # of a GPU, for the KV cache budget
     max_cache_mb: int = 4096  # the budget on a CPU
 
@@ -265,4 +271,5 @@ class EngineOptions:
             prefill_attention=self.prefill_attention,
             fused_pointwise=self.fused_pointwise,
             prefill_graphs=self.prefill_cuda_graphs and device.type == "cuda",
+            vision_graphs=self.vision_cuda_graphs and device.type == "cuda",
         )

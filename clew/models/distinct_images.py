@@ -25,8 +25,9 @@ transformers wrote it.
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +36,19 @@ from transformers.utils import ModelOutput
 
 from clew.kernels.thread_switch import ThreadSwitch
 
-__all__ = ["IMAGES", "dedup_vision_images", "distinct_rows", "images_deduplicated"]
+__all__ = [
+    "IMAGES",
+    "dedup_vision_images",
+    "distinct_rows",
+    "gathered",
+    "images_deduplicated",
+    "tower_runner",
+]
 
 _SWITCH = ThreadSwitch()  # on inside images_deduplicated() in this thread
+_RUNNER = threading.local()  # this thread's tower_runner, if any
+# (inner, tower, pixels, grid, flags) -> the tower's output, or None to run the tower itself
+TowerRunner = Callable[[Callable, torch.nn.Module, torch.Tensor, torch.Tensor, dict], Any]
 _CHUNK = 1 << 16  # columns of the signature's product at a time (a float32 copy of them)
 
 
@@ -101,7 +112,7 @@ def distinct_rows(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
     return torch.tensor(firsts, device=dev), torch.tensor(slot, device=dev)
 
 
-def _gathered(out: Any, copies: int, index: torch.Tensor) -> Any:
+def gathered(out: Any, copies: int, index: torch.Tensor) -> Any:
     """``out`` of the tower over ``copies`` images, each per-token tensor in it gathered to
     the images of ``index`` (tensors, lists and tuples of them, and transformers' outputs)."""
     if isinstance(out, torch.Tensor):
@@ -110,10 +121,36 @@ def _gathered(out: Any, copies: int, index: torch.Tensor) -> Any:
         per = out.reshape(copies, out.shape[0] // copies, *out.shape[1:])
         return per[index].reshape(-1, *out.shape[1:])
     if isinstance(out, ModelOutput):
-        return type(out)(**{k: _gathered(v, copies, index) for k, v in out.items()})
+        return type(out)(**{k: gathered(v, copies, index) for k, v in out.items()})
     if isinstance(out, (list, tuple)):
-        return type(out)(_gathered(v, copies, index) for v in out)
+        return type(out)(gathered(v, copies, index) for v in out)
     return out
+
+
+@contextlib.contextmanager
+def tower_runner(run: TowerRunner | None) -> Iterator[None]:
+    """Within the block, in this thread, a forward whose images share one size goes to
+    ``run(inner, tower, pixels, grid, flags)`` (after the copies are set aside; ``flags``: its
+    other keyword arguments, none a tensor), which returns the tower's output or None to
+    leave it to the tower (``clew.inference.vision_graphs``)."""
+    saved = getattr(_RUNNER, "run", None)
+    _RUNNER.run = run
+    try:
+        yield
+    finally:
+        _RUNNER.run = saved
+
+
+def run_tower(inner: Callable, tower: torch.nn.Module, states: torch.Tensor, *args, **kwargs):
+    """``inner(tower, states, *args, **kwargs)``, through this thread's runner where one is
+    set."""
+    run = getattr(_RUNNER, "run", None)
+    flags = {k: v for k, v in kwargs.items() if k != "grid_thw"}
+    if run is not None and len(args) <= 1 and not any(torch.is_tensor(v) for v in flags.values()):
+        out = run(inner, tower, states, args[0] if args else kwargs["grid_thw"], flags)
+        if out is not None:
+            return out
+    return inner(tower, states, *args, **kwargs)
 
 
 def _dedup_forward(inner: Callable) -> Callable:
@@ -127,12 +164,12 @@ def _dedup_forward(inner: Callable) -> Callable:
         n = len(grid)
         IMAGES.seen += n
         extra = [k for k, v in kwargs.items() if k != "grid_thw" and isinstance(v, torch.Tensor)]
-        same = n > 1 and not extra and hidden_states.shape[0] % n == 0
-        found = None
-        if same and bool((grid == grid[0]).all()):
-            found = distinct_rows(hidden_states.reshape(n, -1))
+        uniform = not extra and hidden_states.shape[0] % n == 0 and bool((grid == grid[0]).all())
+        found = distinct_rows(hidden_states.reshape(n, -1)) if uniform and n > 1 else None
         if found is None:
             IMAGES.encoded += n
+            if uniform:
+                return run_tower(inner, self, hidden_states, *args, **kwargs)
             return inner(self, hidden_states, *args, **kwargs)
         firsts, index = found
         IMAGES.encoded += len(firsts)
@@ -142,7 +179,7 @@ def _dedup_forward(inner: Callable) -> Callable:
             args = (grid[firsts], *args[1:])
         else:
             kwargs["grid_thw"] = grid[firsts]
-        return _gathered(inner(self, states, *args, **kwargs), len(firsts), index)
+        return gathered(run_tower(inner, self, states, *args, **kwargs), len(firsts), index)
 
     return forward
 
