@@ -19,6 +19,10 @@ fail, the tower runs on every image. Anything else (images of several sizes, an 
 per-token argument) goes to the tower unchanged. The trainer's forwards keep the tower as
 transformers wrote it.
 
+Within ``tower_runner(run)`` (in this thread) a forward of same-size images, its copies set
+aside, goes to ``run`` instead, which may hand back the tower's output by other means: the
+engine's vision graphs (``clew.inference.vision_graphs``) replay it by bucket of frames.
+
 ``IMAGES`` counts the images that came in and those the tower ran on.
 """
 
