@@ -39,7 +39,6 @@ eagerly: what the CPU tests compare with the model's own forward.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import types
 from collections import OrderedDict
@@ -53,10 +52,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from clew.errors import ClewError
 from clew.inference.cuda_graphs import captured, rows_bucket, width_bucket
 from clew.inference.kv_cache import SlotCache
+from clew.kernels.thread_switch import ThreadSwitch
 
 __all__ = ["CHUNK_WIDTH_STEP", "PrefillGraphs", "language_model", "routed"]
 
-_LOCAL = threading.local()  # the runner of this thread's routed block, if any
+_RUNNER = ThreadSwitch()  # the runner of this thread's routed block, if any
 CHUNK_WIDTH_STEP = 16  # a graphed prefill's chunk width, in columns, is a multiple of this
 _KEEP_BUFFER_SETS = 2  # the graphs of this many sets of cache buffers (training, evaluation)
 
@@ -76,7 +76,7 @@ def _route(text_model: torch.nn.Module) -> None:
     inner = text_model.forward.__func__
 
     def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        runner = getattr(_LOCAL, "runner", None)
+        runner = _RUNNER.value
         if runner is None or args or kwargs.get("inputs_embeds") is None:
             return inner(self, *args, **kwargs)
         out = runner(self, kwargs)
@@ -93,12 +93,8 @@ def routed(
     """Within the block, in this thread, ``model``'s language model runs as ``graphs.run``."""
     text_model = language_model(model)
     _route(text_model)
-    saved = getattr(_LOCAL, "runner", None)
-    _LOCAL.runner = lambda module, kwargs: graphs.run(module, kwargs, kv, cache_kw)
-    try:
+    with _RUNNER.block(lambda module, kwargs: graphs.run(module, kwargs, kv, cache_kw)):
         yield
-    finally:
-        _LOCAL.runner = saved
 
 
 @dataclass

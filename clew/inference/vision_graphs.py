@@ -201,7 +201,7 @@ class VisionGraphs:
         except (TypeError, RuntimeError, ValueError) as error:
             self._off(f"the tower refused its precomputed positions ({error})")
             return False
-        theirs = inner(tower, bucket.pixels.clone(), bucket.grid.clone(), **bucket.flags)
+        theirs = inner(tower, bucket.pixels, bucket.grid, **bucket.flags)
         if not _same(ours, theirs):
             self._off("its output differs from the tower's own forward")
             return False

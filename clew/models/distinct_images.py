@@ -29,7 +29,6 @@ engine's vision graphs (``clew.inference.vision_graphs``) replay it by bucket of
 from __future__ import annotations
 
 import contextlib
-import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ __all__ = [
 ]
 
 _SWITCH = ThreadSwitch()  # on inside images_deduplicated() in this thread
-_RUNNER = threading.local()  # this thread's tower_runner, if any
+_RUNNER = ThreadSwitch()  # this thread's tower_runner, if any
 # (inner, tower, pixels, grid, flags) -> the tower's output, or None to run the tower itself
 TowerRunner = Callable[[Callable, torch.nn.Module, torch.Tensor, torch.Tensor, dict], Any]
 _CHUNK = 1 << 16  # columns of the signature's product at a time (a float32 copy of them)
@@ -137,20 +136,16 @@ def tower_runner(run: TowerRunner | None) -> Iterator[None]:
     ``run(inner, tower, pixels, grid, flags)`` (after the copies are set aside; ``flags``: its
     other keyword arguments, none a tensor), which returns the tower's output or None to
     leave it to the tower (``clew.inference.vision_graphs``)."""
-    saved = getattr(_RUNNER, "run", None)
-    _RUNNER.run = run
-    try:
+    with _RUNNER.block(run):
         yield
-    finally:
-        _RUNNER.run = saved
 
 
-def run_tower(inner: Callable, tower: torch.nn.Module, states: torch.Tensor, *args, **kwargs):
-    """``inner(tower, states, *args, **kwargs)``, through this thread's runner where one is
-    set."""
-    run = getattr(_RUNNER, "run", None)
-    flags = {k: v for k, v in kwargs.items() if k != "grid_thw"}
-    if run is not None and len(args) <= 1 and not any(torch.is_tensor(v) for v in flags.values()):
+def _run_tower(inner: Callable, tower: torch.nn.Module, states: torch.Tensor, *args, **kwargs):
+    """``inner(tower, states, *args, **kwargs)`` for same-size images and no tensor keyword
+    argument, through this thread's runner where one is set."""
+    run = _RUNNER.value
+    if run is not None and len(args) <= 1:
+        flags = {k: v for k, v in kwargs.items() if k != "grid_thw"}
         out = run(inner, tower, states, args[0] if args else kwargs["grid_thw"], flags)
         if out is not None:
             return out
@@ -173,7 +168,7 @@ def _dedup_forward(inner: Callable) -> Callable:
         if found is None:
             IMAGES.encoded += n
             if uniform:
-                return run_tower(inner, self, hidden_states, *args, **kwargs)
+                return _run_tower(inner, self, hidden_states, *args, **kwargs)
             return inner(self, hidden_states, *args, **kwargs)
         firsts, index = found
         IMAGES.encoded += len(firsts)
@@ -183,7 +178,7 @@ def _dedup_forward(inner: Callable) -> Callable:
             args = (grid[firsts], *args[1:])
         else:
             kwargs["grid_thw"] = grid[firsts]
-        return gathered(run_tower(inner, self, states, *args, **kwargs), len(firsts), index)
+        return gathered(_run_tower(inner, self, states, *args, **kwargs), len(firsts), index)
 
     return forward
 
