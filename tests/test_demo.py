@@ -88,7 +88,8 @@ def test_each_stage_runs_with_the_recipe_and_what_the_stage_before_made(finished
     sft, grpo = _config(finished / "sft"), _config(finished / "grpo")
     train, val = str(finished / "data" / "train.parquet"), str(finished / "data" / "eval.parquet")
     for cfg in (sft, grpo):
-        assert cfg["data"] == {"train_data": [train], "val_data": [val]}
+        # No selection set: pipeline.dataset.select_rows is 0 in the recipe.
+        assert cfg["data"] == {"train_data": [train], "val_data": [val], "select_data": []}
         assert cfg["generator"]["keep_last_k_images"] == 1
     assert sft["sft"]["model_path"] == str(finished / "models" / "base")
     assert sft["sft"]["optimizer_config"]["num_warmup_steps"] == 10

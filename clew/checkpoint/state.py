@@ -290,14 +290,23 @@ class Checkpointer:
             self.export_storage.put_dir(tmp, dest)
         return dest
 
-    def export_best(self, write: Exporter, step: int, value: float) -> str:
-        """The policy as export_path/best/policy, best.json beside it (step, pass@1). The
-        old best is removed before the new one is written, and best.json is written last:
-        a best.json on disk always describes the policy beside it."""
+    def export_best(
+        self,
+        write: Exporter,
+        step: int,
+        value: float,
+        metric: str = "eval/all/pass_at_1",
+        also: Mapping[str, float] | None = None,
+    ) -> str:
+        """The policy as export_path/best/policy, best.json beside it: its step, the
+        ``metric`` that picked it (``picked_by``) with its ``value``, any figures ``also``
+        gives (the eval set's pass@1 of a step the selection set picked) and the policy's
+        path. The old best is removed before the new one is written, and best.json is
+        written last: a best.json on disk always describes the policy beside it."""
         folder = join(self.export_path, "best")
         if self.export_storage.exists(folder):
             self.export_storage.rm_tree(folder)
         dest = self.export_to(write, join(folder, "policy"))
-        record = {"step": step, "eval/all/pass_at_1": value, "policy": dest}
+        record = {"step": step, "picked_by": metric, metric: value, **(also or {}), "policy": dest}
         self.export_storage.write_text(join(folder, "best.json"), json.dumps(record, indent=2))
         return dest

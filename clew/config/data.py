@@ -21,6 +21,14 @@ class DataConfig(Section):
         default_factory=list,
         description="Parquet files of evaluation prompts; empty disables evaluation.",
     )
+    select_data: list[str] = Field(
+        default_factory=list,
+        description="Parquet files of selection prompts, played greedily beside data.val_data "
+        "at each GRPO evaluation, with the same settings and seed, in the same rollout "
+        "(metrics select/...); their pass@1 (select/all/pass_at_1) picks the policy that "
+        "trainer.export_best keeps, so the figure reported on val_data is not the one that "
+        "chose it. Needs data.val_data. Empty: val_data's eval/all/pass_at_1 picks.",
+    )
 
 
 class EnvironmentConfig(Section):

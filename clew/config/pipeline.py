@@ -21,6 +21,19 @@ class PipelineDatasetConfig(Section):
     )
     train_rows: int = Field(2048, description="Training rows generated.")
     eval_rows: int = Field(64, description="Evaluation rows generated (distinct layouts).")
+    select_rows: int = Field(
+        0,
+        description="Selection rows generated into data/select.parquet, which becomes "
+        "data.select_data (GRPO's best policy is picked on them, not on the eval set): "
+        "eval-split rows of the eval options, each a distinct task that is none of the eval "
+        "set's; the 'test' stage's held-out rows exclude their tasks too. 0: none, and "
+        "data.select_data is left as given.",
+    )
+    select_seed_start: int = Field(
+        3_000_000_000,
+        description="First seed of the selection rows' walk (the eval set's starts at "
+        "1,000,000,000, the held-out set's at pipeline.test.seed_start).",
+    )
 
 
 class PipelineModelConfig(Section):
@@ -56,12 +69,12 @@ class PipelineTestConfig(Section):
         1024,
         description="Held-out rows generated: eval-split rows of the 'dataset' stage's env id "
         "and eval options (env_options | eval_env_options), each a distinct task that is none "
-        "of the eval set's (data.val_data).",
+        "of the eval set's (data.val_data) or the selection set's (data.select_data).",
     )
     seed_start: int = Field(
         2_000_000_000,
         description="First seed of the held-out rows' walk (the eval set's starts at "
-        "1,000,000,000).",
+        "1,000,000,000, the selection set's at pipeline.dataset.select_seed_start).",
     )
 
 
@@ -69,7 +82,8 @@ class PipelineConfig(Section):
     stages: list[Literal["dataset", "model", "sft", "train", "test"]] = Field(
         default_factory=lambda: ["dataset", "model", "sft", "train"],
         description="Stages `clew pipeline` runs, in this order, under trainer.log_path: "
-        "'dataset' writes data/{train,eval}.parquet and sets data.train_data/val_data; "
+        "'dataset' writes data/{train,eval}.parquet and sets data.train_data/val_data (and "
+        "data/select.parquet, data.select_data, with pipeline.dataset.select_rows); "
         "'model' builds models/base offline and sets sft.model_path; 'sft' runs `clew sft` "
         "and sets trainer.policy.model.path to its final policy; 'train' runs GRPO; 'test' "
         "(after 'train') writes data/test.parquet of held-out mazes and evaluates GRPO's "

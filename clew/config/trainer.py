@@ -241,9 +241,11 @@ class TrainerConfig(Section):
     )
     export_best: bool = Field(
         True,
-        description="After an evaluation whose eval/all/pass_at_1 beats every earlier one of "
-        "the run (the one before training included), export the policy to "
-        "export_path/best/policy, with best.json naming its step and value.",
+        description="After an evaluation whose picking figure beats every earlier one of the "
+        "run (the one before training included), export the policy to "
+        "export_path/best/policy, with best.json naming its step, the metric that picked and "
+        "its value. The picking figure is select/all/pass_at_1 when data.select_data is set, "
+        "else eval/all/pass_at_1.",
     )
     max_ckpts_to_keep: int = Field(
         -1, description="Checkpoints kept on disk, oldest deleted first; -1 keeps all."

@@ -97,6 +97,7 @@ NON_NEGATIVE_KEYS: tuple[str, ...] = (
     "sft.dagger.interval",
     "sft.dagger.keep_rounds",
     "sft.dagger.temperature",
+    "pipeline.dataset.select_rows",
 )
 
 

@@ -257,6 +257,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         "likely action is an optimal one (clew.trainer.agreement); groups: all, corridor, "
         "junction, dead_end, goal, dist_0_3, dist_4_7, dist_8_11, dist_12_plus.",
     ),
+    # select/: the selection set (data.select_data), played with each GRPO evaluation.
+    MetricSpec(
+        "select/all/<metric>",
+        "The selection set's figures, each as eval/all/<metric> is of the eval set; "
+        "select/all/pass_at_1 picks the policy trainer.export_best keeps.",
+    ),
     # sft/: the SFT stage (`clew sft`, clew.trainer.sft).
     MetricSpec(
         "sft/loss", "Cross-entropy of the expert's replies (token mean over the batch).", "sft_loss"

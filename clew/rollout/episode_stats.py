@@ -1,9 +1,12 @@
-"""Per-batch statistics of finished episodes: rewards, solve rate, turns, end reasons, events."""
+"""Per-batch statistics of finished episodes: rewards, solve rate, turns, end reasons, events;
+and the stop of a phase whose every episode failed with an env error."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
+from clew.errors import EnvError
 from clew.rollout.trajectory import Trajectory
 
 
@@ -40,3 +43,17 @@ def event_shares(trajs: Sequence[Trajectory], prefix: str) -> dict[str, float]:
                 counts[str(event)] = counts.get(str(event), 0) + 1
     total = max(sum(counts.values()), 1)
     return {f"{prefix}/event/{e}": c / total for e, c in sorted(counts.items())}
+
+
+def stop_if_all_env_errors(trajs: Sequence[Trajectory], phase: str) -> None:
+    """Raise an ``EnvError`` when every episode of ``phase`` ended as ``env_error``,
+    naming the most common error, how many episodes it ended and the env ids."""
+    if not trajs or any(t.end_reason != "env_error" for t in trajs):
+        return
+    error, count = Counter(t.error or "unknown error" for t in trajs).most_common(1)[0]
+    ids = ", ".join(sorted({repr(t.env_id) for t in trajs}))
+    raise EnvError(
+        f"every one of the {len(trajs)} episodes of {phase} failed with an env error, so "
+        f"there is nothing to learn from; stopping. The error ({count} of them): {error} "
+        f"(env id(s) {ids}). The checkpoints and exports already written are kept."
+    )

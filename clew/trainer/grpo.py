@@ -3,10 +3,12 @@
 One step: the sampler hands out ``train_batch_size`` maze rows; the worker group plays each
 ``n_samples_per_prompt`` times; rewards become group-relative advantages; the policy takes
 PPO-clipped updates on the generated tokens; every ``eval_interval`` steps the fixed eval
-mazes are played greedily; every ``ckpt_interval`` steps the full state is saved. Metrics
-go to a collector and from there to the loggers; timings are per phase. There is no weight
-sync phase: the engine samples from the very modules the optimizer steps (colocated, on
-every worker of a group), so nothing is copied between update and generate.
+mazes are played greedily, with the selection mazes (``data.select_data``) in the same
+rollout, whose pass@1 then picks the best policy (``clew.trainer.selection``); every
+``ckpt_interval`` steps the full state is saved. Metrics go to a collector and from there
+to the loggers; timings are per phase. There is no weight sync phase: the engine samples
+from the very modules the optimizer steps (colocated, on every worker of a group), so
+nothing is copied between update and generate.
 
 Two settings may change from step to step, the rollouts' temperature and the entropy
 bonus's weight: ``clew.trainer.step_settings``.
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,12 +38,12 @@ from clew.config import ClewConfig
 from clew.config.settings import ppo_settings, rollout_settings, training_steps
 from clew.data.rows import Row
 from clew.data.sampler import ResumableSampler
-from clew.errors import ClewError, EnvError
+from clew.errors import ClewError
 from clew.metrics import MetricsCollector
 from clew.metrics.catalog import peak_memory_metric
 from clew.metrics.loggers import MultiLogger
 from clew.metrics.progress import Progress
-from clew.rollout.episode_stats import rollout_metrics
+from clew.rollout.episode_stats import rollout_metrics, stop_if_all_env_errors
 from clew.rollout.evaluation import dump_eval, eval_metrics
 from clew.rollout.filtering import (
     batches_needed,
@@ -55,6 +56,13 @@ from clew.rollout.loop import RolloutSettings
 from clew.rollout.trajectory import Trajectory
 from clew.train.optim import MAX_DROPPED_STEPS
 from clew.train.training_batch import TrainingBatch
+from clew.trainer.selection import (
+    EVAL_METRIC,
+    beats_best,
+    picking_metric,
+    select_metrics,
+    split_evaluation,
+)
 from clew.trainer.step_settings import StepSettings
 from clew.trainer.stopping import GracefulStop
 
@@ -65,10 +73,13 @@ class LoopState:
     # Batches of prompts dynamic sampling needed last step: the next step plays that many
     # in one go (checkpointed, so a resumed run plays what the uninterrupted one would).
     sample_batches: int = 1
-    # The best eval/all/pass_at_1 so far and its step (trainer.export_best), checkpointed so
-    # a resumed run measures its evaluations against the best of the steps it goes on from.
+    # The best value so far of the metric that picks (trainer.export_best), its step and the
+    # metric's name (clew.trainer.selection.beats_best), checkpointed so a resumed run
+    # measures its evaluations against the best of the steps it goes on from. best_metric's
+    # default is what checkpoints written before it existed measured.
     best_eval: float = -1.0
     best_step: int = -1
+    best_metric: str = EVAL_METRIC
     # The entropy bonus's adaptive weight (trainer.algorithm.entropy_target) and the
     # policy/entropy of the last update, which set the next update's weight; checkpointed,
     # so a resumed run weighs its bonus as the uninterrupted one would.
@@ -82,20 +93,6 @@ _ROLLOUT_DATA: dict[str, Callable[[Trajectory], Any]] = {
     "turn_rewards": lambda t: torch.tensor(t.padded_turn_rewards()),
     "state_keys": lambda t: t.state_keys,
 }
-
-
-def stop_if_all_env_errors(trajs: Sequence[Trajectory], phase: str) -> None:
-    """Raise an ``EnvError`` when every episode of ``phase`` ended as ``env_error``,
-    naming the most common error, how many episodes it ended and the env ids."""
-    if not trajs or any(t.end_reason != "env_error" for t in trajs):
-        return
-    error, count = Counter(t.error or "unknown error" for t in trajs).most_common(1)[0]
-    ids = ", ".join(sorted({repr(t.env_id) for t in trajs}))
-    raise EnvError(
-        f"every one of the {len(trajs)} episodes of {phase} failed with an env error, so "
-        f"there is nothing to learn from; stopping. The error ({count} of them): {error} "
-        f"(env id(s) {ids}). The checkpoints and exports already written are kept."
-    )
 
 
 def seed_everything(seed: int) -> None:
@@ -116,10 +113,14 @@ class GRPOTrainer:
         loggers: MultiLogger,
         run_dir: Path,
         checkpointer: Checkpointer | None = None,
+        select_rows: Sequence[Row] = (),
     ) -> None:
         self.cfg = cfg
         self.group = group
         self.eval_rows = list(eval_rows)
+        # Played with the eval rows at each evaluation; their pass@1 picks the best policy.
+        self.select_rows = list(select_rows)
+        self.best_metric = picking_metric(bool(self.select_rows))
         self.sampler = ResumableSampler(
             train_rows, cfg.trainer.train_batch_size, cfg.trainer.seed, cfg.trainer.epochs
         )
@@ -127,7 +128,10 @@ class GRPOTrainer:
         self.run_dir = run_dir
         self.checkpointer = checkpointer
         alg = cfg.trainer.algorithm
-        self.state = LoopState(entropy_coef=alg.entropy_loss_coef if alg.use_entropy_loss else 0.0)
+        self.state = LoopState(
+            entropy_coef=alg.entropy_loss_coef if alg.use_entropy_loss else 0.0,
+            best_metric=self.best_metric,
+        )
         self.restarts = 0  # worker-group restarts so far (clew.trainer.launch.run_grpo sets it)
         self._saved_step = 0
         self._exported_step = -1  # the step of the latest global_step_N export
@@ -325,17 +329,22 @@ class GRPOTrainer:
             )
 
     def evaluate(self) -> dict[str, float]:
+        """The eval rows' metrics (``eval/...``) and the selection rows' (``select/...``),
+        both played in one rollout; only the eval rows' episodes are dumped."""
+        turns = self.eval_settings.max_turns
         with self.metrics.timer("evaluate"):
-            trajs = self._play(
-                self.eval_rows, self.eval_settings, self.cfg.trainer.seed, "evaluate"
-            )
-            metrics = eval_metrics(trajs, self.eval_rows, self.eval_settings.max_turns)
+            rows = self.eval_rows + self.select_rows
+            played = self._play(rows, self.eval_settings, self.cfg.trainer.seed, "evaluate")
+            trajs, chosen = split_evaluation(played, len(self.eval_rows))
+            metrics = eval_metrics(trajs, self.eval_rows, turns)
             if self.cfg.trainer.dump_eval_results:
                 name = f"global_step_{self.state.global_step}"
                 if self.checkpointer is not None:
                     self.checkpointer.dump_eval(trajs, metrics, name)
                 else:
                     dump_eval(trajs, metrics, self.run_dir / "eval" / name, num_gifs=2)
+            if self.select_rows:
+                metrics |= select_metrics(chosen, self.select_rows, turns)
         self.metrics.add_many(metrics)
         return metrics
 
@@ -351,18 +360,23 @@ class GRPOTrainer:
             )
 
     def keep_best(self, metrics: dict[str, float]) -> None:
-        """Export the policy as the run's best when this evaluation beats every earlier one
-        (ties keep the earlier step)."""
-        value = metrics.get("eval/all/pass_at_1")
-        if value is None or value <= self.state.best_eval:
+        """Export the policy as the run's best when this evaluation's picking metric
+        (``best_metric``: select/all/pass_at_1 with selection rows, else eval/all/pass_at_1)
+        beats every earlier one's (ties keep the earlier step)."""
+        metric, step = self.best_metric, self.state.global_step
+        value = metrics.get(metric)
+        if value is None or not beats_best(self.state, metric, value, step):
             return
-        self.state.best_eval, self.state.best_step = value, self.state.global_step
         if self.cfg.trainer.export_best and self.checkpointer is not None:
+            # best.json also keeps the reported eval figure of a step the selection set picked.
+            picked_elsewhere = metric != EVAL_METRIC and EVAL_METRIC in metrics
+            also = {EVAL_METRIC: metrics[EVAL_METRIC]} if picked_elsewhere else {}
             with self.metrics.timer("export"):
-                step = self.state.global_step
-                dest = self.checkpointer.export_best(self.group.export, step, value)
+                dest = self.checkpointer.export_best(
+                    self.group.export, step, value, metric=metric, also=also
+                )
             print(
-                f"exported the best policy so far (step {step}, pass@1 {value:.1%}) to {dest}",
+                f"exported the best policy so far (step {step}, {metric} {value:.1%}) to {dest}",
                 flush=True,
             )
 
@@ -387,8 +401,10 @@ class GRPOTrainer:
         return dict(vars(self.state))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # A key an older checkpoint lacks keeps this run's starting value.
-        self.state = LoopState(**(vars(self.state) | state))
+        # A key an older checkpoint lacks keeps this run's starting value, but for the
+        # metric its best was picked by: eval/all/pass_at_1, the only one there was then.
+        old = {"best_metric": EVAL_METRIC}
+        self.state = LoopState(**(vars(self.state) | old | state))
 
     # -- helpers --------------------------------------------------------------------
     def _play(

@@ -4,14 +4,15 @@ The fixed eval set GRPO evaluates on is small (64 mazes in the recipes), and GRP
 best step by that set, so its figures are both noisy and chosen on it. The 'test' stage
 draws ``pipeline.test.rows`` more eval-split rows from ``pipeline.test.seed_start`` on, of
 the 'dataset' stage's env id and eval options (the eval set's distribution), each a
-distinct task that is none of the eval set's (``generate_rows(exclude=...)``), and plays
+distinct task that is none of the eval set's or the selection set's (``data.select_data``,
+which picked the best policy; ``generate_rows(exclude=...)``), and plays
 them with GRPO's own evaluation settings (``rollout_settings(cfg, evaluation=True)``, the
 engine options of GRPO's engine, GRPO's seed and precision) under three policies:
 
 * ``start``: GRPO's starting policy (``trainer.policy.model.path``), step 0;
 * ``final``: GRPO's newest export, ``export_path/global_step_<N>/policy``;
-* ``best``: ``export_path/best/policy`` (``best.json`` gives its step), when it is neither
-  of the others.
+* ``best``: ``export_path/best/policy`` (``best.json`` gives its step and the metric that
+  picked it), when it is neither of the others.
 
 An export of a LoRA run is the adapter (``adapter_config.json``) over the starting policy,
 loaded as `clew eval --model START --adapter EXPORT` loads it; a full-weight export is a
@@ -111,7 +112,9 @@ def read_results(out: Path) -> dict[str, Any] | None:
 def depends_on(cfg: ClewConfig) -> dict[str, Any]:
     """The config keys, besides ``pipeline.test``, the stage's rows and figures follow."""
     d, g, t = cfg.pipeline.dataset, cfg.generator, cfg.trainer
-    return {
+    # Named only when set, so a record made before the selection set existed still matches.
+    select = {"data.select_data": list(cfg.data.select_data)} if cfg.data.select_data else {}
+    return select | {
         "pipeline.dataset.env_id": d.env_id,
         "pipeline.dataset.env_options": dict(d.env_options),
         "pipeline.dataset.eval_env_options": dict(d.eval_env_options),
@@ -132,11 +135,12 @@ def depends_on(cfg: ClewConfig) -> dict[str, Any]:
 
 
 def held_out_rows(cfg: ClewConfig) -> list[Row]:
-    """``pipeline.test.rows`` eval-split rows of distinct tasks, none an eval row's task."""
+    """``pipeline.test.rows`` eval-split rows of distinct tasks, none an eval row's task or
+    a selection row's."""
     from clew.data.rows import generate_rows, read_rows
 
     d, t = cfg.pipeline.dataset, cfg.pipeline.test
-    evals = [r for p in cfg.data.val_data for r in read_rows(p)]
+    used = [r for p in [*cfg.data.val_data, *cfg.data.select_data] for r in read_rows(p)]
     return generate_rows(
         d.env_id,
         t.rows,
@@ -144,7 +148,7 @@ def held_out_rows(cfg: ClewConfig) -> list[Row]:
         seed_start=t.seed_start,
         env_options=dict(d.env_options) | dict(d.eval_env_options),
         distinct=True,
-        exclude=evals,
+        exclude=used,
     )
 
 

@@ -216,10 +216,16 @@ def run_grpo(cfg: ClewConfig) -> dict[str, float]:
 
 
 def check_runnable(cfg: ClewConfig) -> None:
-    """What a GRPO run refuses before loading anything: no training data, no policy."""
+    """What a GRPO run refuses before loading anything: no training data, no policy, a
+    selection set without the eval set it is played beside."""
     if not cfg.data.train_data:
         raise ConfigError(
             "data.train_data is empty: give one or more parquet files from `clew dataset`"
+        )
+    if cfg.data.select_data and not cfg.data.val_data:
+        raise ConfigError(
+            "data.select_data is played at GRPO's evaluations of data.val_data, which is "
+            "empty: set data.val_data too, or drop data.select_data"
         )
     require_model_path(cfg)
 
@@ -234,13 +240,15 @@ def _run_grpo(cfg: ClewConfig) -> dict[str, float]:
     import_env_modules(cfg.environment.modules)
     with_ray_metrics(cfg.trainer.logger, cfg.trainer.placement.num_workers)  # fails before loading
     train_rows, eval_rows = run_rows(cfg)
-    check_env_ids(env_ids_of(train_rows, eval_rows))
+    select_rows = prompt_rows(cfg, cfg.data.select_data)
+    check_env_ids(env_ids_of(train_rows, eval_rows, select_rows))
     run_dir = run_dir_of(cfg)
     save_config(cfg, run_dir)
     attempt_cfg, restarts = cfg, 0
     while True:
         try:
-            return _grpo_attempt(attempt_cfg, train_rows, eval_rows, run_dir, restarts)
+            rows = (train_rows, eval_rows, select_rows)
+            return _grpo_attempt(attempt_cfg, rows, run_dir, restarts)
         except WorkerLost as lost:
             limit = cfg.trainer.max_restarts
             if restarts >= limit:
@@ -263,13 +271,15 @@ def _run_grpo(cfg: ClewConfig) -> dict[str, float]:
 
 
 def _grpo_attempt(
-    cfg: ClewConfig, train_rows: list, eval_rows: list, run_dir: Path, restarts: int
+    cfg: ClewConfig, rows: tuple[list, list, list], run_dir: Path, restarts: int
 ) -> dict[str, float]:
-    """One try at the run on a new worker group, resuming as ``trainer.resume_mode`` says."""
+    """One try at the run on a new worker group (``rows``: training, eval and selection
+    rows), resuming as ``trainer.resume_mode`` says."""
+    train_rows, eval_rows, select_rows = rows
     seed_everything(cfg.trainer.seed)
     group = build_worker_group(cfg, len(train_rows))
     try:  # workers on Ray end with the run, however it ends
-        group.check_envs(env_ids_of(train_rows, eval_rows))
+        group.check_envs(env_ids_of(train_rows, eval_rows, select_rows))
         loggers = make_loggers(
             with_ray_metrics(cfg.trainer.logger, cfg.trainer.placement.num_workers),
             run_dir,
@@ -278,7 +288,9 @@ def _grpo_attempt(
             config=cfg.model_dump(mode="json"),
         )
         checkpointer = Checkpointer(cfg, run_dir)
-        trainer = GRPOTrainer(cfg, group, train_rows, eval_rows, loggers, run_dir, checkpointer)
+        trainer = GRPOTrainer(
+            cfg, group, train_rows, eval_rows, loggers, run_dir, checkpointer, select_rows
+        )
         trainer.restarts = restarts
         try:
             return trainer.fit()
@@ -309,12 +321,15 @@ def env_ids_of(*row_lists: list) -> list[str]:
 
 def run_rows(cfg: ClewConfig) -> tuple[list, list]:
     """The run's training and evaluation rows, under the run's prompt format if it sets one."""
-    train = [r for p in cfg.data.train_data for r in read_rows(p)]
-    evals = [r for p in cfg.data.val_data for r in read_rows(p)]
+    return prompt_rows(cfg, cfg.data.train_data), prompt_rows(cfg, cfg.data.val_data)
+
+
+def prompt_rows(cfg: ClewConfig, paths: list[str]) -> list:
+    """The rows of the parquet files ``paths``, under the run's prompt format if it sets one."""
+    rows = [r for p in paths for r in read_rows(p)]
     if (fmt := cfg.environment.prompt_format) is not None:
-        train = with_env_option(train, "prompt_format", fmt)
-        evals = with_env_option(evals, "prompt_format", fmt)
-    return train, evals
+        rows = with_env_option(rows, "prompt_format", fmt)
+    return rows
 
 
 def sft_run_dir(cfg: ClewConfig) -> Path:

@@ -7,15 +7,17 @@ with. Everything lands under ``trainer.log_path`` (LOG)::
 
     LOG/config.yaml                the pipeline's config as given
     LOG/stages.json                what each finished stage made, and from which settings
-    LOG/data/{train,eval}.parquet  the 'dataset' stage
+    LOG/data/{train,eval}.parquet  the 'dataset' stage, with select.parquet (selection rows,
+                                   none an eval row's task) when pipeline.dataset.select_rows
     LOG/models/base/               the 'model' stage: the policy SFT starts from
     LOG/<sft.run_name>/            the SFT run; its exports/final/policy is GRPO's start
     LOG/<trainer.run_name>/        the GRPO run, with report.png
     LOG/data/test.parquet          the 'test' stage: held-out mazes, none an eval maze
     LOG/test/<name>/               GRPO's start, final and best policies played on them
     LOG/test.json                  their solve rates (clew.trainer.heldout)
-    LOG/summary.json               eval pass@1 of the start, the end and the best step, and
-                                   the held-out figures
+    LOG/summary.json               eval pass@1 of the start, the end and the best step (the
+                                   selection set's pick, where there is one), and the
+                                   held-out figures
 
 Re-running the same command after an interruption goes on where it stopped: a stage whose
 output is complete and was made from the same settings is skipped, and SFT and GRPO
@@ -52,7 +54,9 @@ def run_pipeline(cfg: ClewConfig) -> dict[str, float]:
 
     The summary (also ``LOG/summary.json``) is GRPO's: ``sft_pass_at_1`` (its evaluation
     before the first step, i.e. the start's), ``final_pass_at_1``, ``gain_points``,
-    ``best_pass_at_1`` and ``best_step``; empty when no 'train' stage ran or it evaluated
+    ``best_step`` and ``best_pass_at_1`` (the eval pass@1 there); with a selection set
+    (``data.select_data``) the best step is the one its pass@1 picked, which
+    ``best_select_pass_at_1`` gives. Empty when no 'train' stage ran or it evaluated
     nothing. After a 'test' stage it also holds ``test_rows`` and, per policy the stage
     evaluated (start, final, best), ``test_<name>_solve_rate`` and
     ``test_<name>_reward_pass_at_1``.
@@ -181,33 +185,44 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def _dataset(cfg: ClewConfig, out: Path) -> ClewConfig:
-    """Writes LOG/data/{train,eval}.parquet; sets data.train_data and data.val_data."""
+    """Writes LOG/data/{train,eval}.parquet, and select.parquet with
+    pipeline.dataset.select_rows; sets data.train_data, data.val_data (and select_data)."""
     import pyarrow.parquet as pq
 
     from clew.data.rows import dataset_stats, format_stats, generate_rows, write_rows
 
     d = cfg.pipeline.dataset
     counts = {"train": d.train_rows, "eval": d.eval_rows}
+    if d.select_rows:
+        counts["select"] = d.select_rows
     paths = {split: out / "data" / f"{split}.parquet" for split in counts}
     settings = _settings("pipeline.dataset", d)
+    if not d.select_rows:  # so a record made before the selection set existed still matches
+        for key in ("select_rows", "select_seed_start"):
+            del settings[f"pipeline.dataset.{key}"]
     present = all(p.is_file() for p in paths.values())
     if _finished(out, "dataset", settings, str(out / "data"), present) and all(
         pq.read_metadata(p).num_rows == counts[s] for s, p in paths.items()
     ):
-        say(
-            f"dataset: {d.train_rows} train and {d.eval_rows} eval rows of {d.env_id} are "
-            f"already in {out / 'data'}; skipped"
-        )
+        sets = ", ".join(f"{n} {split}" for split, n in counts.items())
+        say(f"dataset: the {sets} rows of {d.env_id} are already in {out / 'data'}; skipped")
     else:
+        made: dict[str, list] = {}
         for split, n in counts.items():
-            options = dict(d.env_options) | (dict(d.eval_env_options) if split == "eval" else {})
-            rows = generate_rows(d.env_id, n, split, env_options=options)
+            options = dict(d.env_options) | (dict(d.eval_env_options) if split != "train" else {})
+            if split == "select":  # eval-split tasks none of the eval set's, from other seeds
+                first, evals = d.select_seed_start, made["eval"]
+                rows = generate_rows(d.env_id, n, "eval", first, options, exclude=evals)
+            else:
+                rows = generate_rows(d.env_id, n, split, env_options=options)
+            made[split] = rows
             write_rows(rows, paths[split])
             say(f"{split} set: {paths[split]}\n{format_stats(dataset_stats(rows))}")
         _record(out, "dataset", settings, files={s: str(p) for s, p in paths.items()})
-    return updated(
-        cfg, {"data.train_data": [str(paths["train"])], "data.val_data": [str(paths["eval"])]}
-    )
+    values = {"data.train_data": [str(paths["train"])], "data.val_data": [str(paths["eval"])]}
+    if d.select_rows:
+        values["data.select_data"] = [str(paths["select"])]
+    return updated(cfg, values)
 
 
 def frame_side(env_id: str, env_options: dict[str, Any]) -> int:
@@ -368,6 +383,7 @@ def report(cfg: ClewConfig, out: Path) -> dict[str, float]:
     from clew.data.rows import read_rows
     from clew.metrics import draw_report, read_history
     from clew.trainer import heldout
+    from clew.trainer.selection import SELECT_METRIC, best_evaluation
 
     run_dir = Path(cfg.trainer.log_path) / cfg.trainer.run_name
     history = read_history(run_dir)
@@ -385,14 +401,21 @@ def report(cfg: ClewConfig, out: Path) -> dict[str, float]:
         return held_out
     (_, start), (last_step, final) = evals[0], evals[-1]
     reached = max(h["step"] for h in history)
-    best_step, best = max(evals, key=lambda e: (e[1], -e[0]))  # ties: the earlier step
+    # The step trainer.export_best kept: picked by the selection set where GRPO had one.
+    found = best_evaluation(history)
+    assert found is not None  # evals holds one at least
+    metric, best_step, picked = found
+    best = dict(evals)[best_step]  # the eval figure there, whichever set picked the step
     summary = {
         "sft_pass_at_1": start,
         "final_pass_at_1": final,
         "gain_points": 100 * (final - start),
         "best_pass_at_1": best,
         "best_step": best_step,
-    } | held_out
+    }
+    if metric == SELECT_METRIC:
+        summary["best_select_pass_at_1"] = picked
+    summary |= held_out
     write_json(out / SUMMARY_FILE, summary)
     png = draw_report(run_dir)
     rows = [r for p in cfg.data.val_data for r in read_rows(p)]
@@ -401,8 +424,9 @@ def report(cfg: ClewConfig, out: Path) -> dict[str, float]:
     export_path = Path(grpo_exports(cfg))
     if best_step != last_step:
         kept = export_path / "best" / "policy"
+        by = f" (picked by {metric}: {picked:.1%})" if metric == SELECT_METRIC else ""
         say(
-            f"best evaluation: {best:.1%} at step {best_step}"
+            f"best evaluation: {best:.1%} at step {best_step}{by}"
             + (f", kept as {kept}" if kept.is_dir() else "")
         )
     if held_out:

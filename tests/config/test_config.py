@@ -191,6 +191,13 @@ def test_unknown_key_errors_and_suggests_the_nearest_key() -> None:
         load_config(None, ["trainer.lr=1e-5"])
 
 
+def test_a_misspelt_selection_key_suggests_data_select_data() -> None:
+    with pytest.raises(ConfigError, match=r"'data\.selct_data'; did you mean 'data\.select_data'"):
+        load_config(None, ["data.selct_data=['s.parquet']"])
+    with pytest.raises(ConfigError, match=r"did you mean 'pipeline\.dataset\.select_rows'"):
+        load_config(None, ["pipeline.dataset.select_row=8"])
+
+
 def test_unknown_key_in_yaml_file_suggests_the_nearest_key(tmp_path: Path) -> None:
     path = tmp_path / "base.yaml"
     path.write_text("trainer:\n  polcy:\n    model:\n      path: x\n")
