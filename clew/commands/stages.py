@@ -114,7 +114,7 @@ def _sft(p: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         from clew.config import load_config
-        from clew.trainer.launch import run_sft_stage
+        from clew.trainer.sft_launch import run_sft_stage
 
         cfg = load_config(args.config, [*flag_overrides("sft", args), *args.overrides])
         if printed(cfg, args):

@@ -20,15 +20,12 @@ from, and going on would train on nothing and log zeros. Each export prints wher
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from clew.algorithms import EstimatorBatch, compute_advantages, get_estimator
@@ -56,6 +53,7 @@ from clew.rollout.loop import RolloutSettings
 from clew.rollout.trajectory import Trajectory
 from clew.train.optim import MAX_DROPPED_STEPS
 from clew.train.training_batch import TrainingBatch
+from clew.trainer.grpo_state import LoopState
 from clew.trainer.selection import (
     EVAL_METRIC,
     beats_best,
@@ -66,39 +64,12 @@ from clew.trainer.selection import (
 from clew.trainer.step_settings import StepSettings
 from clew.trainer.stopping import GracefulStop
 
-
-@dataclass
-class LoopState:
-    global_step: int = 0
-    # Batches of prompts dynamic sampling needed last step: the next step plays that many
-    # in one go (checkpointed, so a resumed run plays what the uninterrupted one would).
-    sample_batches: int = 1
-    # The best value so far of the metric that picks (trainer.export_best), its step and the
-    # metric's name (clew.trainer.selection.beats_best), checkpointed so a resumed run
-    # measures its evaluations against the best of the steps it goes on from. best_metric's
-    # default is what checkpoints written before it existed measured.
-    best_eval: float = -1.0
-    best_step: int = -1
-    best_metric: str = EVAL_METRIC
-    # The entropy bonus's adaptive weight (trainer.algorithm.entropy_target) and the
-    # policy/entropy of the last update, which set the next update's weight; checkpointed,
-    # so a resumed run weighs its bonus as the uninterrupted one would.
-    entropy_coef: float = 0.0
-    last_entropy: float | None = None
-
-
 # How each piece of per-turn data an estimator may need (EstimatorSpec.needs) is read
 # from a trajectory.
 _ROLLOUT_DATA: dict[str, Callable[[Trajectory], Any]] = {
     "turn_rewards": lambda t: torch.tensor(t.padded_turn_rewards()),
     "state_keys": lambda t: t.state_keys,
 }
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 class GRPOTrainer:

@@ -34,7 +34,8 @@ from clew.checkpoint.layout import parse_step
 from clew.config import ClewConfig
 from clew.data.rows import Row
 from clew.errors import ClewError
-from clew.trainer.pipeline import grpo_exports, write_json
+from clew.trainer.pipeline import grpo_exports
+from clew.trainer.stage_records import write_json
 
 TEST_FILE = "test.json"
 ROWS_FILE = Path("data") / "test.parquet"

@@ -20,14 +20,14 @@ with. Everything lands under ``trainer.log_path`` (LOG)::
                                    held-out figures
 
 Re-running the same command after an interruption goes on where it stopped: a stage whose
-output is complete and was made from the same settings is skipped, and SFT and GRPO
-resume from their latest checkpoints (``trainer.resume_mode=latest``). Output made from
-other settings is an error naming what differs; it is never reused or overwritten.
+output is complete and was made from the same settings is skipped
+(``clew.trainer.stage_records``), and SFT and GRPO resume from their latest checkpoints
+(``trainer.resume_mode=latest``). Output made from other settings is an error naming what
+differs; it is never reused or overwritten.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -38,9 +38,15 @@ from clew.config import ClewConfig, save_config, validate
 from clew.config.overrides import build_config
 from clew.envs.plugins import import_env_modules
 from clew.errors import ConfigError
+from clew.trainer.stage_records import (
+    finished,
+    record,
+    section_settings,
+    upstream,
+    write_json,
+)
 
 STAGES: tuple[str, ...] = ("dataset", "model", "sft", "train", "test")
-STAGES_FILE = "stages.json"
 SUMMARY_FILE = "summary.json"
 EVAL_KEY = "eval/all/pass_at_1"
 
@@ -120,67 +126,6 @@ def updated(cfg: ClewConfig, values: dict[str, Any]) -> ClewConfig:
     return validate(build_config(data))
 
 
-# -- the record of finished stages --------------------------------------------------------
-
-
-def _records(out: Path) -> dict[str, Any]:
-    path = out / STAGES_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _finished(out: Path, stage: str, settings: dict[str, Any], output: str, present: bool) -> bool:
-    """True when ``stage``'s ``output`` is ``present`` and was made from ``settings``.
-
-    ``settings`` maps config keys to the values the stage depends on. Output made from
-    other settings is an error naming each key that differs. Absent output, or output
-    without a record (a stage interrupted before it finished), is made again.
-    """
-    done = _records(out).get(stage)
-    if not present or done is None:
-        return False
-    if done["settings"] != settings:
-        keys = sorted(set(done["settings"]) | set(settings))
-        diffs = [
-            f"{k}: {done['settings'].get(k)!r} there, {settings.get(k)!r} now"
-            for k in keys
-            if done["settings"].get(k) != settings.get(k)
-        ]
-        raise ConfigError(
-            f"the '{stage}' stage's output {output} was made from other settings:\n  "
-            + "\n  ".join(diffs)
-            + f"\nuse another trainer.log_path (--output-dir), or delete {output} to make "
-            "it again"
-        )
-    return True
-
-
-def _settings(prefix: str, section: Any) -> dict[str, Any]:
-    return {f"{prefix}.{k}": v for k, v in section.model_dump(mode="json").items()}
-
-
-def _upstream(cfg: ClewConfig, out: Path, stages: tuple[str, ...]) -> dict[str, Any]:
-    """What earlier stages of this chain were made from: a change there makes this stale."""
-    records = _records(out)
-    return {
-        f"stages.{name}": records[name]["settings"] if name in cfg.pipeline.stages else None
-        for name in stages
-    }
-
-
-def _record(out: Path, stage: str, settings: dict[str, Any], **made: Any) -> None:
-    records = _records(out)
-    records[stage] = {"settings": settings, **made}
-    write_json(out / STAGES_FILE, records)
-
-
-def write_json(path: Path, data: Any) -> None:
-    """``data`` as indented JSON at ``path``, written whole (a temporary file renamed over it),
-    so a record on disk is never half written."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
-
-
 # -- the stages ---------------------------------------------------------------------------
 
 
@@ -196,12 +141,12 @@ def _dataset(cfg: ClewConfig, out: Path) -> ClewConfig:
     if d.select_rows:
         counts["select"] = d.select_rows
     paths = {split: out / "data" / f"{split}.parquet" for split in counts}
-    settings = _settings("pipeline.dataset", d)
+    settings = section_settings("pipeline.dataset", d)
     if not d.select_rows:  # so a record made before the selection set existed still matches
         for key in ("select_rows", "select_seed_start"):
             del settings[f"pipeline.dataset.{key}"]
     present = all(p.is_file() for p in paths.values())
-    if _finished(out, "dataset", settings, str(out / "data"), present) and all(
+    if finished(out, "dataset", settings, str(out / "data"), present) and all(
         pq.read_metadata(p).num_rows == counts[s] for s, p in paths.items()
     ):
         sets = ", ".join(f"{n} {split}" for split, n in counts.items())
@@ -218,7 +163,7 @@ def _dataset(cfg: ClewConfig, out: Path) -> ClewConfig:
             made[split] = rows
             write_rows(rows, paths[split])
             say(f"{split} set: {paths[split]}\n{format_stats(dataset_stats(rows))}")
-        _record(out, "dataset", settings, files={s: str(p) for s, p in paths.items()})
+        record(out, "dataset", settings, files={s: str(p) for s, p in paths.items()})
     values = {"data.train_data": [str(paths["train"])], "data.val_data": [str(paths["eval"])]}
     if d.select_rows:
         values["data.select_data"] = [str(paths["select"])]
@@ -240,9 +185,9 @@ def _model(cfg: ClewConfig, out: Path) -> ClewConfig:
     m, d = cfg.pipeline.model, cfg.pipeline.dataset
     folder = out / "models" / "base"
     image_size = m.image_size or frame_side(d.env_id, dict(d.env_options))
-    settings = _settings("pipeline.model", m) | {"pipeline.model.image_size": image_size}
+    settings = section_settings("pipeline.model", m) | {"pipeline.model.image_size": image_size}
     present = (folder / "config.json").is_file()
-    if _finished(out, "model", settings, str(folder), present):
+    if finished(out, "model", settings, str(folder), present):
         say(f"model: the {m.preset} {m.arch} policy is already at {folder}; skipped")
     else:
         built = build_model(
@@ -262,7 +207,7 @@ def _model(cfg: ClewConfig, out: Path) -> ClewConfig:
             overwrite=True,
         )
         say(f"built the {m.preset} policy ({built.num_parameters:,} parameters) at {folder}")
-        _record(out, "model", settings, path=str(folder))
+        record(out, "model", settings, path=str(folder))
     return updated(cfg, {"sft.model_path": str(folder)})
 
 
@@ -287,16 +232,16 @@ def _sft(cfg: ClewConfig, out: Path) -> ClewConfig:
 
     final = sft_final_policy(cfg)
     settings = (
-        _settings("sft", cfg.sft)
+        section_settings("sft", cfg.sft)
         | {"data.train_data": cfg.data.train_data}
-        | _upstream(cfg, out, ("dataset", "model"))
+        | upstream(cfg, out, ("dataset", "model"))
     )
     present = Storage.for_path(final).exists(join(final, "config.json"))
     run_dir = str(Path(cfg.trainer.log_path) / cfg.sft.run_name)
-    if _finished(out, "sft", settings, run_dir, present):
+    if finished(out, "sft", settings, run_dir, present):
         say(f"sft: the final policy is already at {final}; skipped")
     else:
-        from clew.trainer.launch import run_sft_stage
+        from clew.trainer.sft_launch import run_sft_stage
 
         say(f"sft: {cfg.sft.steps} steps of {cfg.sft.batch_size} expert episodes")
         result = run_sft_stage(cfg)
@@ -306,7 +251,7 @@ def _sft(cfg: ClewConfig, out: Path) -> ClewConfig:
             f"sft: the final policy (step {result.step}) is at {final}"
             + ("" if passed is None else f"; eval pass@1 {passed:.1%}")
         )
-        _record(out, "sft", settings, policy=final)
+        record(out, "sft", settings, policy=final)
     return updated(cfg, {"trainer.policy.model.path": final})
 
 
@@ -330,20 +275,20 @@ def _test(cfg: ClewConfig, out: Path) -> ClewConfig:
 
     policies = heldout.grpo_policies(cfg)
     settings = (
-        _settings("pipeline.test", cfg.pipeline.test)
+        section_settings("pipeline.test", cfg.pipeline.test)
         | heldout.depends_on(cfg)
-        | _upstream(cfg, out, ("dataset", "model", "sft"))
+        | upstream(cfg, out, ("dataset", "model", "sft"))
     )
     done = heldout.read_results(out)
     rows_made = (out / heldout.ROWS_FILE).is_file()
     present = rows_made and done is not None and heldout.evaluated(done) == policies
-    if _finished(out, "test", settings, str(out / heldout.TEST_FILE), present):
+    if finished(out, "test", settings, str(out / heldout.TEST_FILE), present):
         say(f"test: the figures of {', '.join(done or ())} are already in {out}; skipped")
     else:
         names = ", ".join(f"{p.name} (step {p.step})" for p in policies)
         say(f"test: {names} on {cfg.pipeline.test.rows} held-out mazes")
         heldout.run_test(cfg, out, policies, say)
-        _record(out, "test", settings, rows=str(out / heldout.ROWS_FILE))
+        record(out, "test", settings, rows=str(out / heldout.ROWS_FILE))
     return cfg
 
 

@@ -4,8 +4,9 @@ A policy trained from scratch starts by writing random tokens; GRPO then sees re
 every sample and has nothing to learn from. A few hundred steps of imitating the env's
 expert teach the action format and the basics of moving, so RL starts where rewards vary.
 The demonstrations (expert episodes with detours, starts anywhere) are
-``clew.trainer.demonstrations``; DAgger rounds are ``clew.trainer.dagger``. ``clew.trainer.launch.
-run_sft_stage`` assembles a run of this loop from the config's ``sft`` section.
+``clew.trainer.demonstrations``; DAgger rounds are ``clew.trainer.dagger``.
+``clew.trainer.sft_launch.run_sft_stage`` assembles a run of this loop from the config's
+``sft`` section.
 
 One step: the step's demonstrations (played one batch ahead on a thread), a DAgger round
 when one is due, the batch's DAgger share mixed in, one optimizer step, an evaluation when

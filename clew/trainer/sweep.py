@@ -42,7 +42,8 @@ from clew.config import ClewConfig, config_yaml, load_config
 from clew.config.sweep import Combination, Grid, parse_grid
 from clew.errors import ClewError, ConfigError, DataError
 from clew.trainer import launch
-from clew.trainer.pipeline import updated, write_json
+from clew.trainer.pipeline import updated
+from clew.trainer.stage_records import write_json
 
 FINISHED_FILE = "finished.json"
 SUMMARY_FILE = "sweep.json"

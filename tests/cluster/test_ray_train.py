@@ -25,7 +25,8 @@ from clew.rollout.loop import RolloutSettings
 from clew.train.settings import PPOSettings, WorkerSettings
 from clew.train.training_batch import TrainingBatch
 from clew.trainer.grpo import GRPOTrainer
-from clew.trainer.launch import run_grpo, run_sft_stage
+from clew.trainer.launch import run_grpo
+from clew.trainer.sft_launch import run_sft_stage
 
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
 

@@ -14,7 +14,8 @@ from clew.config import load_config
 from clew.data.rows import generate_rows, read_rows, write_rows
 from clew.envs import expert_for
 from clew.metrics import read_history
-from clew.trainer.launch import run_grpo, run_sft_stage
+from clew.trainer.launch import run_grpo
+from clew.trainer.sft_launch import run_sft_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -25,7 +25,8 @@ from clew.train.model_batch import Sample, collate, token_micro_batches
 from clew.train.objectives import GradientPass, sft_objective
 from clew.train.training_batch import TrainingBatch
 from clew.trainer.demonstrations import demonstrations
-from clew.trainer.launch import build_worker_group, run_sft_stage
+from clew.trainer.launch import build_worker_group
+from clew.trainer.sft_launch import run_sft_stage
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -23,7 +23,7 @@ from clew.trainer.dagger import (
     mix_in,
 )
 from clew.trainer.demonstrations import Demonstration, play_demonstration
-from clew.trainer.launch import run_sft_stage
+from clew.trainer.sft_launch import run_sft_stage
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 

@@ -14,7 +14,7 @@ from clew.config import load_config
 from clew.data.rows import generate_rows, read_rows, task_keys, write_rows
 from clew.errors import ConfigError
 from clew.rollout.trajectory import Trajectory
-from clew.trainer import heldout, pipeline
+from clew.trainer import heldout, pipeline, stage_records
 from clew.trainer.grpo import GRPOTrainer
 from clew.trainer.launch import check_runnable
 from clew.trainer.pipeline import report
@@ -244,7 +244,7 @@ def test_without_select_rows_the_stage_writes_none_and_keeps_its_old_record(tmp_
     cfg = pipeline._dataset(_pipeline_cfg(tmp_path, "data.select_data=['mine.parquet']"), tmp_path)
     assert not (tmp_path / "data" / "select.parquet").exists()
     assert cfg.data.select_data == ["mine.parquet"]  # as given
-    record = json.loads((tmp_path / pipeline.STAGES_FILE).read_text())["dataset"]["settings"]
+    record = json.loads((tmp_path / stage_records.STAGES_FILE).read_text())["dataset"]["settings"]
     assert not any("select" in key for key in record)  # as a record made before it exists
     pipeline._dataset(_pipeline_cfg(tmp_path), tmp_path)
     assert "skipped" in capsys.readouterr().out

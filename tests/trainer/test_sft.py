@@ -1,4 +1,4 @@
-"""The SFT stage (clew.trainer.sft, clew.trainer.launch.run_sft_stage); demonstrations:
+"""The SFT stage (clew.trainer.sft, clew.trainer.sft_launch.run_sft_stage); demonstrations:
 test_sft_demonstrations; the command and resuming: test_sft_resume."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.train.model_batch import collate
 from clew.trainer.demonstrations import demonstrations, play_demonstration
-from clew.trainer.launch import run_sft_stage
 from clew.trainer.sft import DemonstrationStream
+from clew.trainer.sft_launch import run_sft_stage
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}
 
