@@ -17,9 +17,12 @@ helpers take (``transformers.vision_utils``), so the recorded forward holds no h
 synchronisation; clew's one-call vision attention (``clew.kernels.vision_attention``) is
 told the frames' length on the bucket's ``cu_seqlens`` for the same reason.
 
-A bucket's first use checks its path against the tower's own forward on the same frames;
-if they differ (a transformers whose tower does not take those values), or the tower is not
-one this code recognises, the graphs turn themselves off for the engine and say so, and the
+A bucket's first use checks its path against the tower's own forward on the same frames,
+and, where it will be captured, that the path reads nothing back to the host (torch's sync
+debug mode set to raise: a read, or a copy from pageable host memory, is an error inside a
+capture). Where either fails (a transformers whose tower does not take those values, or
+one that reads a length to the host), where the tower is not one this code recognises, or
+where a capture fails, the graphs turn themselves off for the engine and say so, and the
 tower runs eagerly from then on. ``CacheBatch`` enters ``routed`` for every forward of an
 engine built with them; the tower is reached through ``clew.models.distinct_images``, after
 the copies of a frame are set aside, so a bucket counts distinct frames.
@@ -104,6 +107,21 @@ def _precomputed(tower: torch.nn.Module, grid: torch.Tensor) -> dict[str, Any] |
     }
 
 
+@contextlib.contextmanager
+def _host_syncs_raise(on: bool) -> Iterator[None]:
+    """Within the block (where ``on``), a CUDA operation that waits for the device (a read to
+    the host, a copy from pageable memory) raises, as it would inside a capture."""
+    if not on:
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
 def _same(a: Any, b: Any) -> bool:
     """Whether two tower outputs hold the same tensors, to float tolerance."""
     if isinstance(a, torch.Tensor):
@@ -182,8 +200,8 @@ class VisionGraphs:
         if not self.capture:
             out = self._tower(inner, tower, bucket)
         else:
-            if bucket.graph is None:
-                self._capture(inner, tower, bucket)
+            if bucket.graph is None and not self._capture(inner, tower, bucket):
+                return None
             assert bucket.graph is not None
             bucket.graph.replay()
             out = bucket.out
@@ -195,11 +213,13 @@ class VisionGraphs:
         return inner(tower, bucket.pixels, bucket.grid, **bucket.flags, **dict(bucket.given))
 
     def _check(self, inner: Tower, tower: torch.nn.Module, bucket: _Bucket) -> bool:
-        """Whether the bucket's path gives the tower's own output (the first use of each)."""
+        """Whether the bucket's path gives the tower's own output, without reading back to
+        the host where it will be captured (the first use of each)."""
         try:
-            ours = self._tower(inner, tower, bucket)
+            with _host_syncs_raise(self.capture and bucket.pixels.is_cuda):
+                ours = self._tower(inner, tower, bucket)
         except (TypeError, RuntimeError, ValueError) as error:
-            self._off(f"the tower refused its precomputed positions ({error})")
+            self._off(f"the tower does not run from its precomputed positions alone ({error})")
             return False
         theirs = inner(tower, bucket.pixels, bucket.grid, **bucket.flags)
         if not _same(ours, theirs):
@@ -217,11 +237,18 @@ class VisionGraphs:
             stacklevel=3,
         )
 
-    def _capture(self, inner: Tower, tower: torch.nn.Module, bucket: _Bucket) -> None:
+    def _capture(self, inner: Tower, tower: torch.nn.Module, bucket: _Bucket) -> bool:
+        """Record the bucket's graph; False (and the graphs off) where the capture fails."""
         start = time.perf_counter()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        bucket.graph, bucket.out = captured(lambda: self._tower(inner, tower, bucket), self._pool)
-        torch.cuda.synchronize()
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            run = lambda: self._tower(inner, tower, bucket)  # noqa: E731
+            bucket.graph, bucket.out = captured(run, self._pool)
+            torch.cuda.synchronize()
+        except RuntimeError as error:
+            self._off(f"its capture failed ({error})")
+            return False
         self.captures += 1
         self.capture_s += time.perf_counter() - start
+        return True

@@ -61,7 +61,7 @@ def _batched_forward(rotary: Callable) -> Callable:
         **kwargs: Any,
     ) -> torch.Tensor:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        if args or position_embeddings is None or len(lengths) < 2:
+        if args or position_embeddings is None:
             # The class's own forward, not a bound method kept from wrapping time: a deepcopy
             # of the model (the KL reference) must run its own weights.
             return type(self).forward(
@@ -72,7 +72,10 @@ def _batched_forward(rotary: Callable) -> Callable:
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
-        low, high = _length_range(cu_seqlens, lengths)
+        # One image's length is the sequence's, known without a read (and a read would stop
+        # a CUDA-graph capture of the tower: clew.inference.vision_graphs).
+        one = len(lengths) == 1
+        low, high = (hidden_states.shape[0],) * 2 if one else _length_range(cu_seqlens, lengths)
         if low != high:
             return type(self).forward(
                 self, hidden_states, cu_seqlens, position_embeddings=position_embeddings, **kwargs

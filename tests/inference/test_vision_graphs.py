@@ -110,6 +110,30 @@ def test_a_tower_whose_output_differs_turns_the_graphs_off_and_runs_eagerly(
     assert_same_samples(checked, _play(_engine(model, chat, graphs=False), rows, 0.0), tol=1e-5)
 
 
+def test_a_capture_that_fails_turns_the_graphs_off_and_the_tower_runs_eagerly(
+    maze_policy,  # noqa: F811
+    monkeypatch,
+):
+    model, _, _ = maze_policy
+    if not hasattr(model.model.visual, "deepstack_merger_list"):
+        pytest.skip("the graphs take Qwen3-VL's tower")
+
+    def failing(run, pool):  # what torch raises for an operation a capture cannot record
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(vision_graphs, "captured", failing)
+    graphs = VisionGraphs(capture=True)
+    graphs._pool = ()  # the capture itself fails, not the memory pool's creation
+    visual = model.model.visual
+    pixels, grid = _frames(model, 1)
+    with torch.no_grad(), images_deduplicated():
+        with graphs.routed(), pytest.warns(UserWarning, match="its capture failed"):
+            ours = visual(pixels, grid_thw=grid)
+        theirs = visual(pixels, grid_thw=grid)
+    assert not graphs.enabled and graphs.captures == 0
+    torch.testing.assert_close(ours.pooler_output, theirs.pooler_output)
+
+
 def test_vision_graphs_come_from_the_config_and_enforce_eager_turns_them_off():
     key = "generator.inference_engine.vision_cuda_graphs=true"
     assert engine_options(load_config(None, [key])).vision_cuda_graphs is True
@@ -131,3 +155,9 @@ def test_captured_vision_graphs_sample_what_the_eager_tower_samples_and_replay_l
     again = _play(engine, rows, temperature=0.0)
     assert graphs.captures == captured  # the same buckets replayed, none new
     assert_same_samples(again, graphed, tol=1e-6)
+    # One maze's samples show one distinct frame a turn: buckets of a single frame, whose
+    # attention reads no length back to the host either.
+    single = _play(engine, rows[:1], temperature=0.0)
+    assert graphs.enabled and 1 in {shape[0] for shape in graphs.shapes}
+    alone = _play(_engine(model, chat, graphs=False), rows[:1], temperature=0.0)
+    assert_same_until_they_part(single, alone, tol=2e-2)

@@ -31,7 +31,7 @@ def _features(model: torch.nn.Module, pixels: torch.Tensor, grid: torch.Tensor) 
 
 
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen2_vl"])
-@pytest.mark.parametrize("sizes", [[84] * 5, [84, 56, 84]])
+@pytest.mark.parametrize("sizes", [[84] * 5, [84], [84, 56, 84]])
 def test_batched_vision_attention_gives_the_per_image_features(
     tmp_path: Path, arch: str, sizes: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
