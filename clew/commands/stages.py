@@ -55,15 +55,30 @@ def _train(p: argparse.ArgumentParser) -> Handler:
         "trainer.log_path/trainer.run_name/<key>=<value>,..., summarized in sweep.json there; "
         "re-running goes on, skipping finished runs",
     )
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="with -m: run N combinations at once, each in a process of its own sharing the "
+        "machine's devices (a small policy's run leaves most of a GPU idle), its output in "
+        "its folder's train.log; 1 (the default) runs them one after another in this process",
+    )
     add_print_config(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. trainer.epochs=2")
 
     def run(args: argparse.Namespace) -> int:
         from clew.config import load_config
+        from clew.errors import ConfigError
         from clew.trainer.launch import run_grpo
 
         if args.multirun:
             return _sweep(args)
+        if args.jobs != 1:
+            raise ConfigError(
+                f"--jobs {args.jobs} runs a sweep's combinations side by side: it needs -m "
+                "(clew train -m KEY=A,B ... --jobs N)"
+            )
         cfg = load_config(args.config, args.overrides)
         if printed(cfg, args):
             return 0
@@ -86,7 +101,7 @@ def _sweep(args: argparse.Namespace) -> int:
             print(f"# sweep run {i} of {len(sweep.runs)}: {run.combination.name}")
             print(config_yaml(run.cfg), end="")
         return 0
-    rows = run_sweep(sweep)
+    rows = run_sweep(sweep, args.jobs)
     return 1 if any(r["status"] == "failed" for r in rows) else 0
 
 

@@ -1,4 +1,5 @@
-"""A sweep, ``clew train -m``: one GRPO run per combination of a grid, one after another.
+"""A sweep, ``clew train -m``: one GRPO run per combination of a grid, one after another, or
+``--jobs N`` of them side by side in processes of their own (``clew.trainer.sweep_jobs``).
 
 The grid is the command's ``key=a,b`` overrides (``clew.config.sweep``). Everything lands
 under the sweep's folder SWEEP = ``trainer.log_path/trainer.run_name``::
@@ -126,7 +127,7 @@ def finished(run: SweepRun) -> bool:
         return False
 
 
-def _mark_finished(run: SweepRun, last_eval: dict[str, float]) -> None:
+def mark_finished(run: SweepRun, last_eval: dict[str, float]) -> None:
     run.run_dir.mkdir(parents=True, exist_ok=True)
     path = run.run_dir / FINISHED_FILE
     record = {
@@ -137,8 +138,9 @@ def _mark_finished(run: SweepRun, last_eval: dict[str, float]) -> None:
     write_json(path, record)
 
 
-def run_sweep(sweep: Sweep) -> list[dict[str, Any]]:
-    """Run the sweep's combinations in order; returns the summary's rows (``sweep.json``).
+def run_sweep(sweep: Sweep, jobs: int = 1) -> list[dict[str, Any]]:
+    """Run the sweep's combinations in order, ``jobs`` at a time (more than 1: each in a
+    child process, ``clew.trainer.sweep_jobs``); returns the summary's rows (``sweep.json``).
 
     Each row: ``name``, ``run_dir``, ``overrides`` (the axes' values by key), ``status``
     ('finished', 'failed', 'stopped', 'interrupted' or 'pending'), ``skipped`` (finished by
@@ -150,6 +152,8 @@ def run_sweep(sweep: Sweep) -> list[dict[str, Any]]:
 
     rows = [_row(run) for run in sweep.runs]
     write_summary(sweep, rows)
+    if jobs > 1:
+        return _run_side_by_side(sweep, rows, jobs)
     n, shown = len(rows), False
     current: dict[str, Any] | None = None
     try:
@@ -171,7 +175,7 @@ def run_sweep(sweep: Sweep) -> list[dict[str, Any]]:
                 if GracefulStop.stops != stops:
                     row["status"] = "stopped"
                     raise KeyboardInterrupt
-                _mark_finished(run, last_eval)
+                mark_finished(run, last_eval)
                 row["status"] = "finished"
             current = None
             row.update(_metrics(run))
@@ -191,6 +195,34 @@ def run_sweep(sweep: Sweep) -> list[dict[str, Any]]:
     write_summary(sweep, rows)
     if not shown:
         print(summary_table(rows), flush=True)
+    say(f"summary: {sweep.folder / SUMMARY_FILE}")
+    return rows
+
+
+def _run_side_by_side(sweep: Sweep, rows: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
+    from clew.trainer.sweep_jobs import last_eval, run_side_by_side
+
+    n = len(rows)
+    for i, row in enumerate(rows, 1):
+        if row["skipped"]:
+            say(f"run {i} of {n}, {row['name']}: finished before; skipped")
+    todo = [(i, r, row) for i, (r, row) in enumerate(zip(sweep.runs, rows, strict=True), 1)]
+
+    def ended(run: SweepRun, row: dict[str, Any]) -> None:
+        if row["status"] == "finished":
+            mark_finished(run, last_eval(run.run_dir))
+        row.update(_metrics(run))
+        write_summary(sweep, rows)
+        print(summary_table(rows), flush=True)
+
+    try:
+        run_side_by_side(
+            [t for t in todo if not t[2]["skipped"]], jobs, ended=ended, say=say, total=n
+        )
+    except KeyboardInterrupt:
+        write_summary(sweep, rows)
+        say(f"stopped; the same command goes on: {sweep.folder / SUMMARY_FILE}")
+        raise
     say(f"summary: {sweep.folder / SUMMARY_FILE}")
     return rows
 
