@@ -82,6 +82,17 @@ RUNS = {
             "update:",
         ],
     ),
+    "sweep_jobs": (
+        ["sweep_jobs.py", "--recipe", "recipes/cpu-demo.yaml", "--device", "cpu", "--runs", "2"]
+        + ["--jobs", "1,2", "--steps", "1", "--warmup", "0", "--set"]
+        + ["trainer.train_batch_size=2", "trainer.policy_mini_batch_size=2"]
+        + ["generator.n_samples_per_prompt=2", "generator.max_turns=2"]
+        + [
+            "trainer.micro_train_batch_size_per_gpu=4",
+            "trainer.micro_forward_batch_size_per_gpu=4",
+        ],
+        ["steps/min", "1.00x", "   2 "],  # the baseline's row and the side-by-side one's
+    ),
 }
 
 

@@ -21,6 +21,7 @@ them, writes the summary and raises ``KeyboardInterrupt``. The same command goes
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -119,7 +120,7 @@ def run_side_by_side(
         with _stop_raises():
             while waiting or active:
                 while waiting and len(active) < jobs:
-                    active.append(_start(*waiting.pop(0), say=say, total=total))
+                    active.append(_start(*waiting.pop(0), say=say, total=total, jobs=jobs))
                 time.sleep(POLL_S)
                 for child in [c for c in active if c.proc.poll() is not None]:
                     active.remove(child)
@@ -134,7 +135,17 @@ def run_side_by_side(
         raise
 
 
-def _start(index: int, run: Any, row: dict[str, Any], *, say, total: int) -> _Child:
+def child_env(jobs: int) -> dict[str, str]:
+    """The environment of a run's process: this one's, with ``OMP_NUM_THREADS`` (torch's
+    threads for CPU work) set to the machine's cores shared among ``jobs`` unless it is set
+    already, as torchrun sets it for processes that share a machine; without it each run
+    would start a thread per core and the runs would contend for the cores."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // jobs)))
+    return env
+
+
+def _start(index: int, run: Any, row: dict[str, Any], *, say, total: int, jobs: int) -> _Child:
     """Start the child of one combination, its config written where ``--config`` reads it."""
     save_config(run.cfg, run.run_dir)
     log = (run.run_dir / LOG_FILE).open("ab")
@@ -147,6 +158,7 @@ def _start(index: int, run: Any, row: dict[str, Any], *, say, total: int) -> _Ch
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         start_new_session=True,
+        env=child_env(jobs),
     )
     row["status"] = "running"
     say(f"run {index} of {total}, {row['name']}: {run.run_dir} (process {proc.pid}, {LOG_FILE})")

@@ -17,7 +17,7 @@ from support.tiny import digits_data, digits_policy
 from clew.cli import main
 from clew.trainer import launch
 from clew.trainer.sweep import FINISHED_FILE, SUMMARY_FILE
-from clew.trainer.sweep_jobs import LOG_FILE, error_line, last_eval
+from clew.trainer.sweep_jobs import LOG_FILE, child_env, error_line, last_eval
 
 LR = "trainer.policy.optimizer_config.lr"
 
@@ -147,3 +147,12 @@ def test_a_stopped_sweep_stops_its_running_runs_which_save_first(tmp_path):
 def test_jobs_without_m_is_refused_with_what_it_needs(capsys):
     assert main(["train", "--jobs", "2", "trainer.max_steps=1"]) == 2
     assert "needs -m" in capsys.readouterr().err
+
+
+def test_each_run_gets_its_share_of_the_cores_unless_the_threads_are_set(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert child_env(4)["OMP_NUM_THREADS"] == "4"
+    assert child_env(32)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert child_env(4)["OMP_NUM_THREADS"] == "2"
