@@ -150,6 +150,10 @@ def run_sweep(sweep: Sweep, jobs: int = 1) -> list[dict[str, Any]]:
     """
     from clew.trainer.stopping import GracefulStop
 
+    if jobs > 1:  # before anything is written
+        from clew.trainer.sweep_jobs import check_side_by_side
+
+        check_side_by_side([(run.combination.name, run.cfg) for run in sweep.runs], jobs)
     rows = [_row(run) for run in sweep.runs]
     write_summary(sweep, rows)
     if jobs > 1:

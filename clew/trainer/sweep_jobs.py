@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from clew.config import save_config
+from clew.config import ClewConfig, save_config
+from clew.errors import ConfigError
 
 LOG_FILE = "train.log"
 POLL_S = 0.5  # how often the running children are checked
@@ -45,6 +46,19 @@ class _Child:
     row: dict[str, Any]
     proc: subprocess.Popen
     log: IO[bytes]
+
+
+def check_side_by_side(runs: list[tuple[str, ClewConfig]], jobs: int) -> None:
+    """Refuse runs that place more than one worker on Ray (``trainer.placement``: several
+    GPUs or CPU workers): side by side, each would place its own on the same devices."""
+    placed = [name for name, cfg in runs if cfg.trainer.placement.num_workers > 1]
+    if placed:
+        raise ConfigError(
+            f"--jobs {jobs} runs combinations side by side on this machine's devices, but "
+            f"{', '.join(placed)} place(s) several workers on Ray (trainer.placement: "
+            "policy_num_nodes x policy_num_gpus_per_node, num_cpu_workers), which would each "
+            "claim the same devices: run them with --jobs 1 (one after another)"
+        )
 
 
 def last_eval(run_dir: Path) -> dict[str, float]:

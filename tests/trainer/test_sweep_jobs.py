@@ -156,3 +156,11 @@ def test_each_run_gets_its_share_of_the_cores_unless_the_threads_are_set(monkeyp
     assert child_env(32)["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert child_env(4)["OMP_NUM_THREADS"] == "2"
+
+
+def test_runs_placed_on_ray_are_refused_side_by_side(tmp_path, capsys):
+    argv = _argv(tmp_path, "trainer.policy.model.path=/no/model", f"{LR}=1e-3,3e-3")
+    assert main([*argv, "trainer.placement.num_cpu_workers=2"]) == 2
+    err = capsys.readouterr().err
+    assert "several workers on Ray" in err and "--jobs 1" in err and "lr=1e-3, lr=3e-3" in err
+    assert not (tmp_path / "runs").exists()  # refused before anything was written
