@@ -113,8 +113,8 @@ def run_side_by_side(
 ) -> None:
     """Run ``runs`` ((index, SweepRun, its summary row) not finished before) as child
     processes, at most ``jobs`` at once. ``ended(run, row)`` is called as each ends, its
-    ``status`` (and a failed one's ``error``) set; on SIGINT or SIGTERM the children are stopped and
-    waited for, each ended, and ``KeyboardInterrupt`` raised."""
+    ``status`` (and a failed one's ``error``) set; on SIGINT or SIGTERM the children are
+    stopped and waited for, each ended, and ``KeyboardInterrupt`` raised."""
     waiting, active = list(runs), []
     stopping = False
 
