@@ -200,7 +200,11 @@ def load_policy(
     _check_files(path)
     torch_dtype = resolve_dtype(dtype)
     target = _resolve_device(device)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, "local_files_only": True}
+    # use_kernels=False: transformers >= 5.2x turns on its hub kernels by default where the
+    # `kernels` package is installed, and then every .train()/.eval() "kernelizes" the model,
+    # putting back the RMSNorms' own forward in place of fused_rms_norm's (and, on CUDA,
+    # reaching for kernels on the Hugging Face Hub).
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "local_files_only": True, "use_kernels": False}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     try:

@@ -68,6 +68,21 @@ def test_a_loaded_policy_computes_its_logits_as_the_unfused_one(tmp_path: Path, 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_fused_norms_stay_through_train_and_eval_switches(tmp_path: Path) -> None:
+    # Where the `kernels` package is installed, newer transformers "kernelize" a model on
+    # every .train()/.eval(), which put the norms' own forward back (and would reach for the
+    # Hub): load_policy turns that off.
+    path = build_model("tiny", tmp_path / "m", image_size=84, patch_size=14).path
+    model, _ = load_policy(path)
+    fused = [m for m in model.modules() if getattr(m, "_clew_fused_norm", False)]
+    assert fused
+    assert not getattr(model, "use_kernels", False)
+    model.train()
+    model.eval()
+    model.train()
+    assert all("forward" in vars(m) for m in fused)
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_fused_kernel_matches_the_original_to_bf16_rounding() -> None:
     original = _norm(4096, torch.bfloat16).cuda()
