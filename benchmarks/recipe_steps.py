@@ -20,13 +20,13 @@ what it buys (a recipe that does not set one runs ``after`` again):
 - ``fused``: the engine's fused element-wise kernels on
   (``generator.inference_engine.fused_pointwise=true``);
 - ``threads``: envs stepped on a thread per core (``generator.env_workers=0``);
+- ``eager_vision``: each turn's vision tower run eagerly
+  (``generator.inference_engine.vision_cuda_graphs=false``);
 
-and candidates the recipe does not set yet:
+and a candidate the recipe does not set yet:
 
 - ``query_blocks``: the update's masked attention 512 queries at a time, each block over
-  the keys up to its end (``trainer.attention_query_block=512``);
-- ``vision_graphs``: each turn's vision tower replayed from CUDA graphs
-  (``generator.inference_engine.vision_cuda_graphs=true``).
+  the keys up to its end (``trainer.attention_query_block=512``).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first ``--warmup`` (which pay the start-up: the first step sizes the
@@ -78,7 +78,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "fused": {"generator.inference_engine.fused_pointwise": True},
     "threads": {"generator.env_workers": 0},
     "query_blocks": {"trainer.attention_query_block": 512},
-    "vision_graphs": {"generator.inference_engine.vision_cuda_graphs": True},
+    "eager_vision": {"generator.inference_engine.vision_cuda_graphs": False},
 }
 
 

@@ -115,7 +115,10 @@ def _host_syncs_raise(on: bool) -> Iterator[None]:
         yield
         return
     before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    with warnings.catch_warnings():
+        # torch warns once that the debug mode is a prototype; that is no news to a user.
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
