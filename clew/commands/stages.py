@@ -61,8 +61,9 @@ def _train(p: argparse.ArgumentParser) -> Handler:
         default=1,
         metavar="N",
         help="with -m: run N combinations at once, each in a process of its own sharing the "
-        "machine's devices (a small policy's run leaves most of a GPU idle), its output in "
-        "its folder's train.log; 1 (the default) runs them one after another in this process",
+        "machine's devices (a small policy's run leaves most of a GPU idle) and holding at "
+        "most 1/N of a GPU's memory (trainer.gpu_memory_fraction), its output in its "
+        "folder's train.log; 1 (the default) runs them one after another in this process",
     )
     add_print_config(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. trainer.epochs=2")

@@ -53,7 +53,10 @@ def engine_options(cfg: ClewConfig) -> EngineOptions:
         decode_attention=ie.decode_attention,
         prefill_attention=ie.prefill_attention,
         fused_pointwise=ie.fused_pointwise,
-        gpu_memory_utilization=ie.gpu_memory_utilization,
+        # The KV cache's share stays within the process's own (trainer.gpu_memory_fraction).
+        gpu_memory_utilization=min(
+            ie.gpu_memory_utilization, cfg.trainer.gpu_memory_fraction or 1.0
+        ),
         max_cache_mb=ie.max_cache_mb,
     )
 

@@ -151,6 +151,15 @@ class TrainerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where to train: 'auto' uses CUDA when available."
     )
+    gpu_memory_fraction: float | None = Field(
+        None,
+        description="The share of the GPU's memory, in (0, 1], that a run in one process may "
+        "hold (torch.cuda.set_per_process_memory_fraction): its caching allocator gives cached "
+        "blocks back before going past it, and the KV cache's share "
+        "(generator.inference_engine.gpu_memory_utilization) is held under it. For runs that "
+        "share a GPU: `clew train -m --jobs N` sets 1/N in each run it starts unless this is "
+        "set. null: no cap. Not with several workers placed on Ray (each has a GPU of its own).",
+    )
     bf16: bool = Field(
         True,
         description="Mixed precision on CUDA: bfloat16 compute over float32 weights (a frozen LoRA base loads in bfloat16); float32 elsewhere or when false.",

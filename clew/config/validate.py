@@ -263,6 +263,20 @@ def _rules(cfg: ClewConfig) -> list[str]:
             "both ask for several workers: set num_cpu_workers on a machine without GPUs, or "
             "the GPU keys, not both",
         )
+    if (share := tr.gpu_memory_fraction) is not None:
+        if not 0.0 < share <= 1.0:
+            fail(
+                "gpu-memory-fraction",
+                f"trainer.gpu_memory_fraction must be a share of the GPU's memory in (0, 1], "
+                f"or null for no cap; got {share}",
+            )
+        elif pl.num_gpus > 1 or pl.num_cpu_workers > 1:
+            fail(
+                "gpu-memory-fraction",
+                f"trainer.gpu_memory_fraction ({share}) caps a run in one process, but "
+                "trainer.placement places several workers on Ray, each on a GPU of its own: "
+                "leave it null",
+            )
     if pl.num_cpu_workers > 1 and tr.device == "cuda":
         fail(
             "one-kind-of-worker",

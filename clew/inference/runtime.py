@@ -38,6 +38,18 @@ def limit_host_threads(device: torch.device) -> None:
         torch.set_num_threads(min(ACCELERATOR_HOST_THREADS, torch.get_num_threads()))
 
 
+def limit_device_memory(device: torch.device, fraction: float | None) -> None:
+    """Cap this process's share of the GPU's memory at ``fraction`` (``None``: no cap).
+
+    torch's caching allocator keeps what a phase freed for the next, so several runs on one
+    GPU (``clew train -m --jobs N``) each grow to their own peak and hold it, and the
+    others run out of memory. Under the cap the allocator gives cached blocks back before
+    claiming more, and a run whose own need exceeds its share fails alone. No effect on a
+    CPU."""
+    if fraction is not None and device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+
+
 @dataclass
 class Policy:
     model: torch.nn.Module

@@ -34,7 +34,7 @@ from clew.config.settings import engine_options, optimizer_steps, worker_setting
 from clew.data.rows import read_rows, with_env_option
 from clew.envs.plugins import check_env_ids, import_env_modules, modules_env
 from clew.errors import ClewError, ConfigError
-from clew.inference.runtime import limit_host_threads, pick_device
+from clew.inference.runtime import limit_device_memory, limit_host_threads, pick_device
 from clew.metrics import make_loggers, with_ray_metrics
 from clew.metrics.progress import library_bars_unless_tty
 from clew.models.precision import policy_precision
@@ -196,6 +196,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
             allowed_tokens=allowed,
         )
     limit_host_threads(device)
+    limit_device_memory(device, t.gpu_memory_fraction)
     worker = PolicyWorker.from_pretrained(t.policy.model.path, settings, dtype=dtype, device=device)
     engine = options.build(worker.model, worker.chat, autocast=autocast)
     # A token text that is not one token fails here, before any rollout.

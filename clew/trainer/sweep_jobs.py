@@ -10,7 +10,9 @@ process) is its own exit code, recorded, not the sweep's end.
 
 Each child is ``clew train --config RUN_DIR`` on the combination's resolved config, written
 to ``RUN_DIR/config.yaml`` first (what the run saves anyway), its output in
-``RUN_DIR/train.log``. At most ``jobs`` run at once, in the sweep's order; as each ends its
+``RUN_DIR/train.log``; unless the run trains on the CPU or sets it, its
+``trainer.gpu_memory_fraction`` is ``1/jobs``, so no run's cached memory starves the others
+of the GPU's. At most ``jobs`` run at once, in the sweep's order; as each ends its
 row of ``sweep.json`` is updated as the in-process sweep updates it: ``finished`` (exit 0;
 ``finished.json`` holds the last evaluation it logged, ``last_eval``), ``failed`` (the log's
 last line as the error) or ``stopped``. SIGINT or SIGTERM to the sweep passes SIGTERM to
@@ -34,6 +36,7 @@ from typing import IO, Any
 
 from clew.config import ClewConfig, save_config
 from clew.errors import ConfigError
+from clew.trainer.pipeline import updated
 
 LOG_FILE = "train.log"
 POLL_S = 0.5  # how often the running children are checked
@@ -159,9 +162,19 @@ def child_env(jobs: int) -> dict[str, str]:
     return env
 
 
+def gpu_share(cfg: ClewConfig, jobs: int) -> ClewConfig:
+    """``cfg`` as a run among ``jobs`` on one machine: ``trainer.gpu_memory_fraction`` 1/jobs
+    (rounded down) unless it is set, or the run trains on the CPU, or runs alone. Without it
+    each run's caching allocator would hold its own peak and leave the others short."""
+    t = cfg.trainer
+    if jobs < 2 or t.device == "cpu" or t.gpu_memory_fraction is not None:
+        return cfg
+    return updated(cfg, {"trainer.gpu_memory_fraction": int(1000 / jobs) / 1000})
+
+
 def _start(index: int, run: Any, row: dict[str, Any], *, say, total: int, jobs: int) -> _Child:
     """Start the child of one combination, its config written where ``--config`` reads it."""
-    save_config(run.cfg, run.run_dir)
+    save_config(gpu_share(run.cfg, jobs), run.run_dir)
     log = (run.run_dir / LOG_FILE).open("ab")
     cmd = [sys.executable, "-m", "clew.cli", "train", "--config", str(run.run_dir)]
     # A session of its own: a terminal's Ctrl-C reaches the sweep alone, which passes one

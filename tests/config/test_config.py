@@ -23,6 +23,7 @@ from clew.config import (
 )
 from clew.config.ignored import reset_ignored_warnings
 from clew.config.keys import KEY_ALIASES, RETIRED_KEYS, RETIRED_VALUES, key_table
+from clew.config.settings import engine_options
 from clew.errors import ConfigError
 
 # The seed's SkyRL train_job.sh arguments, as the shell hands them over (outer quotes removed,
@@ -581,3 +582,22 @@ def test_every_alias_stands_for_a_real_key_and_is_listed_in_the_docs() -> None:
         assert key in key_table() and alias not in key_table()
         assert f"| `{alias}` | `{key}` |" in md
     assert "| `environment.env_class: visgym` | `environment.env_class: maze_2d` |" in md
+
+
+def test_a_gpu_memory_fraction_holds_the_kv_caches_share_under_it() -> None:
+    assert engine_options(load_config(None, [])).gpu_memory_utilization == 0.45
+    capped = load_config(None, ["trainer.gpu_memory_fraction=0.2"])
+    assert engine_options(capped).gpu_memory_utilization == 0.2
+
+
+@pytest.mark.parametrize("bad", ["0", "1.5", "-0.25"])
+def test_a_gpu_memory_fraction_outside_zero_to_one_is_refused(bad: str) -> None:
+    with pytest.raises(ConfigError, match=r"in \(0, 1\].*got"):
+        load_config(None, [f"trainer.gpu_memory_fraction={bad}"])
+
+
+def test_a_gpu_memory_fraction_is_refused_beside_workers_placed_on_ray() -> None:
+    with pytest.raises(ConfigError, match="GPU of its own"):
+        load_config(
+            None, ["trainer.gpu_memory_fraction=0.5", "trainer.placement.num_cpu_workers=2"]
+        )

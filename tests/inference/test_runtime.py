@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clew.inference.runtime import ACCELERATOR_HOST_THREADS, limit_host_threads
+from clew.inference.runtime import (
+    ACCELERATOR_HOST_THREADS,
+    limit_device_memory,
+    limit_host_threads,
+)
 
 
 @pytest.fixture
@@ -28,3 +32,24 @@ def test_an_explicit_omp_num_threads_is_left_alone(eight_threads, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     limit_host_threads(torch.device("cuda", 0))
     assert torch.get_num_threads() == 8
+
+
+def test_a_memory_share_leaves_a_cpu_process_alone() -> None:
+    limit_device_memory(torch.device("cpu"), 0.25)  # nothing to cap; must not touch CUDA
+
+
+@pytest.mark.gpu
+def test_a_memory_share_caps_what_the_process_may_allocate_on_the_gpu() -> None:
+    device = torch.device("cuda", 0)
+    total = torch.cuda.get_device_properties(device).total_memory
+    limit_device_memory(device, 0.01)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(total * 0.02), dtype=torch.uint8, device=device)
+        small = torch.empty(int(total * 0.005), dtype=torch.uint8, device=device)
+        del small
+    finally:
+        limit_device_memory(device, 1.0)
+        torch.cuda.empty_cache()
+    big = torch.empty(int(total * 0.02), dtype=torch.uint8, device=device)
+    del big

@@ -15,9 +15,10 @@ import pytest
 from support.tiny import digits_data, digits_policy
 
 from clew.cli import main
+from clew.config import load_config
 from clew.trainer import launch
 from clew.trainer.sweep import FINISHED_FILE, SUMMARY_FILE
-from clew.trainer.sweep_jobs import LOG_FILE, child_env, error_line, last_eval
+from clew.trainer.sweep_jobs import LOG_FILE, child_env, error_line, gpu_share, last_eval
 
 LR = "trainer.policy.optimizer_config.lr"
 
@@ -79,6 +80,8 @@ def test_two_runs_side_by_side_finish_in_their_own_processes_and_are_skipped_aft
         run = sweep / name
         assert (run / "metrics.jsonl").is_file() and (run / "exports").is_dir()
         assert "eval" in (run / LOG_FILE).read_text()  # the run's own output
+        # Each run's share of a GPU's memory: half, two side by side (device auto).
+        assert "gpu_memory_fraction: 0.5" in (run / "config.yaml").read_text()
         record = json.loads((run / FINISHED_FILE).read_text())
         assert record["last_eval"] == last_eval(run) and "eval/all/pass_at_1" in record["last_eval"]
     rows = _rows(tmp_path)
@@ -156,6 +159,17 @@ def test_each_run_gets_its_share_of_the_cores_unless_the_threads_are_set(monkeyp
     assert child_env(32)["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert child_env(4)["OMP_NUM_THREADS"] == "2"
+
+
+def test_each_run_gets_its_share_of_the_gpus_memory_unless_set_or_on_the_cpu():
+    def share(jobs: int, *overrides: str) -> float | None:
+        return gpu_share(load_config(None, list(overrides)), jobs).trainer.gpu_memory_fraction
+
+    assert share(4) == 0.25
+    assert share(3) == 0.333
+    assert share(1) is None  # alone: no cap
+    assert share(4, "trainer.device=cpu") is None
+    assert share(4, "trainer.gpu_memory_fraction=0.4") == 0.4
 
 
 def test_runs_placed_on_ray_are_refused_side_by_side(tmp_path, capsys):
