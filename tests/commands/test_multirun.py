@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support.tiny import digits_data, digits_policy
+from support.tiny import DIGITS_GRPO_SHAPE, digits_data, digits_policy
 
 from clew.cli import main
 from clew.config.sweep import parse_grid, short_keys, value_slugs
@@ -193,15 +193,7 @@ def test_a_sweep_of_two_tiny_runs_then_the_same_command_skips_both(
         "trainer.run_name=sweep",
         "trainer.logger=jsonl",
         "trainer.max_steps=1",
-        "trainer.train_batch_size=4",
-        "trainer.policy_mini_batch_size=4",
-        "trainer.micro_train_batch_size_per_gpu=8",
-        "trainer.hf_save_interval=-1",
-        "trainer.max_prompt_length=128",
-        "generator.n_samples_per_prompt=2",
-        "generator.max_turns=1",
-        "generator.sampling_params.max_generate_length=4",
-        "generator.max_input_length=512",
+        *DIGITS_GRPO_SHAPE,
         f"{LR}=1e-3,3e-3",
     ]
     assert main(argv) == 0

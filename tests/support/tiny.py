@@ -154,6 +154,21 @@ def policy_copy(dest: str | Path, **build_args: Any) -> Path:
     return Path(shutil.copytree(tiny_policy(**build_args), dest))
 
 
+# The smallest GRPO run over the digits rows: one-turn episodes of a few tokens, 4 prompts x
+# 2 samples a step, one micro-batch (the sweep tests' runs).
+DIGITS_GRPO_SHAPE = (
+    "trainer.train_batch_size=4",
+    "trainer.policy_mini_batch_size=4",
+    "trainer.micro_train_batch_size_per_gpu=8",
+    "trainer.hf_save_interval=-1",
+    "trainer.max_prompt_length=128",
+    "generator.n_samples_per_prompt=2",
+    "generator.max_turns=1",
+    "generator.sampling_params.max_generate_length=4",
+    "generator.max_input_length=512",
+)
+
+
 def digits_data(n: int, split: str = "train") -> Path:
     """A parquet of ``envs_for_tests.digits_rows(n, split)``, written once per process.
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.tiny import digits_data, digits_policy
+from support.tiny import DIGITS_GRPO_SHAPE, digits_data, digits_policy
 
 from clew.cli import main
 from clew.config import load_config
@@ -46,15 +46,7 @@ def _argv(tmp_path: Path, *extra: str) -> list[str]:
         "trainer.run_name=sweep",
         "trainer.logger=jsonl",
         "environment.modules=[envs_for_tests]",
-        "trainer.train_batch_size=4",
-        "trainer.policy_mini_batch_size=4",
-        "trainer.micro_train_batch_size_per_gpu=8",
-        "trainer.hf_save_interval=-1",
-        "trainer.max_prompt_length=128",
-        "generator.n_samples_per_prompt=2",
-        "generator.max_turns=1",
-        "generator.sampling_params.max_generate_length=4",
-        "generator.max_input_length=512",
+        *DIGITS_GRPO_SHAPE,
         *extra,
     ]
 
