@@ -23,10 +23,12 @@ what it buys (a recipe that does not set one runs ``after`` again):
 - ``eager_vision``: each turn's vision tower run eagerly
   (``generator.inference_engine.vision_cuda_graphs=false``);
 
-and a candidate the recipe does not set yet:
+and candidates the recipe does not set yet:
 
 - ``query_blocks``: the update's masked attention 512 queries at a time, each block over
-  the keys up to its end (``trainer.attention_query_block=512``).
+  the keys up to its end (``trainer.attention_query_block=512``);
+- ``flex``: every training forward's attention through FlexAttention under a block mask of
+  the batch's visibility (``trainer.flex_attention=true``).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first ``--warmup`` (which pay the start-up: the first step sizes the
@@ -78,6 +80,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "fused": {"generator.inference_engine.fused_pointwise": True},
     "threads": {"generator.env_workers": 0},
     "query_blocks": {"trainer.attention_query_block": 512},
+    "flex": {"trainer.flex_attention": True},
     "eager_vision": {"generator.inference_engine.vision_cuda_graphs": False},
 }
 

@@ -221,6 +221,14 @@ class TrainerConfig(Section):
         "query, skipping the mask's empty upper triangle: the same loss and gradients "
         "(clew.models.packed_attention, query blocks). null: one call over the whole square.",
     )
+    flex_attention: bool = Field(
+        False,
+        description="Attend every training forward's language layers (GRPO's update and "
+        "logprobs, SFT) through FlexAttention, compiled, under a block mask computed from the "
+        "batch's visibility (causal, old images hidden, packed sequences apart), so blocks "
+        "no query sees are skipped and no [W, W] mask is built. CUDA only. The same loss "
+        "and gradients (clew.models.packed_attention).",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute each decoder layer's activations in backward instead of "

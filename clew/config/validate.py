@@ -231,6 +231,18 @@ def _rules(cfg: ClewConfig) -> list[str]:
             f"trainer.attention_query_block must be >= 1 queries, or null for one attention "
             f"call over the whole square; got {block}",
         )
+    if tr.flex_attention and tr.attention_query_block is not None:
+        fail(
+            "flex-attention",
+            "trainer.flex_attention and trainer.attention_query_block are two ways to attend "
+            "the masked update: set one (FlexAttention skips the upper triangle itself)",
+        )
+    if tr.flex_attention and tr.device == "cpu":
+        fail(
+            "flex-attention",
+            "trainer.flex_attention=true needs a CUDA device (FlexAttention has no backward "
+            "on the CPU); with trainer.device=cpu set it false",
+        )
     for key in INTERVAL_KEYS:
         if (value := get_key(cfg, key)) < 1 and value != -1:
             fail("interval", f"{key} must be >= 1, or -1 for never; got {value}")

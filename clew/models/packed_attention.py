@@ -13,10 +13,16 @@ sequences of the same length go through one batched call (GRPO's samples often s
 length), so a micro-batch costs a handful of calls per layer. A sequence that hides old
 images (``generator.keep_last_k_images``) brings its own ``[n, n]`` visibility mask, and
 only where some image is really hidden; everything else runs SDPA's causal path. torch's
-FlexAttention would express the same block-sparse pattern, but on CPU it has no backward
-(torch 2.13) and without ``torch.compile`` it materialises the whole score matrix; torch's
-``varlen_attn`` is flash attention on CUDA only. Neither can be tested where clew's tests
-run, and the per-sequence calls give the same numbers.
+``varlen_attn`` is flash attention on CUDA only.
+
+FlexAttention (``packed_attention(model, flex=True)``, ``trainer.flex_attention``) expresses
+the same pattern, and the padded layout's, in one compiled call a layer: the batch brings a
+block mask computed from its visibility vectors (``clew.models.visibility``), and
+``flex_sdpa`` attends under it, skipping the blocks no query sees (above the diagonal, other
+sequences of a packed row). It is CUDA's alone for training: on CPU FlexAttention has no
+backward (torch 2.13), and inductor's CPU template fails to build some of its masks, so a
+CPU forward runs it uncompiled (every score computed), as tests do. transformers'
+``flex_attention`` implementation would compile it on the CPU too, hence this one.
 
 The layout reaches attention as a keyword argument of the model's forward
 (``packed_layout``), which transformers hands to every attention call; ``packed_attention``
@@ -52,16 +58,19 @@ from clew.errors import ClewError
 from clew.models.visibility import visibility_from_vectors
 
 __all__ = [
+    "FLEX",
     "IMPLEMENTATION",
     "QUERY_BLOCK",
     "PackedLayout",
     "QueryGroup",
     "causal_block_sdpa",
+    "flex_sdpa",
     "packed_attention",
     "packed_sdpa",
 ]
 
 IMPLEMENTATION = "clew_packed_sdpa"
+FLEX = "clew_flex_attention"
 QUERY_BLOCK = "_clew_query_block"  # the config attribute packed_attention(query_block=) sets
 
 
@@ -234,9 +243,55 @@ def causal_block_sdpa(
     return torch.cat(outputs, dim=1), None
 
 
+_compiled_flex: Any = None
+
+
+def flex_sdpa(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function signature, under ``attention_mask``, FlexAttention's
+    block mask (``clew.models.visibility.visibility_block_mask``); returns ``[B, W, H, D]``.
+    Compiled on CUDA (once; later shapes reuse or extend the compiled kernel), uncompiled on
+    the CPU (module docstring)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if not isinstance(attention_mask, BlockMask):
+        raise ClewError(
+            f"FlexAttention got a {type(attention_mask).__name__} mask; its forwards take the "
+            f"batch's block mask (ModelBatch.model_inputs(flex=True))"
+        )
+    if dropout and module.training:
+        raise ClewError("FlexAttention here has no attention dropout; set it to 0")
+    attend = flex_attention
+    if query.device.type == "cuda":
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention)
+        attend = _compiled_flex
+    out = attend(
+        query,
+        key,
+        value,
+        block_mask=attention_mask,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2), None
+
+
 AttentionInterface.register(IMPLEMENTATION, packed_sdpa)
-# Batches without a layout keep SDPA's own masks (padding), built the same way.
-AttentionMaskInterface.register(IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+AttentionInterface.register(FLEX, flex_sdpa)
+# Batches without a layout keep SDPA's own masks (padding), built the same way. A flex
+# forward's mask is always the batch's 4D block mask, which transformers passes on as it is.
+for _name in (IMPLEMENTATION, FLEX):
+    AttentionMaskInterface.register(_name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def _language_configs(model: torch.nn.Module) -> list[Any]:
@@ -248,15 +303,19 @@ def _language_configs(model: torch.nn.Module) -> list[Any]:
 
 
 @contextlib.contextmanager
-def packed_attention(model: torch.nn.Module, query_block: int | None = None) -> Iterator[None]:
+def packed_attention(
+    model: torch.nn.Module, query_block: int | None = None, flex: bool = False
+) -> Iterator[None]:
     """Run ``model``'s language attention through ``packed_sdpa`` for the block; forwards
     of packed rows (and the backward of any that gradient checkpointing recomputes) must
     run inside it. ``query_block``: padded causal forwards under a 4D mask attend that many
-    queries at a time (module docstring). Restores what was set before on the way out."""
+    queries at a time (module docstring). ``flex``: through ``flex_sdpa`` instead, for
+    forwards whose mask is a block mask (``ModelBatch.model_inputs(flex=True)``).
+    Restores what was set before on the way out."""
     configs = _language_configs(model)
     before = [(c._attn_implementation, getattr(c, QUERY_BLOCK, None)) for c in configs]
     for c in configs:
-        c._attn_implementation = IMPLEMENTATION
+        c._attn_implementation = FLEX if flex else IMPLEMENTATION
         setattr(c, QUERY_BLOCK, query_block)
     try:
         yield

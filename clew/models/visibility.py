@@ -9,12 +9,21 @@ a 4D attention mask from where each observation chunk started.
 A token's *epoch* is the observation chunk it was fed with: the tokens of chunk ``j`` and
 the reply that follows it, except the reply's last token, which the engine feeds at the
 start of chunk ``j + 1`` (it is sampled last and fed with the next observation).
+
+The same visibility also comes as FlexAttention's block mask (``visibility_block_mask``),
+computed from the vectors a block at a time instead of held as ``[B, W, W]`` entries, so
+that attention skips the blocks no query of it sees (``trainer.flex_attention``).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 
 def _run_starts(token_ids: list[int], image_token_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -90,3 +99,40 @@ def visibility_mask(
     )
     n = torch.tensor([len(token_ids)])
     return visibility_from_vectors(hidden_below[None], image_of_key[None], n)[0, 0]
+
+
+def visibility_block_mask(
+    lengths: torch.Tensor,
+    width: int,
+    hidden_below: torch.Tensor | None = None,
+    image_of_key: torch.Tensor | None = None,
+    document: torch.Tensor | None = None,
+) -> BlockMask:
+    """FlexAttention's block mask over ``[B, W]`` rows (``W = width``) whose real lengths are
+    ``lengths [B]``, on their device: each query sees its causal past among its row's real
+    keys, minus the images hidden from it (``hidden_below`` / ``image_of_key``, both or
+    neither) and, with ``document``, the keys of other sequences packed in its row.
+
+    Real queries see what ``visibility_from_vectors`` lets them see. Unlike there, a padded
+    query of a packed row sees nothing (FlexAttention gives it a zero output), which no real
+    position reads. On CUDA the mask is built by a compiled kernel, never whole.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if (hidden_below is None) != (image_of_key is None):
+        raise ValueError("hidden_below and image_of_key come together, or neither")
+
+    def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        seen = (k <= q) & (k < lengths[b])
+        if hidden_below is not None and image_of_key is not None:
+            image = image_of_key[b, k]
+            seen = seen & ((image < 0) | (image >= hidden_below[b, q]))
+        if document is not None:
+            seen = seen & (document[b, q] == document[b, k])
+        return seen
+
+    device = lengths.device
+    rows = lengths.shape[0]
+    return create_block_mask(
+        visible, rows, None, width, width, device=device, _compile=device.type == "cuda"
+    )

@@ -59,10 +59,12 @@ def _run(
     keep: Tensor,
     dtype: torch.dtype,
     logits_to_keep: Tensor,
+    flex: bool = False,
 ) -> Any:
     """The model's forward on ``batch``; a packed batch's attention must have kept to each
-    sequence (``clew.models.packed_attention``), which is checked, as it fails silently."""
-    inputs = batch.model_inputs(keep.device, dtype)
+    sequence (``clew.models.packed_attention``), which is checked, as it fails silently.
+    ``flex``: the mask is FlexAttention's block mask (``trainer.flex_attention``)."""
+    inputs = batch.model_inputs(keep.device, dtype, flex=flex)
     out = model(**inputs, logits_to_keep=logits_to_keep, use_cache=False)
     layout = inputs.get("packed_layout")
     if layout is not None and layout.calls == 0:
@@ -79,32 +81,37 @@ def logits_at(
     keep: Tensor,
     dtype: torch.dtype,
     keep_host: Tensor | None = None,
+    flex: bool = False,
 ) -> Tensor:
     """The model's logits ``[K, V]`` at the K positions where ``keep [B, L]`` is True, row-major.
 
     Only those positions go through the output projection (see the module docstring).
     ``dtype`` is the dtype attention computes in (for the additive attention mask).
     ``keep_host``: ``keep`` on the host, where the positions are then found without
-    waiting for the device.
+    waiting for the device. ``flex``: as ``_run``'s.
     """
     if BOOLEAN_LOGITS_TO_KEEP:
-        return _run(model, batch, keep, dtype, keep).logits
+        return _run(model, batch, keep, dtype, keep, flex).logits
     # Older transformers (5.17, the oldest supported) take only positions shared by the whole
     # batch; project the union of the rows' positions there and pick each row's own.
     host = keep.cpu() if keep_host is None else keep_host
     cols = host.any(0).nonzero().squeeze(-1)
     picked = host[:, cols].reshape(-1).nonzero().squeeze(-1)
-    out = _run(model, batch, keep, dtype, to_device(cols, keep.device))
+    out = _run(model, batch, keep, dtype, to_device(cols, keep.device), flex)
     logits = out.logits.reshape(-1, out.logits.shape[-1])
     return logits.index_select(0, to_device(picked, keep.device))
 
 
 def hidden_at(
-    model: torch.nn.Module, batch: ModelBatch, keep: Tensor, dtype: torch.dtype
+    model: torch.nn.Module,
+    batch: ModelBatch,
+    keep: Tensor,
+    dtype: torch.dtype,
+    flex: bool = False,
 ) -> Tensor:
     """The language model's final hidden states ``[K, H]`` (after its last norm: what the
     output projection reads) at the K positions where ``keep [B, L]`` is True, row-major.
-    No position goes through the output projection."""
+    No position goes through the output projection. ``flex``: as ``_run``'s."""
     if not hasattr(model, "get_decoder"):
         raise ClewError(f"{type(model).__name__} does not name its language model (get_decoder)")
     captured: list[Tensor] = []
@@ -118,7 +125,7 @@ def hidden_at(
     )
     handle = model.get_decoder().register_forward_hook(grab)
     try:
-        out = _run(model, batch, keep, dtype, nothing)
+        out = _run(model, batch, keep, dtype, nothing, flex)
     finally:
         handle.remove()
     # Plus 0 times the model's own (empty) logits: its output stays first in backward, as
@@ -165,7 +172,12 @@ class PolicyForward:
         keep = self._keep(batch)
         with self._autocast():
             logits = logits_at(
-                model, batch, to_device(keep, self.device), self.compute_dtype, keep_host=keep
+                model,
+                batch,
+                to_device(keep, self.device),
+                self.compute_dtype,
+                keep_host=keep,
+                flex=self.settings.flex_attention,
             )
         logits = mask_banned(logits.float(), self.banned)
         return keep_allowed(logits, self.allowed_ids(allowed)) if allowed else logits
@@ -188,7 +200,9 @@ class PolicyForward:
         if chunk := self.settings.logprobs_chunk_size:
             with self._autocast():
                 keep = to_device(self._keep(batch), self.device)
-                hidden = hidden_at(model, batch, keep, self.compute_dtype)
+                hidden = hidden_at(
+                    model, batch, keep, self.compute_dtype, self.settings.flex_attention
+                )
                 out = token_logprobs(
                     hidden,
                     model.get_output_embeddings(),
@@ -272,9 +286,10 @@ class PolicyForward:
     def _packing(
         self, model: torch.nn.Module, pack: bool = False
     ) -> contextlib.AbstractContextManager:
-        """Per-sequence attention for the block when its batches may be packed, and padded
-        forwards' attention by query blocks with ``attention_query_block``."""
-        block = self.settings.attention_query_block
-        if pack or self.settings.remove_padding or block:
-            return packed_attention(model, query_block=block)
+        """Per-sequence attention for the block when its batches may be packed, padded
+        forwards' attention by query blocks with ``attention_query_block``, and every
+        forward's through FlexAttention with ``flex_attention``."""
+        block, flex = self.settings.attention_query_block, self.settings.flex_attention
+        if pack or self.settings.remove_padding or block or flex:
+            return packed_attention(model, query_block=block, flex=flex)
         return contextlib.nullcontext()

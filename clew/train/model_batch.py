@@ -31,7 +31,11 @@ from clew.models.chat import ChatFormat
 from clew.models.packed_attention import PackedLayout
 from clew.models.pixels import Pixels, as_patches, cat_pixels
 from clew.models.positions import sequence_positions
-from clew.models.visibility import hiding_vectors, visibility_from_vectors
+from clew.models.visibility import (
+    hiding_vectors,
+    visibility_block_mask,
+    visibility_from_vectors,
+)
 
 T = TypeVar("T")
 
@@ -116,20 +120,29 @@ class ModelBatch:
         return int(self.target_mask.sum().item())
 
     def model_inputs(
-        self, device: torch.device | str, dtype: torch.dtype = torch.float32
+        self, device: torch.device | str, dtype: torch.dtype = torch.float32, flex: bool = False
     ) -> dict[str, Any]:
         """Keyword arguments of the model's forward, on ``device``.
 
         With ``visibility``, the attention mask is a 4D additive mask in ``dtype`` (0 where
         attention is allowed), which transformers passes to attention as it is. Packed rows
         pass no mask but a ``packed_layout`` (``clew.models.packed_attention``): the
-        forward must then run inside ``packed_attention(model)``.
+        forward must then run inside ``packed_attention(model)``. ``flex``: every layout's
+        mask is FlexAttention's block mask instead (``visibility_block_mask``), for a forward
+        inside ``packed_attention(model, flex=True)``.
         """
         inputs: dict[str, Any] = {
             "input_ids": to_device(self.input_ids, device),
             "position_ids": to_device(self.position_ids, device),
         }
-        if self.document is not None:
+        if flex:
+            vectors = (self.hidden_below, self.image_of_key, self.document)
+            inputs["attention_mask"] = visibility_block_mask(
+                to_device(torch.tensor(self.lengths), device),
+                self.input_ids.shape[1],
+                *(None if v is None else to_device(v, device) for v in vectors),
+            )
+        elif self.document is not None:
             inputs["attention_mask"] = None
             inputs["packed_layout"] = PackedLayout.build(
                 self.document, self.hidden_below, self.image_of_key, device

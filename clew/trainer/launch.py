@@ -80,9 +80,13 @@ def placement_device(cfg: ClewConfig) -> tuple[torch.device, bool]:
         check_gpus(placement_settings(pl), found, where)
     if on_gpus:
         return torch.device("cuda"), True
-    if pl.num_cpu_workers > 1:
-        return torch.device("cpu"), False
-    return pick_device(t.device), False
+    device = torch.device("cpu") if pl.num_cpu_workers > 1 else pick_device(t.device)
+    if t.flex_attention and device.type != "cuda":
+        raise ConfigError(
+            f"trainer.flex_attention=true needs a CUDA device, and this run's policy is on "
+            f"{device.type} (FlexAttention has no backward there): set it false"
+        )
+    return device, False
 
 
 def _gpu_from_cluster(cfg: ClewConfig) -> bool:
@@ -176,6 +180,7 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
         max_tokens_per_microbatch=max(t.max_tokens_per_microbatch, 0) or None,  # -1: off
         logprobs_chunk_size=t.logprobs_chunk_size,
         attention_query_block=t.attention_query_block,
+        flex_attention=t.flex_attention,
     )
     options = engine_options(cfg)
     allowed = [

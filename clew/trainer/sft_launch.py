@@ -115,6 +115,7 @@ def _run_sft_stage(cfg: ClewConfig, eval_fn: EvalFn | None) -> SFTResult:
         gradient_checkpointing=cfg.trainer.gradient_checkpointing,
         logprobs_chunk_size=cfg.trainer.logprobs_chunk_size,
         attention_query_block=cfg.trainer.attention_query_block,
+        flex_attention=cfg.trainer.flex_attention,
     )
     workers = cfg.trainer.placement.num_workers
     engine = engine_options(cfg)  # evaluations and DAgger episodes run on the run's engine

@@ -21,7 +21,7 @@ from clew.models.token_logprobs import token_logprobs
 from clew.train import PolicyWorker, PPOSettings, WorkerSettings
 from clew.train import forward as forward_module
 from clew.train.forward import logits_at
-from clew.train.model_batch import Sample, collate, token_micro_batches
+from clew.train.model_batch import collate, token_micro_batches
 from clew.train.objectives import GradientPass, sft_objective
 from clew.train.training_batch import TrainingBatch
 from clew.trainer.demonstrations import demonstrations
@@ -50,23 +50,6 @@ SWITCHES = {
 
 
 SFT_SWITCHES = ["trainer.gradient_checkpointing=true", "trainer.logprobs_chunk_size=16"]
-
-
-@pytest.fixture(scope="module")
-def seqs(chat) -> list:
-    """Maze episodes of mixed lengths with images, some hiding all but their latest frame
-    (so packed sequences bring their own visibility masks), and one text-only sequence."""
-    rows = generate_rows("maze_2d/tiny", 8, env_options=OPTIONS)
-    demos = sorted(
-        demonstrations(rows, chat, detour_prob=0.4, seed=3, start_anywhere=1.0),
-        key=lambda d: len(d.token_ids),
-    )
-    out = demos[:2] + demos[-2:]
-    for d in out[::2]:
-        d.image_window = 1
-    ids = chat.encode_text("go left then up and then right again")
-    out.insert(2, Sample(ids, [0] * (len(ids) - 3) + [1] * 3))
-    return out
 
 
 def turns(seq) -> int:

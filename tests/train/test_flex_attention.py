@@ -1,0 +1,118 @@
+"""``trainer.flex_attention``: training forwards through FlexAttention under a block mask of
+the batch's visibility give the dense mask's logprobs, loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+from transformers import AttentionInterface
+
+from clew.config import load_config
+from clew.errors import ClewError, ConfigError
+from clew.models.packed_attention import FLEX, flex_sdpa
+from clew.train import PolicyWorker, PPOSettings, WorkerSettings
+from clew.train.model_batch import collate
+from clew.train.training_batch import TrainingBatch
+from clew.trainer.launch import build_worker_group
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def make_worker(model_dir, device: str = "cpu", **settings) -> PolicyWorker:
+    torch.manual_seed(0)  # the same LoRA initialisation for every worker
+    return PolicyWorker.from_pretrained(model_dir, WorkerSettings(**settings), device=device)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
+def test_the_block_mask_shows_each_real_query_what_the_dense_mask_does(chat, seqs, pack):
+    batch = collate(seqs, chat, pack=pack, row_width=10_000 if pack else None)
+    rows, width = batch.input_ids.shape
+    block_mask = batch.model_inputs("cpu", flex=True)["attention_mask"]
+    got = create_mask(block_mask.mask_mod, rows, 1, width, width, device="cpu")
+    want = batch.visibility
+    real = torch.arange(width)[None, :] < torch.tensor(batch.lengths)[:, None]
+    assert torch.equal(got[:, 0][real], want[:, 0][real])
+    # Something is hidden beyond causality: the test compares more than two causal masks.
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    assert not torch.equal(got[:, 0][real], causal.expand(rows, -1, -1)[real])
+
+
+@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
+def test_flex_attention_scores_the_dense_masks_logprobs(
+    model_dir, seqs, remove_padding, monkeypatch
+):
+    """The forward alone: on the CPU FlexAttention has no backward."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return flex_sdpa(*args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, FLEX, counted)
+    plain = make_worker(model_dir, lora_rank=4, remove_padding=remove_padding)
+    flex = make_worker(model_dir, lora_rank=4, remove_padding=remove_padding, flex_attention=True)
+    want = plain.compute_logprobs(seqs, 0.8, micro_batch_size=2)
+    assert not calls
+    got = flex.compute_logprobs(seqs, 0.8, micro_batch_size=2)
+    layers = flex.model.config.text_config.num_hidden_layers
+    assert len(calls) >= layers  # every layer of every forward (3 micro-batches padded)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=0)
+    assert flex.model.config.text_config._attn_implementation == "sdpa"  # restored
+
+
+def test_flex_attention_refuses_a_dense_mask():
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ClewError, match="block mask"):
+        flex_sdpa(torch.nn.Module(), q, q, q, torch.zeros(1, 1, 4, 4))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.device=cpu"], "needs a CUDA device"),
+        (["trainer.attention_query_block=64"], "set one"),
+    ],
+)
+def test_flex_attention_is_refused_on_the_cpu_and_beside_query_blocks(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["trainer.flex_attention=true", *overrides])
+
+
+def test_a_run_whose_policy_lands_on_the_cpu_is_refused_flex_attention(model_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_config(
+        None, [f"trainer.policy.model.path={model_dir}", "trainer.flex_attention=true"]
+    )
+    with pytest.raises(ConfigError, match="policy is on cpu"):
+        build_worker_group(cfg, num_train_rows=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
+def test_flex_attention_gives_the_dense_masks_ppo_loss_and_gradient(
+    model_dir, seqs, remove_padding
+):
+    settings = PPOSettings(micro_batch_size=2, forward_micro_batch_size=3, temperature=0.9)
+    workers = [
+        make_worker(model_dir, "cuda", remove_padding=remove_padding, flex_attention=flex)
+        for flex in (False, True)
+    ]
+    gen = torch.Generator().manual_seed(0)
+    old = workers[0].compute_logprobs(seqs)
+    advantages = torch.randn(len(seqs), generator=gen)
+    batch = TrainingBatch(seqs, advantages, [lp - 0.05 for lp in old])
+    want, got = (w.accumulate_gradients(batch, settings) for w in workers)
+    assert got is not None and want is not None
+    for k in want:
+        assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
+    grads = [
+        torch.cat([p.grad.flatten() for p in w.model.parameters() if p.grad is not None])
+        for w in workers
+    ]
+    scale = grads[0].abs().max().item()
+    assert scale > 0
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5 * scale, rtol=1e-4)
