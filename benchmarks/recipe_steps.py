@@ -28,7 +28,9 @@ and candidates the recipe does not set yet:
 - ``query_blocks``: the update's masked attention 512 queries at a time, each block over
   the keys up to its end (``trainer.attention_query_block=512``);
 - ``flex``: every training forward's attention through FlexAttention under a block mask of
-  the batch's visibility (``trainer.flex_attention=true``).
+  the batch's visibility (``trainer.flex_attention=true``);
+- ``flex_whole``: the same with one micro-batch a mini-batch (96 trajectories a pass, half
+  the passes; with the dense mask it ran out of an H100's memory).
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first ``--warmup`` (which pay the start-up: the first step sizes the
@@ -81,6 +83,11 @@ VARIANTS: dict[str, dict[str, object]] = {
     "threads": {"generator.env_workers": 0},
     "query_blocks": {"trainer.attention_query_block": 512},
     "flex": {"trainer.flex_attention": True},
+    "flex_whole": {
+        "trainer.flex_attention": True,
+        "trainer.micro_train_batch_size_per_gpu": 96,
+        "trainer.micro_forward_batch_size_per_gpu": 96,
+    },
     "eager_vision": {"generator.inference_engine.vision_cuda_graphs": False},
 }
 
