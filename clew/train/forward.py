@@ -33,17 +33,16 @@ from clew.models.packed_attention import packed_attention
 from clew.models.pixels import as_patches
 from clew.models.precision import bf16_autocast
 from clew.models.token_logprobs import token_logprobs
+from clew.train.micro_batches import micro_batches as chunked
+from clew.train.micro_batches import pack_rows, token_micro_batches
 from clew.train.model_batch import (
     ModelBatch,
     SequenceLike,
     Vision,
     collate,
     encode_vision,
-    pack_rows,
     to_device,
-    token_micro_batches,
 )
-from clew.train.model_batch import micro_batches as chunked
 from clew.train.objectives import TargetOutputs
 from clew.train.settings import WorkerSettings
 

@@ -19,8 +19,8 @@ from torch import Tensor
 
 from clew.algorithms import LogprobGap
 from clew.train.logprob_guard import gap_of_scores, guard_metrics, observing
+from clew.train.micro_batches import micro_batches as chunked
 from clew.train.model_batch import Vision
-from clew.train.model_batch import micro_batches as chunked
 from clew.train.objectives import GradientPass, ppo_objective
 from clew.train.settings import PPOSettings
 from clew.train.training_batch import TrainingBatch

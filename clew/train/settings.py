@@ -32,7 +32,7 @@ class WorkerSettings:
     recomputed logprobs match the update's): ``remove_padding`` lays each micro-batch's
     sequences end to end in one row with no padding, each attending only to itself
     (``clew.models.packed_attention``); ``max_tokens_per_microbatch`` forms micro-batches by
-    tokens instead of by sequence count (``clew.train.model_batch.token_micro_batches``);
+    tokens instead of by sequence count (``clew.train.micro_batches.token_micro_batches``);
     ``logprobs_chunk_size`` computes logprobs and entropies from the final hidden states
     that many tokens at a time (``clew.models.token_logprobs``), never holding the whole
     ``[tokens, vocabulary]`` logits. ``gradient_checkpointing`` recomputes each decoder

@@ -7,7 +7,8 @@ import torch
 
 from clew.data.rows import generate_rows
 from clew.train import PolicyWorker, WorkerSettings
-from clew.train.model_batch import collate, pack_rows
+from clew.train.micro_batches import pack_rows
+from clew.train.model_batch import collate
 from clew.train.objectives import GradientPass, sft_objective
 from clew.trainer.demonstrations import demonstrations
 

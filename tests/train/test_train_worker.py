@@ -19,7 +19,8 @@ from clew.rollout.trajectory import Trajectory
 from clew.train import PolicyWorker, PPOSettings, WorkerSettings
 from clew.train import forward as forward_module
 from clew.train.lora import merged_for_rollouts
-from clew.train.model_batch import Sample, collate, micro_batches, target_values
+from clew.train.micro_batches import micro_batches
+from clew.train.model_batch import Sample, collate, target_values
 from clew.train.training_batch import TrainingBatch, share_sizes
 
 OPTIONS = {"cell_px": 28, "action_format": "keyword"}

@@ -21,7 +21,8 @@ from clew.models.token_logprobs import token_logprobs
 from clew.train import PolicyWorker, PPOSettings, WorkerSettings
 from clew.train import forward as forward_module
 from clew.train.forward import logits_at
-from clew.train.model_batch import collate, token_micro_batches
+from clew.train.micro_batches import token_micro_batches
+from clew.train.model_batch import collate
 from clew.train.objectives import GradientPass, sft_objective
 from clew.train.training_batch import TrainingBatch
 from clew.trainer.demonstrations import demonstrations
