@@ -13,6 +13,7 @@ from clew.errors import ClewError, ConfigError
 from clew.models.packed_attention import FLEX, flex_sdpa
 from clew.train import PolicyWorker, PPOSettings, WorkerSettings
 from clew.train.model_batch import collate
+from clew.train.objectives import GradientPass, sft_objective
 from clew.train.training_batch import TrainingBatch
 from clew.trainer.launch import build_worker_group
 
@@ -90,15 +91,31 @@ def test_a_run_whose_policy_lands_on_the_cpu_is_refused_flex_attention(model_dir
         build_worker_group(cfg, num_train_rows=4)
 
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+LAYOUTS = {
+    "padded": {},
+    "packed": {"remove_padding": True},
+    "checkpointed": {"gradient_checkpointing": True},
+}
+
+
+def gradient(worker: PolicyWorker) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in worker.model.parameters() if p.grad is not None])
+
+
+def assert_same_gradient(got: torch.Tensor, want: torch.Tensor) -> None:
+    scale = want.abs().max().item()
+    assert scale > 0
+    torch.testing.assert_close(got, want, atol=1e-5 * scale, rtol=1e-4)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("remove_padding", [False, True], ids=["padded", "packed"])
-def test_flex_attention_gives_the_dense_masks_ppo_loss_and_gradient(
-    model_dir, seqs, remove_padding
-):
+@needs_cuda
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_flex_attention_gives_the_dense_masks_ppo_loss_and_gradient(model_dir, seqs, layout):
     settings = PPOSettings(micro_batch_size=2, forward_micro_batch_size=3, temperature=0.9)
     workers = [
-        make_worker(model_dir, "cuda", remove_padding=remove_padding, flex_attention=flex)
+        make_worker(model_dir, "cuda", flex_attention=flex, **LAYOUTS[layout])
         for flex in (False, True)
     ]
     gen = torch.Generator().manual_seed(0)
@@ -109,10 +126,22 @@ def test_flex_attention_gives_the_dense_masks_ppo_loss_and_gradient(
     assert got is not None and want is not None
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
-    grads = [
-        torch.cat([p.grad.flatten() for p in w.model.parameters() if p.grad is not None])
-        for w in workers
-    ]
-    scale = grads[0].abs().max().item()
-    assert scale > 0
-    torch.testing.assert_close(grads[1], grads[0], atol=1e-5 * scale, rtol=1e-4)
+    assert_same_gradient(gradient(workers[1]), gradient(workers[0]))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_flex_attention_gives_a_packed_sft_steps_loss_and_gradient(model_dir, seqs):
+    demos = [s for s in seqs if s.images]
+    stats, gradients = [], []
+    for flex in (False, True):
+        worker = make_worker(model_dir, "cuda", pack_sequences=True, flex_attention=flex)
+        out = worker.accumulate(
+            demos,
+            range(len(demos)),
+            GradientPass(sft_objective, worker.vision(demos), 2, pack=True),
+        )
+        stats.append(out)
+        gradients.append(gradient(worker))
+    assert stats[1]["loss"] == pytest.approx(stats[0]["loss"], rel=1e-5)
+    assert_same_gradient(gradients[1], gradients[0])
