@@ -82,3 +82,54 @@ def test_the_easy_recipe_chains_sft_and_grpo_from_scratch() -> None:
     assert cfg.pipeline.dataset.env_id == "maze_2d/easy"
     assert cfg.pipeline.test.rows == 1024
     check_stages(cfg)
+
+
+def test_the_easy_recipe_runs_its_whole_chain_on_the_cpu_made_tiny(tmp_path, one_thread) -> None:
+    """Every stage with the recipe's own settings (DAgger rounds, the current frame only,
+    the forced action format, the selection set, the best policy kept, the test stage), at
+    a size that runs in seconds, before any device time goes to the full run."""
+    import json
+
+    from clew.cli import main
+
+    out = tmp_path / "easy"
+    tiny = [
+        "pipeline.model.preset=tiny",
+        "pipeline.dataset.train_rows=64",
+        "pipeline.dataset.eval_rows=4",
+        "pipeline.dataset.select_rows=4",
+        "pipeline.test.rows=4",
+        "sft.steps=2",
+        "sft.batch_size=4",
+        "sft.micro_batch_size=4",
+        "sft.eval_interval=1",
+        "sft.dagger.interval=1",
+        "sft.dagger.rows=4",
+        "sft.optimizer_config.num_warmup_steps=1",
+        "trainer.max_steps=2",
+        "trainer.train_batch_size=2",
+        "trainer.policy_mini_batch_size=2",
+        "generator.n_samples_per_prompt=2",
+        "trainer.micro_train_batch_size_per_gpu=4",
+        "trainer.micro_forward_batch_size_per_gpu=4",
+        "trainer.eval_interval=1",
+        "trainer.ckpt_interval=1",
+        "trainer.hf_save_interval=1",
+        "trainer.device=cpu",
+        "generator.max_turns=6",
+    ]
+    args = ["pipeline", "--config", str(RECIPES / "easy-1gpu.yaml"), "--output-dir", str(out)]
+    assert main([*args, *tiny]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["test_rows"] == 4
+    for key in ("sft_pass_at_1", "final_pass_at_1", "best_select_pass_at_1"):
+        assert 0.0 <= summary[key] <= 1.0
+    assert (out / "sft" / "exports" / "final" / "policy").is_dir()
+    assert (out / "grpo" / "exports" / "best" / "policy").is_dir()
+    saved = load_config(out / "grpo" / "config.yaml")
+    assert saved.generator.keep_last_k_images == 1
+    assert saved.generator.sampling_params.allowed_tokens == ["up", "down", "left", "right", "stop"]
+    assert saved.trainer.algorithm.advantage_estimator == "gigpo"
+    # Run again, the same command goes on where it stopped: every stage is skipped.
+    assert main([*args, *tiny]) == 0
+    assert json.loads((out / "summary.json").read_text()) == summary
