@@ -71,6 +71,7 @@ from bounds import add_hardware_flags, grpo_step_floor, hardware, model_sizes  #
 from step_profile import profiled_phases  # noqa: E402
 
 from clew.config import load_config  # noqa: E402
+from clew.inference.runtime import pick_device  # noqa: E402
 from clew.trainer.launch import run_dir_of, run_grpo  # noqa: E402
 from clew.trainer.pipeline import run_pipeline, updated  # noqa: E402
 
@@ -90,6 +91,8 @@ VARIANTS: dict[str, dict[str, object]] = {
     },
     "eager_vision": {"generator.inference_engine.vision_cuda_graphs": False},
 }
+# Variants whose settings train on CUDA alone (FlexAttention has no backward on a CPU).
+CUDA_ONLY = {"flex", "flex_whole"}
 
 
 def main() -> None:
@@ -160,7 +163,11 @@ def main() -> None:
             f"{'speed-up':>8} {'eval s':>7} {'tokens':>7}"
         )
         first, heads = None, []
+        on_cuda = pick_device(args.device).type == "cuda"
         for name in names:
+            if name in CUDA_ONLY and not on_cuda:
+                print(f"{name:<10} needs a CUDA device: not run")
+                continue
             run_cfg = updated(cfg, {"trainer.run_name": name, **VARIANTS[name]})
             profiling = (
                 profiled_phases(args.profile, args.steps)

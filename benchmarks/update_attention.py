@@ -22,9 +22,11 @@ queries, keys and values, forward and backward, with each kernel choice:
 Each mask, dense or block, is built once a micro-batch (as the update builds it once for all
 layers), outside the timed calls.
 
-Printed per micro-batch width: milliseconds a call (median of ``--steps`` after
-``--warmup``), the speed-up over ``dense``, and the largest difference of the outputs and of
-the query gradients from ``dense``'s over the real (unpadded) queries.
+Printed per micro-batch width: the share of the square's blocks (128 x 128 tokens) the block
+mask leaves FlexAttention to compute (``dense`` computes them all), then per kernel the
+milliseconds a call (median of ``--steps`` after ``--warmup``), the speed-up over ``dense``,
+and the largest difference of the outputs and of the query gradients from ``dense``'s over
+the real (unpadded) queries.
 
     python benchmarks/update_attention.py --device cuda
     python benchmarks/update_attention.py --rows 16 --micro-batch 8 --steps 1 --warmup 0 \\
@@ -146,7 +148,7 @@ def main() -> None:
         f"last {args.keep_last_k} image(s) kept; {args.heads}/{args.kv_heads} heads of "
         f"{args.head_dim}, {dtype}, {device}; ms a call, forward and backward"
     )
-    print(f"{'width':>6} {'rows':>5} " + " ".join(f"{n:>22}" for n in fns))
+    print(f"{'width':>6} {'rows':>5} {'blocks':>7} " + " ".join(f"{n:>22}" for n in fns))
     gen = torch.Generator().manual_seed(0)
     for batch in micro_batches(args):
         b, w = batch.input_ids.shape
@@ -165,7 +167,7 @@ def main() -> None:
             try:
                 seconds, out, dq = _timed(fn, qkv, mask, block_mask, grad, args, device)
             except Exception as exc:  # a kernel this device or torch lacks is a figure too
-                cells.append(f"{type(exc).__name__:>22}"[:22])
+                cells.append(f"{'unavailable: ' + type(exc).__name__:>22}")
                 continue
             out, dq = out[real.to(device)].float(), dq.transpose(1, 2)[real.to(device)].float()
             reference = reference or (seconds, out, dq)
@@ -173,7 +175,16 @@ def main() -> None:
                 (out - reference[1]).abs().max().item(), (dq - reference[2]).abs().max().item()
             )
             cells.append(f"{seconds * 1e3:8.2f} {reference[0] / seconds:5.2f}x {diff:7.1e}")
-        print(f"{w:>6} {b:>5} " + " ".join(cells))
+        print(f"{w:>6} {b:>5} {_block_share(block_mask):>7.1%} " + " ".join(cells))
+
+
+def _block_share(block_mask) -> float:
+    """The share of the square's blocks FlexAttention computes under ``block_mask``."""
+    rows, _, q_blocks, kv_blocks = block_mask.kv_indices.shape
+    computed = block_mask.kv_num_blocks.sum()
+    if block_mask.full_kv_num_blocks is not None:
+        computed = computed + block_mask.full_kv_num_blocks.sum()
+    return float(computed) / (rows * q_blocks * kv_blocks)
 
 
 def _timed(fn, qkv, mask, block_mask, grad, args, device):

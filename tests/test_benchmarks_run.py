@@ -57,6 +57,11 @@ RUNS = {
         + ["--samples", "2", "--steps", "1"],
         ["peft_lora", "1.00x"],  # the last configuration's row and the baseline's speed-up
     ),
+    "update_attention": (
+        ["update_attention.py", "--rows", "8", "--micro-batch", "4", "--steps", "1"]
+        + ["--warmup", "0", "--block", "256"],
+        ["blocks", "dense", "query_blocks", "1.00x"],
+    ),
     "logprob_guard": (
         ["logprob_guard.py", "--preset", "tiny", "--device", "cpu", "--prompts", "2"]
         + ["--samples", "2", "--max-turns", "2"],
