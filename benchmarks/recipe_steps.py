@@ -92,7 +92,7 @@ VARIANTS: dict[str, dict[str, object]] = {
     "eager_vision": {"generator.inference_engine.vision_cuda_graphs": False},
 }
 # Variants whose settings train on CUDA alone (FlexAttention has no backward on a CPU).
-CUDA_ONLY = {"flex", "flex_whole"}
+CUDA_ONLY = {name for name, keys in VARIANTS.items() if keys.get("trainer.flex_attention")}
 
 
 def main() -> None:

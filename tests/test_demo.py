@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from support.tiny import TINY_GRPO
 
 from clew.cli import main
 from clew.config import load_config
@@ -28,12 +29,7 @@ TINY = [
     "pipeline.test.rows=6",
     "sft.steps=2",
     "sft.batch_size=4",
-    "trainer.max_steps=2",
-    "trainer.train_batch_size=2",
-    "trainer.policy_mini_batch_size=2",
-    "generator.n_samples_per_prompt=2",
-    "trainer.micro_train_batch_size_per_gpu=4",
-    "trainer.micro_forward_batch_size_per_gpu=4",
+    *TINY_GRPO,
     "trainer.eval_interval=1",
     "trainer.ckpt_interval=2",
     "trainer.hf_save_interval=2",

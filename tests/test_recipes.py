@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from support.tiny import TINY_GRPO
 
 from clew.config import load_config
 from clew.envs import make
@@ -106,12 +107,7 @@ def test_the_easy_recipe_runs_its_whole_chain_on_the_cpu_made_tiny(tmp_path, one
         "sft.dagger.interval=1",
         "sft.dagger.rows=4",
         "sft.optimizer_config.num_warmup_steps=1",
-        "trainer.max_steps=2",
-        "trainer.train_batch_size=2",
-        "trainer.policy_mini_batch_size=2",
-        "generator.n_samples_per_prompt=2",
-        "trainer.micro_train_batch_size_per_gpu=4",
-        "trainer.micro_forward_batch_size_per_gpu=4",
+        *TINY_GRPO,
         "trainer.eval_interval=1",
         "trainer.ckpt_interval=1",
         "trainer.hf_save_interval=1",

@@ -156,6 +156,16 @@ def policy_copy(dest: str | Path, **build_args: Any) -> Path:
 
 # The smallest GRPO run over the digits rows: one-turn episodes of a few tokens, 4 prompts x
 # 2 samples a step, one micro-batch (the sweep tests' runs).
+# A recipe's GRPO stage at a size that runs in seconds: 2 steps of 2 prompts x 2 samples.
+TINY_GRPO = (
+    "trainer.max_steps=2",
+    "trainer.train_batch_size=2",
+    "trainer.policy_mini_batch_size=2",
+    "generator.n_samples_per_prompt=2",
+    "trainer.micro_train_batch_size_per_gpu=4",
+    "trainer.micro_forward_batch_size_per_gpu=4",
+)
+
 DIGITS_GRPO_SHAPE = (
     "trainer.train_batch_size=4",
     "trainer.policy_mini_batch_size=4",

@@ -5,24 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.workers import assert_same_gradient, grads, make_worker
 from torch.nn.attention.flex_attention import create_mask
 from transformers import AttentionInterface
 
 from clew.config import load_config
 from clew.errors import ClewError, ConfigError
 from clew.models.packed_attention import FLEX, flex_sdpa
-from clew.train import PolicyWorker, PPOSettings, WorkerSettings
+from clew.train import PPOSettings
 from clew.train.model_batch import collate
 from clew.train.objectives import GradientPass, sft_objective
 from clew.train.training_batch import TrainingBatch
 from clew.trainer.launch import build_worker_group
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def make_worker(model_dir, device: str = "cpu", **settings) -> PolicyWorker:
-    torch.manual_seed(0)  # the same LoRA initialisation for every worker
-    return PolicyWorker.from_pretrained(model_dir, WorkerSettings(**settings), device=device)
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["padded", "packed"])
@@ -99,16 +95,6 @@ LAYOUTS = {
 }
 
 
-def gradient(worker: PolicyWorker) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in worker.model.parameters() if p.grad is not None])
-
-
-def assert_same_gradient(got: torch.Tensor, want: torch.Tensor) -> None:
-    scale = want.abs().max().item()
-    assert scale > 0
-    torch.testing.assert_close(got, want, atol=1e-5 * scale, rtol=1e-4)
-
-
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
@@ -126,7 +112,7 @@ def test_flex_attention_gives_the_dense_masks_ppo_loss_and_gradient(model_dir, s
     assert got is not None and want is not None
     for k in want:
         assert got[k] == pytest.approx(want[k], rel=1e-4, abs=1e-6), k
-    assert_same_gradient(gradient(workers[1]), gradient(workers[0]))
+    assert_same_gradient(grads(workers[1]), grads(workers[0]))
 
 
 @pytest.mark.gpu
@@ -142,6 +128,6 @@ def test_flex_attention_gives_a_packed_sft_steps_loss_and_gradient(model_dir, se
             GradientPass(sft_objective, worker.vision(demos), 2, pack=True),
         )
         stats.append(out)
-        gradients.append(gradient(worker))
+        gradients.append(grads(worker))
     assert stats[1]["loss"] == pytest.approx(stats[0]["loss"], rel=1e-5)
     assert_same_gradient(gradients[1], gradients[0])

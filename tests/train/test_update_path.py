@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from support.fsdp import ATOL, FULL, Ranks, assert_same_weights
 from support.tiny import env_data, tiny_policy
+from support.workers import assert_same_gradient, grads, make_worker
 
 from clew.config import load_config
 from clew.data.rows import generate_rows
@@ -64,21 +65,6 @@ def ppo_batch(worker: PolicyWorker, seqs) -> TrainingBatch:
     advantages = [torch.randn(turns(s), generator=gen) for s in seqs]
     old = [lp - 0.1 * torch.rand(lp.shape, generator=gen) for lp in worker.compute_logprobs(seqs)]
     return TrainingBatch(seqs, advantages, old)
-
-
-def make_worker(model_dir, **settings) -> PolicyWorker:
-    torch.manual_seed(0)  # the same LoRA initialisation for every worker
-    return PolicyWorker.from_pretrained(model_dir, WorkerSettings(**settings))
-
-
-def grads(worker: PolicyWorker) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in worker.model.parameters() if p.grad is not None])
-
-
-def assert_same_gradient(got: torch.Tensor, want: torch.Tensor) -> None:
-    scale = want.abs().max().item()
-    assert scale > 0
-    torch.testing.assert_close(got, want, atol=1e-5 * scale, rtol=1e-4)
 
 
 def test_packed_attention_keeps_each_sequence_to_its_own_causal_past():
