@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from clew.models.chat import ChatFormat, Chunk
+from clew.models.pixels import Frames
 
 if TYPE_CHECKING:
     from clew.envs.base import Observation
@@ -25,6 +26,10 @@ class Trajectory:
     ``loss_mask[i]`` is 1 exactly on tokens the model sampled; ``logprobs[i]`` is the
     sampling logprob there and 0 elsewhere. Pixels are not kept (they are ~10x the size of
     the images): ``vision_inputs`` re-encodes ``images``, which gives the same tensors.
+    ``frames`` keeps the engine's byte encoding of the images (``Frames``, the images' own
+    size) so that training in the same process reads them instead of encoding the images
+    again; a pickled trajectory (another process, a Ray actor) leaves them out and is
+    encoded there, so what travels is what travelled without them.
     """
 
     env_id: str
@@ -38,6 +43,8 @@ class Trajectory:
     images: list[Image.Image] = field(default_factory=list)
     chunk_starts: list[int] = field(default_factory=list)  # where each observation begins
     image_window: int | None = None  # generator.keep_last_k_images the episode ran with
+    # Per observation with images, the engine's ``Frames`` of them (``encode_vision``).
+    frames: list[Frames] = field(default_factory=list, repr=False)
     wave: int = 0  # which engine batch of its rollout it ran in, from 0 (the KV cache budget)
     actions: list[str] = field(default_factory=list)
     # Per turn: the reward env.step returned, and the state the reply acted from
@@ -65,6 +72,11 @@ class Trajectory:
         self.loss_mask += [0] * len(chunk.token_ids)
         self.logprobs += [0.0] * len(chunk.token_ids)
         self.images += images
+        if isinstance(chunk.pixel_values, Frames) and len(chunk.pixel_values) == len(images):
+            self.frames.append(chunk.pixel_values)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__ | {"frames": []}
 
     def add_reply(self, token_ids: list[int], logprobs: list[float]) -> None:
         self.token_ids += token_ids

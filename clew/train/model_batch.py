@@ -29,7 +29,7 @@ from torch import Tensor
 
 from clew.models.chat import ChatFormat
 from clew.models.packed_attention import PackedLayout
-from clew.models.pixels import Pixels, as_patches, cat_pixels
+from clew.models.pixels import Frames, Pixels, as_patches, cat_pixels
 from clew.models.positions import sequence_positions
 from clew.models.visibility import (
     hiding_vectors,
@@ -234,9 +234,16 @@ class ModelBatch:
 
 
 def encode_vision(seq: SequenceLike, chat: ChatFormat) -> Vision:
-    """Pixels and grids of a sequence's images, encoded as the engine encoded them."""
+    """Pixels and grids of a sequence's images, encoded as the engine encoded them: the
+    engine's own ``Frames`` where the sequence kept them for all its images
+    (``Trajectory.frames``), else encoded from the images."""
     if not seq.images:
         return None, None
+    kept = getattr(seq, "frames", None)
+    if kept and sum(len(f) for f in kept) == len(seq.images):
+        frames = cat_pixels(kept)
+        if isinstance(frames, Frames):
+            return frames, frames.grid()
     return chat.encode_frames(list(seq.images))
 
 

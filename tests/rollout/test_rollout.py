@@ -493,3 +493,33 @@ def test_a_rollout_leaves_no_kv_cache_behind_for_the_update(policy, rows):
     finally:
         engine_module.CacheBatch.__init__ = opened
         gc.enable()
+
+
+def test_training_reads_the_engines_frames_and_a_pickled_trajectory_encodes_the_same(
+    policy, rows, monkeypatch
+):
+    import pickle
+
+    from clew.models.pixels import Frames
+    from clew.train.model_batch import encode_vision
+
+    model, chat = policy
+    traj = play(InferenceEngine(model, chat), rows[:1], _settings(n_samples_per_prompt=1), seed=0)[
+        0
+    ]
+    assert sum(len(f) for f in traj.frames) == len(traj.images) >= 2
+    with monkeypatch.context() as m:
+        m.setattr(chat, "encode_frames", lambda images: pytest.fail("images encoded again"))
+        kept, kept_grid = encode_vision(traj, chat)
+    assert isinstance(kept, Frames)
+    encoded, grid = chat.encode_frames(list(traj.images))
+    assert torch.equal(kept.data, encoded.data) and torch.equal(kept_grid, grid)
+    assert torch.equal(kept.patches(), traj.vision_inputs(chat)[0])
+
+    travelled = pickle.loads(pickle.dumps(traj))
+    assert travelled.frames == [] and len(travelled.images) == len(traj.images)
+    pixels, grid = encode_vision(travelled, chat)
+    assert torch.equal(pixels.data, kept.data) and torch.equal(grid, kept_grid)
+    # Frames that do not cover every image are not read: the images are encoded.
+    traj.frames = traj.frames[:1]
+    assert torch.equal(encode_vision(traj, chat)[0].data, kept.data)
