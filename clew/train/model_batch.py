@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
@@ -275,7 +276,8 @@ def _check_sequence(seq: SequenceLike, grid: Tensor | None, chat: ChatFormat, in
             f"sequence {index} has {n} tokens but a loss mask of {len(seq.loss_mask)} entries"
         )
     placeholders = list(seq.token_ids).count(chat.image_token_id)
-    expected = 0 if grid is None else sum(chat.image_token_count(g) for g in grid)
+    # One reduction for all the images: each grid's count is a whole number of merges.
+    expected = 0 if grid is None else int(grid.prod(dim=-1).sum()) // chat.merge_size**2
     if placeholders != expected:
         # Caught here: the model would fail later with an opaque shape error.
         raise ValueError(
@@ -337,12 +339,13 @@ def collate(
                 # Its first token would be a target of the sequence before it in the row.
                 raise ValueError(f"sequence {i} starts inside the loss mask; it cannot be packed")
             cols = slice(off, off + n)
-            input_ids[row, cols] = torch.tensor(seq.token_ids, dtype=torch.long)
+            # Through numpy: a list converts several times faster than torch.tensor's.
+            input_ids[row, cols] = torch.from_numpy(np.asarray(seq.token_ids, dtype=np.int64))
             attention_mask[row, cols] = 1
             position_ids[:, row, cols] = sequence_positions(
                 list(seq.token_ids), grid, chat.image_token_id, chat.merge_size
             )
-            loss_mask[row, cols] = torch.tensor(seq.loss_mask, dtype=torch.float32)
+            loss_mask[row, cols] = torch.from_numpy(np.asarray(seq.loss_mask, dtype=np.float32))
             if document is not None:
                 document[row, cols] = doc
             if k := getattr(seq, "image_window", None):
