@@ -31,6 +31,7 @@ def rollout_settings(cfg: ClewConfig, evaluation: bool) -> RolloutSettings:
         reply_suffix=g.reply_suffix,
         env_workers=g.env_workers,
         reward_rule=cfg.environment.reward_rule,
+        keep_frames=not evaluation,
         state_keys=not evaluation
         and "state_keys" in get_estimator(cfg.trainer.algorithm.advantage_estimator).needs,
         sampling=SamplingParams(

@@ -114,6 +114,10 @@ class RolloutSettings:
     # otherwise: hashing every frame an env does not name adds host work (after the turns,
     # on threads).
     state_keys: bool = False
+    # Keep each observation's Frames with its trajectory (``Trajectory.frames``) for a
+    # training forward in the same process to read; off for evaluation, whose episodes
+    # are not trained on (the frames would double the images' memory).
+    keep_frames: bool = False
     # Threads that step the envs and encode their observations (module docstring); 0: one
     # per CPU core, at most ENV_WORKERS_MAX.
     env_workers: int = 0
@@ -218,7 +222,7 @@ def play(
                 ready.popleft()
                 peak = max(peak, expected)
                 key = observation_key(obs) if settings.state_keys else None
-                ep.traj.add_observation(chunk, obs.images, key)
+                ep.traj.add_observation(chunk, obs.images, key, frames=settings.keep_frames)
                 ep.traj.image_window = settings.keep_last_k_images
                 ep.traj.wave = wave
                 episodes[len(episodes)] = ep
@@ -343,7 +347,7 @@ def next_turn(
         traj.end_reason = "context_full"
         return None
     key = observation_key(obs) if settings.state_keys else None
-    traj.add_observation(chunk, obs.images, key)
+    traj.add_observation(chunk, obs.images, key, frames=settings.keep_frames)
     return chunk
 
 

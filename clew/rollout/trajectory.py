@@ -27,8 +27,8 @@ class Trajectory:
     sampling logprob there and 0 elsewhere. Pixels are not kept (they are ~10x the size of
     the images): ``vision_inputs`` re-encodes ``images``, which gives the same tensors.
     ``frames`` keeps the engine's byte encoding of the images (``Frames``, the images' own
-    size) so that training in the same process reads them instead of encoding the images
-    again; a pickled trajectory (another process, a Ray actor) leaves them out and is
+    size; training rollouts only, ``RolloutSettings.keep_frames``) so that training in the
+    same process reads them instead of encoding the images again; a pickled trajectory (another process, a Ray actor) leaves them out and is
     encoded there, so what travels is what travelled without them.
     """
 
@@ -63,8 +63,13 @@ class Trajectory:
     error: str | None = None
 
     def add_observation(
-        self, chunk: Chunk, images: list[Image.Image], state: str | PendingKey | None = None
+        self,
+        chunk: Chunk,
+        images: list[Image.Image],
+        state: str | PendingKey | None = None,
+        frames: bool = False,
     ) -> None:
+        """Append an observation; ``frames``: keep the chunk's ``Frames`` of its images."""
         if state is not None:
             self.state_keys.append(state)
         self.chunk_starts.append(len(self.token_ids))
@@ -72,7 +77,11 @@ class Trajectory:
         self.loss_mask += [0] * len(chunk.token_ids)
         self.logprobs += [0.0] * len(chunk.token_ids)
         self.images += images
-        if isinstance(chunk.pixel_values, Frames) and len(chunk.pixel_values) == len(images):
+        if (
+            frames
+            and isinstance(chunk.pixel_values, Frames)
+            and len(chunk.pixel_values) == len(images)
+        ):
             self.frames.append(chunk.pixel_values)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -504,9 +504,9 @@ def test_training_reads_the_engines_frames_and_a_pickled_trajectory_encodes_the_
     from clew.train.model_batch import encode_vision
 
     model, chat = policy
-    traj = play(InferenceEngine(model, chat), rows[:1], _settings(n_samples_per_prompt=1), seed=0)[
-        0
-    ]
+    engine = InferenceEngine(model, chat)
+    assert play(engine, rows[:1], _settings(n_samples_per_prompt=1), seed=0)[0].frames == []
+    traj = play(engine, rows[:1], _settings(n_samples_per_prompt=1, keep_frames=True), seed=0)[0]
     assert sum(len(f) for f in traj.frames) == len(traj.images) >= 2
     with monkeypatch.context() as m:
         m.setattr(chat, "encode_frames", lambda images: pytest.fail("images encoded again"))
