@@ -28,8 +28,9 @@ class Trajectory:
     the images): ``vision_inputs`` re-encodes ``images``, which gives the same tensors.
     ``frames`` keeps the engine's byte encoding of the images (``Frames``, the images' own
     size; training rollouts only, ``RolloutSettings.keep_frames``) so that training in the
-    same process reads them instead of encoding the images again; a pickled trajectory (another process, a Ray actor) leaves them out and is
-    encoded there, so what travels is what travelled without them.
+    same process reads them instead of encoding the images again; a pickled trajectory
+    (another process, a Ray actor) leaves them out and is encoded there, so what travels is
+    what travelled without them.
     """
 
     env_id: str
