@@ -57,7 +57,7 @@ from clew.inference.runtime import open_policy
 from clew.models import build_model
 from clew.models.distinct_images import IMAGES
 from clew.models.frame_cache import frame_cache
-from clew.rollout.loop import env_threads
+from clew.rollout.env_threads import env_threads
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, hardware, model_sizes  # noqa: E402

@@ -16,7 +16,8 @@ from clew.inference.engine import InferenceEngine
 from clew.inference.sampling import SamplingParams
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
-from clew.rollout.loop import RolloutSettings, env_threads, play
+from clew.rollout.env_threads import env_threads
+from clew.rollout.loop import RolloutSettings, play
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,10 @@ from clew.inference.sampling import SamplingParams
 from clew.models import load_policy
 from clew.models.chat import ChatFormat
 from clew.models.positions import sequence_positions
+from clew.rollout.env_threads import env_pool
 from clew.rollout.episode_stats import rollout_metrics
 from clew.rollout.evaluation import eval_metrics, evaluate
-from clew.rollout.loop import RolloutSettings, env_pool, play
+from clew.rollout.loop import RolloutSettings, play
 from clew.rollout.trajectory import (
     PendingKey,
     Trajectory,
