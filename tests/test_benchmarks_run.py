@@ -62,6 +62,11 @@ RUNS = {
         + ["--warmup", "0", "--block", "256"],
         ["blocks", "dense", "query_blocks", "1.00x"],
     ),
+    "update_inputs": (
+        ["update_inputs.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]
+        + ["--max-turns", "3", "--repeats", "1"],
+        ["images (baseline)", "kept frames", "pixel diff 0", "collate"],
+    ),
     "logprob_guard": (
         ["logprob_guard.py", "--preset", "tiny", "--device", "cpu", "--prompts", "2"]
         + ["--samples", "2", "--max-turns", "2"],
