@@ -22,15 +22,15 @@ what it buys (a recipe that does not set one runs ``after`` again):
 - ``threads``: envs stepped on a thread per core (``generator.env_workers=0``);
 - ``eager_vision``: each turn's vision tower run eagerly
   (``generator.inference_engine.vision_cuda_graphs=false``);
+- ``dense_update``: the training forwards' attention under the dense visibility mask
+  instead of FlexAttention (``trainer.flex_attention=false``);
 
 and candidates the recipe does not set yet:
 
-- ``query_blocks``: the update's masked attention 512 queries at a time, each block over
-  the keys up to its end (``trainer.attention_query_block=512``);
-- ``flex``: every training forward's attention through FlexAttention under a block mask of
-  the batch's visibility (``trainer.flex_attention=true``);
-- ``flex_whole``: the same with one micro-batch a mini-batch (96 trajectories a pass, half
-  the passes; with the dense mask it ran out of an H100's memory).
+- ``whole_micro_batch``: one micro-batch a mini-batch (the recipe's 96 trajectories a pass,
+  half the passes; with the dense mask it ran out of an H100's memory).
+
+FlexAttention trains on CUDA alone: on another device every variant runs with it off.
 
 Printed per variant: the mean seconds of a step and of its generate and update phases over
 the steps after the first ``--warmup`` (which pay the start-up: the first step sizes the
@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bounds import add_hardware_flags, grpo_step_floor, hardware, model_sizes  # noqa: E402
 from step_profile import profiled_phases  # noqa: E402
 
-from clew.config import load_config  # noqa: E402
+from clew.config import ClewConfig, load_config  # noqa: E402
 from clew.inference.runtime import pick_device  # noqa: E402
 from clew.trainer.launch import run_dir_of, run_grpo  # noqa: E402
 from clew.trainer.pipeline import run_pipeline, updated  # noqa: E402
@@ -82,17 +82,21 @@ VARIANTS: dict[str, dict[str, object]] = {
     "eager": {"generator.inference_engine.enforce_eager": True},
     "fused": {"generator.inference_engine.fused_pointwise": True},
     "threads": {"generator.env_workers": 0},
-    "query_blocks": {"trainer.attention_query_block": 512},
-    "flex": {"trainer.flex_attention": True},
-    "flex_whole": {
-        "trainer.flex_attention": True,
-        "trainer.micro_train_batch_size_per_gpu": 96,
-        "trainer.micro_forward_batch_size_per_gpu": 96,
-    },
     "eager_vision": {"generator.inference_engine.vision_cuda_graphs": False},
+    "dense_update": {"trainer.flex_attention": False},
+    "whole_micro_batch": {},  # its micro-batch sizes come from the recipe: _variant_keys
 }
-# Variants whose settings train on CUDA alone (FlexAttention has no backward on a CPU).
-CUDA_ONLY = {name for name, keys in VARIANTS.items() if keys.get("trainer.flex_attention")}
+
+
+def _variant_keys(name: str, cfg: ClewConfig) -> dict[str, object]:
+    """The overrides of variant ``name`` for the recipe ``cfg``."""
+    if name == "whole_micro_batch":
+        whole = cfg.trainer.policy_mini_batch_size * cfg.generator.n_samples_per_prompt
+        return {
+            "trainer.micro_train_batch_size_per_gpu": whole,
+            "trainer.micro_forward_batch_size_per_gpu": whole,
+        }
+    return VARIANTS[name]
 
 
 def main() -> None:
@@ -139,7 +143,9 @@ def main() -> None:
             f"trainer.max_steps={args.steps}",
             *args.set,
         ]
-        cfg = load_config(args.recipe, base)
+        on_cuda = pick_device(args.device).type == "cuda"
+        # FlexAttention has no backward on a CPU: elsewhere the recipe runs with it off.
+        cfg = load_config(args.recipe, base + ([] if on_cuda else ["trainer.flex_attention=false"]))
         rows = cfg.trainer.train_batch_size * args.steps
         cfg = updated(cfg, {"pipeline.dataset.train_rows": rows})
         run_pipeline(cfg)
@@ -163,12 +169,8 @@ def main() -> None:
             f"{'speed-up':>8} {'eval s':>7} {'tokens':>7}"
         )
         first, heads = None, []
-        on_cuda = pick_device(args.device).type == "cuda"
         for name in names:
-            if name in CUDA_ONLY and not on_cuda:
-                print(f"{name:<10} needs a CUDA device: not run")
-                continue
-            run_cfg = updated(cfg, {"trainer.run_name": name, **VARIANTS[name]})
+            run_cfg = updated(cfg, {"trainer.run_name": name, **_variant_keys(name, cfg)})
             profiling = (
                 profiled_phases(args.profile, args.steps)
                 if args.profile and first is None

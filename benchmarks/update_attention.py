@@ -11,8 +11,6 @@ times one attention call of the language model's shape (``--heads`` query heads 
 queries, keys and values, forward and backward, with each kernel choice:
 
 - ``dense`` (the baseline, today's path): transformers' SDPA under the additive mask;
-- ``query_blocks``: ``clew.models.packed_attention.causal_block_sdpa``, ``--block`` queries at
-  a time over the keys up to their end (``trainer.attention_query_block``);
 - ``cudnn``: the dense mask through cuDNN's attention (CUDA only);
 - ``flex`` (``trainer.flex_attention``): ``clew.models.packed_attention.flex_sdpa``, torch's
   FlexAttention compiled, under the block mask ``clew.models.visibility.visibility_block_mask``
@@ -30,7 +28,7 @@ the real (unpadded) queries.
 
     python benchmarks/update_attention.py --device cuda
     python benchmarks/update_attention.py --rows 16 --micro-batch 8 --steps 1 --warmup 0 \\
-        --kernels dense,query_blocks
+        --kernels dense
 """
 
 from __future__ import annotations
@@ -49,12 +47,12 @@ from clew.data.rows import generate_rows
 from clew.envs.base import text_corpus
 from clew.models import build_model
 from clew.models.chat import ChatFormat
-from clew.models.packed_attention import causal_block_sdpa, flex_sdpa
+from clew.models.packed_attention import flex_sdpa
 from clew.models.visibility import visibility_block_mask, visibility_from_vectors
 from clew.train.model_batch import collate
 from clew.trainer.demonstrations import demonstrations
 
-KERNELS = ("dense", "query_blocks", "cudnn", "flex")
+KERNELS = ("dense", "cudnn", "flex")
 
 
 class _Layer(torch.nn.Module):
@@ -102,9 +100,6 @@ def kernels(args: argparse.Namespace, layer: _Layer) -> dict[str, Callable]:
     def dense(q, k, v, mask, _block_mask):
         return sdpa_attention_forward(layer, q, k, v, mask)[0]
 
-    def query_blocks(q, k, v, mask, _block_mask):
-        return causal_block_sdpa(layer, q, k, v, mask, args.block)[0]
-
     def cudnn(q, k, v, mask, _block_mask):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -114,7 +109,7 @@ def kernels(args: argparse.Namespace, layer: _Layer) -> dict[str, Callable]:
     def flex(q, k, v, _mask, block_mask):
         return flex_sdpa(layer, q, k, v, block_mask)[0]
 
-    table = {"dense": dense, "query_blocks": query_blocks, "cudnn": cudnn, "flex": flex}
+    table = {"dense": dense, "cudnn": cudnn, "flex": flex}
     return {name: table[name] for name in args.kernels.split(",")}
 
 
@@ -131,7 +126,6 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--block", type=int, default=512, help="query_blocks' queries a call")
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)

@@ -59,8 +59,8 @@ RUNS = {
     ),
     "update_attention": (
         ["update_attention.py", "--rows", "8", "--micro-batch", "4", "--steps", "1"]
-        + ["--warmup", "0", "--block", "256"],
-        ["blocks", "dense", "query_blocks", "1.00x"],
+        + ["--warmup", "0"],
+        ["blocks", "dense", "flex", "1.00x"],
     ),
     "update_inputs": (
         ["update_inputs.py", "--preset", "tiny", "--prompts", "2", "--samples", "2"]

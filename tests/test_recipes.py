@@ -112,6 +112,7 @@ def test_the_easy_recipe_runs_its_whole_chain_on_the_cpu_made_tiny(tmp_path, one
         "trainer.ckpt_interval=1",
         "trainer.hf_save_interval=1",
         "trainer.device=cpu",
+        "trainer.flex_attention=false",  # FlexAttention trains on CUDA alone
         "generator.max_turns=6",
     ]
     args = ["pipeline", "--config", str(RECIPES / "easy-1gpu.yaml"), "--output-dir", str(out)]

@@ -59,6 +59,12 @@ RETIRED_KEYS: dict[str, tuple[Any, str]] = {
         "the update attends under the dense visibility "
         "mask (attention by observation chunk, 'blocks', was measured slower)",
     ),
+    "trainer.attention_query_block": (
+        None,
+        "the update attends under the dense visibility mask in one call a layer, or "
+        "with trainer.flex_attention through FlexAttention, which skips the blocks no query "
+        "sees (query blocks were measured slower than FlexAttention)",
+    ),
 }
 
 # Values clew removed, by key: value -> what to set instead.

@@ -214,13 +214,6 @@ class TrainerConfig(Section):
         "logits never exist whole (with a 151,936-entry vocabulary they outgrow the model); "
         "null: all at once. SkyRL defaults it to 1024.",
     )
-    attention_query_block: int | None = Field(
-        None,
-        description="Attend a padded micro-batch's masked attention (trajectories that hide "
-        "images) this many queries at a time, each block over the keys up to its last "
-        "query, skipping the mask's empty upper triangle: the same loss and gradients "
-        "(clew.models.packed_attention, query blocks). null: one call over the whole square.",
-    )
     flex_attention: bool = Field(
         False,
         description="Attend every training forward's language layers (GRPO's update and "

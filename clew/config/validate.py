@@ -145,18 +145,6 @@ def _rules(cfg: ClewConfig) -> list[str]:
             f"trainer.logprobs_chunk_size must be >= 1 tokens, or null for all at once; "
             f"got {chunk}",
         )
-    if (block := tr.attention_query_block) is not None and block < 1:
-        fail(
-            "positive-count",
-            f"trainer.attention_query_block must be >= 1 queries, or null for one attention "
-            f"call over the whole square; got {block}",
-        )
-    if tr.flex_attention and tr.attention_query_block is not None:
-        fail(
-            "flex-attention",
-            "trainer.flex_attention and trainer.attention_query_block are two ways to attend "
-            "the masked update: set one (FlexAttention skips the upper triangle itself)",
-        )
     if tr.flex_attention and tr.device == "cpu":
         fail(
             "flex-attention",

@@ -30,14 +30,6 @@ switches the language model's attention to ``packed_sdpa`` for a block of forwar
 their backward, where gradient checkpointing recomputes them). Without a layout it is
 transformers' own SDPA, call for call.
 
-Query blocks (``packed_attention(model, query_block=N)``): a padded training forward whose
-rows hide images attends under a dense ``[W, W]`` mask, and SDPA's memory-efficient kernel
-computes every pair of it, the future's too. The mask of a causal forward is empty above the
-diagonal, so the queries ``[q0, q1)`` need the keys ``[0, q1)`` alone: ``causal_block_sdpa``
-attends each block of ``N`` queries over its keys and mask, about ``(n + 1) / 2n`` of the
-pairs for ``n`` blocks, with the same softmax over the same visible keys. The block travels
-on the language model's config (``QUERY_BLOCK``), which every attention call reads whatever
-thread runs it (CUDA's backward, recomputing a checkpointed layer, runs on another).
 """
 
 from __future__ import annotations
@@ -60,10 +52,8 @@ from clew.models.visibility import visibility_from_vectors
 __all__ = [
     "FLEX",
     "IMPLEMENTATION",
-    "QUERY_BLOCK",
     "PackedLayout",
     "QueryGroup",
-    "causal_block_sdpa",
     "flex_sdpa",
     "packed_attention",
     "packed_sdpa",
@@ -71,7 +61,6 @@ __all__ = [
 
 IMPLEMENTATION = "clew_packed_sdpa"
 FLEX = "clew_flex_attention"
-QUERY_BLOCK = "_clew_query_block"  # the config attribute packed_attention(query_block=) sets
 
 
 @dataclass
@@ -166,16 +155,6 @@ def packed_sdpa(
     ``value [B, Hkv, W, D]``; returns ``[B, W, H, D]``. With ``packed_layout``, attention
     within each sequence (see the module docstring); without, transformers' SDPA."""
     if packed_layout is None:
-        block = getattr(getattr(module, "config", None), QUERY_BLOCK, None)
-        if (
-            block
-            and attention_mask is not None
-            and attention_mask.dim() == 4
-            and query.shape[2] == key.shape[2] > block
-        ):
-            return causal_block_sdpa(
-                module, query, key, value, attention_mask, block, dropout, scaling, **kwargs
-            )
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -209,38 +188,6 @@ def packed_sdpa(
     if layout.padding:
         outputs.append(query.new_zeros(layout.padding, h, d))
     return torch.cat(outputs)[layout.order].view(b, w, h, d), None
-
-
-def causal_block_sdpa(
-    module: torch.nn.Module,
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attention_mask: Tensor,
-    block: int,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[Tensor, None]:
-    """A causal forward's attention (``query`` ``[B, H, W, D]``, ``attention_mask``
-    ``[B, 1, W, W]`` empty above the diagonal) a block of ``block`` queries at a time, each
-    over the keys up to its last query (module docstring); returns ``[B, W, H, D]``."""
-    width = query.shape[2]
-    outputs = []
-    for q0 in range(0, width, block):
-        q1 = min(width, q0 + block)
-        out, _ = sdpa_attention_forward(
-            module,
-            query[:, :, q0:q1],
-            key[:, :, :q1],
-            value[:, :, :q1],
-            attention_mask[:, :, q0:q1, :q1],
-            dropout=dropout,
-            scaling=scaling,
-            **kwargs,
-        )
-        outputs.append(out)
-    return torch.cat(outputs, dim=1), None
 
 
 _compiled_flex: Any = None
@@ -303,23 +250,18 @@ def _language_configs(model: torch.nn.Module) -> list[Any]:
 
 
 @contextlib.contextmanager
-def packed_attention(
-    model: torch.nn.Module, query_block: int | None = None, flex: bool = False
-) -> Iterator[None]:
+def packed_attention(model: torch.nn.Module, flex: bool = False) -> Iterator[None]:
     """Run ``model``'s language attention through ``packed_sdpa`` for the block; forwards
     of packed rows (and the backward of any that gradient checkpointing recomputes) must
-    run inside it. ``query_block``: padded causal forwards under a 4D mask attend that many
-    queries at a time (module docstring). ``flex``: through ``flex_sdpa`` instead, for
-    forwards whose mask is a block mask (``ModelBatch.model_inputs(flex=True)``).
-    Restores what was set before on the way out."""
+    run inside it. ``flex``: through ``flex_sdpa`` instead, for forwards whose mask is a
+    block mask (``ModelBatch.model_inputs(flex=True)``). Restores what was set before on
+    the way out."""
     configs = _language_configs(model)
-    before = [(c._attn_implementation, getattr(c, QUERY_BLOCK, None)) for c in configs]
+    before = [c._attn_implementation for c in configs]
     for c in configs:
         c._attn_implementation = FLEX if flex else IMPLEMENTATION
-        setattr(c, QUERY_BLOCK, query_block)
     try:
         yield
     finally:
-        for c, (impl, block) in zip(configs, before, strict=True):
+        for c, impl in zip(configs, before, strict=True):
             c._attn_implementation = impl
-            setattr(c, QUERY_BLOCK, block)

@@ -285,10 +285,9 @@ class PolicyForward:
     def _packing(
         self, model: torch.nn.Module, pack: bool = False
     ) -> contextlib.AbstractContextManager:
-        """Per-sequence attention for the block when its batches may be packed, padded
-        forwards' attention by query blocks with ``attention_query_block``, and every
+        """Per-sequence attention for the block when its batches may be packed, and every
         forward's through FlexAttention with ``flex_attention``."""
-        block, flex = self.settings.attention_query_block, self.settings.flex_attention
-        if pack or self.settings.remove_padding or block or flex:
-            return packed_attention(model, query_block=block, flex=flex)
+        flex = self.settings.flex_attention
+        if pack or self.settings.remove_padding or flex:
+            return packed_attention(model, flex=flex)
         return contextlib.nullcontext()

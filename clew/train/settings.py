@@ -36,10 +36,7 @@ class WorkerSettings:
     ``logprobs_chunk_size`` computes logprobs and entropies from the final hidden states
     that many tokens at a time (``clew.models.token_logprobs``), never holding the whole
     ``[tokens, vocabulary]`` logits. ``gradient_checkpointing`` recomputes each decoder
-    layer's activations in backward instead of keeping them. ``attention_query_block``
-    attends a padded forward's masked attention that many queries at a time, each block over
-    the keys up to its end (``clew.models.packed_attention``, query blocks).
-    ``flex_attention`` attends every forward's language layers through FlexAttention under
+    layer's activations in backward instead of keeping them. ``flex_attention`` attends every forward's language layers through FlexAttention under
     a block mask of the batch's visibility (CUDA only for training). Each gives the
     same loss, gradients and logprobs as without it, to float rounding.
     """
@@ -62,11 +59,10 @@ class WorkerSettings:
     remove_padding: bool = False
     max_tokens_per_microbatch: int | None = None
     logprobs_chunk_size: int | None = None
-    attention_query_block: int | None = None
     flex_attention: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens_per_microbatch", "logprobs_chunk_size", "attention_query_block"):
+        for name in ("max_tokens_per_microbatch", "logprobs_chunk_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive number of tokens or None, got {value}")

@@ -179,7 +179,6 @@ def build_worker_group(cfg: ClewConfig, num_train_rows: int) -> WorkerGroup:
         remove_padding=t.remove_microbatch_padding,
         max_tokens_per_microbatch=max(t.max_tokens_per_microbatch, 0) or None,  # -1: off
         logprobs_chunk_size=t.logprobs_chunk_size,
-        attention_query_block=t.attention_query_block,
         flex_attention=t.flex_attention,
     )
     options = engine_options(cfg)

@@ -114,7 +114,6 @@ def _run_sft_stage(cfg: ClewConfig, eval_fn: EvalFn | None) -> SFTResult:
         pack_sequences=s.pack_sequences,
         gradient_checkpointing=cfg.trainer.gradient_checkpointing,
         logprobs_chunk_size=cfg.trainer.logprobs_chunk_size,
-        attention_query_block=cfg.trainer.attention_query_block,
         flex_attention=cfg.trainer.flex_attention,
     )
     workers = cfg.trainer.placement.num_workers

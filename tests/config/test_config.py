@@ -214,6 +214,7 @@ def test_a_removed_key_says_it_was_removed_and_what_clew_does_now(tmp_path: Path
         "generator.inference_engine.packed_prefill": "false",
         "generator.inference_engine.dedup_images": "false",
         "trainer.hidden_image_attention": "blocks",
+        "trainer.attention_query_block": "512",
     }
     assert set(asked_for) == set(RETIRED_KEYS)
     for key, (kept, why) in RETIRED_KEYS.items():
@@ -224,7 +225,7 @@ def test_a_removed_key_says_it_was_removed_and_what_clew_does_now(tmp_path: Path
             load_config(None, [f"{key}={asked_for[key]}"])
         # Set to what clew does now, it is read with a warning that says the same.
         with pytest.warns(IgnoredKeyWarning, match=re.escape(f"{key}' was removed")):
-            load_config(None, [f"{key}={str(kept).lower()}"])
+            load_config(None, [f"{key}={'null' if kept is None else str(kept).lower()}"])
     # An old YAML asking for removed behaviour: all named in one error.
     path = tmp_path / "old.yaml"
     path.write_text(
@@ -236,12 +237,12 @@ def test_a_removed_key_says_it_was_removed_and_what_clew_does_now(tmp_path: Path
     path.write_text(
         "generator:\n  inference_engine:\n    kv_cache: static\n    packed_prefill: true\n"
         "    dedup_images: true\n    merged_projections: false\n    enforce_eager: true\n"
-        "trainer:\n  hidden_image_attention: dense\n"
+        "trainer:\n  hidden_image_attention: dense\n  attention_query_block: null\n"
     )
     with pytest.warns(IgnoredKeyWarning) as seen:
         cfg = load_config(path)
     assert cfg.generator.inference_engine.enforce_eager is True
-    assert len({str(w.message) for w in seen if "was removed from clew" in str(w.message)}) == 5
+    assert len({str(w.message) for w in seen if "was removed from clew" in str(w.message)}) == 6
     # A removed value names what to set instead.
     for key, values in RETIRED_VALUES.items():
         for value, why in values.items():
@@ -275,7 +276,6 @@ def test_section_given_a_scalar_is_a_config_error_not_a_pydantic_one(tmp_path: P
     [
         (["trainer.epochs=0"], "positive-count"),
         (["generator.max_turns=-1"], "positive-count"),
-        (["trainer.attention_query_block=0"], "positive-count"),
         (["trainer.eval_interval=0"], "interval"),
         (["trainer.max_ckpts_to_keep=0"], "max-ckpts"),
         (["trainer.policy.optimizer_config.lr=0.0"], "positive"),

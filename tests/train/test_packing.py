@@ -90,33 +90,3 @@ def test_a_sequence_that_starts_in_the_loss_cannot_be_packed(chat, demos):
             collate([bad, demos[1]], chat, pack=True)
     finally:
         bad.loss_mask = [0] + bad.loss_mask[1:]
-
-
-@pytest.mark.parametrize("block", [7, 16, 64])
-def test_query_blocks_attend_as_the_whole_masked_square_does_forward_and_backward(block):
-    from types import SimpleNamespace
-
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    from clew.models.packed_attention import QUERY_BLOCK, packed_sdpa
-
-    gen = torch.Generator().manual_seed(0)
-    b, h, hk, w, d = 3, 4, 2, 45, 8
-    q, k, v = (torch.randn(b, n, w, d, generator=gen) for n in (h, hk, hk))
-    causal = torch.ones(w, w, dtype=torch.bool).tril()
-    hidden = torch.rand(b, 1, w, w, generator=gen) < 0.3  # old images hidden from later rows
-    mask = causal & ~(hidden & ~torch.eye(w, dtype=torch.bool))  # a row always sees itself
-    mask[1, :, :, 30:] = False  # a right-padded row
-    attention = {"training": False, "is_causal": True, "num_key_value_groups": h // hk}
-    module = SimpleNamespace(config=SimpleNamespace(**{QUERY_BLOCK: block}), **attention)
-    whole = SimpleNamespace(config=SimpleNamespace(), **attention)
-    grads = []
-    for m in (module, whole):
-        x = [t.clone().requires_grad_() for t in (q, k, v)]
-        out, _ = packed_sdpa(m, *x, mask, scaling=0.3)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
-        grads.append((out.detach(), *(t.grad for t in x)))
-    reference, _ = sdpa_attention_forward(whole, q, k, v, mask, scaling=0.3)
-    torch.testing.assert_close(grads[1][0], reference)
-    for got, want in zip(grads[0], grads[1], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -40,8 +40,6 @@ SWITCHES = {
     "packed_token_budget": {"remove_padding": True, "max_tokens_per_microbatch": 900},
     "chunked_logprobs": {"logprobs_chunk_size": 5},
     "gradient_checkpointing": {"gradient_checkpointing": True},
-    "query_blocks": {"attention_query_block": 16},
-    "query_blocks_checkpointed": {"attention_query_block": 16, "gradient_checkpointing": True},
     "all": {
         "remove_padding": True,
         "max_tokens_per_microbatch": 900,
