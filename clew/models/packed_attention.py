@@ -29,7 +29,6 @@ The layout reaches attention as a keyword argument of the model's forward
 switches the language model's attention to ``packed_sdpa`` for a block of forwards (and
 their backward, where gradient checkpointing recomputes them). Without a layout it is
 transformers' own SDPA, call for call.
-
 """
 
 from __future__ import annotations
