@@ -17,6 +17,7 @@ from clew.algorithms.advantages import (
     token_advantages,
     turn_discounted_rewards,
 )
+from clew.algorithms.covariance_losses import clip_cov_loss, kl_cov_loss
 from clew.algorithms.entropy_control import (
     adapt_entropy_coef,
     entropy_coef_in_effect,
@@ -60,13 +61,7 @@ from clew.algorithms.losses import (
     register_policy_loss,
 )
 from clew.algorithms.pass_at_k import pass_at_k_advantages
-from clew.algorithms.policy_losses import (
-    cispo_loss,
-    clip_cov_loss,
-    gspo_loss,
-    kl_cov_loss,
-    sapo_loss,
-)
+from clew.algorithms.policy_losses import cispo_loss, gspo_loss, sapo_loss
 from clew.algorithms.stats import (
     entropy_from_logits,
     logprobs_from_logits,

@@ -32,8 +32,8 @@ that are not divided by the group's std (``trainer.algorithm.norm_adv_by_std_in_
 so ``A_i = r_i - mean(group)``), as SkyRL configures it.
 
 The losses registered here: ``ppo_clip`` (config name ``regular``). The other built-in ones,
-each from its paper, are in ``clew.algorithms.policy_losses``: ``gspo``, ``cispo``,
-``clip_cov``, ``kl_cov`` and ``sapo``.
+each from its paper, are in ``clew.algorithms.policy_losses`` (``gspo``, ``cispo``,
+``sapo``) and ``clew.algorithms.covariance_losses`` (``clip_cov``, ``kl_cov``).
 """
 
 from collections.abc import Callable

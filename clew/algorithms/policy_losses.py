@@ -9,10 +9,7 @@ chosen with ``trainer.algorithm.policy_loss_type``:
   https://arxiv.org/abs/2507.18071): PPO's clip on one importance ratio per sequence.
 * ``cispo``: CISPO (MiniMax 2025, "MiniMax-M1", https://arxiv.org/abs/2506.13585):
   REINFORCE weighted by the clipped, detached importance ratio.
-* ``clip_cov`` and ``kl_cov``: Clip-Cov and KL-Cov (Cui et al. 2025, "The Entropy Mechanism
-  of Reinforcement Learning for Reasoning Language Models", https://arxiv.org/abs/2505.22617):
-  PPO-style losses that act on the few tokens whose log-prob and advantage covary most, the
-  tokens that drive the policy's entropy down.
+* ``clip_cov`` and ``kl_cov``: in ``clew.algorithms.covariance_losses``.
 * ``sapo``: SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization",
   https://arxiv.org/abs/2511.20347): a smooth sigmoid gate on the ratio instead of a clip.
 
@@ -45,17 +42,18 @@ from clew.algorithms.losses import (
 )
 from clew.algorithms.stats import masked_mean, upcast_float
 
-__all__ = ["cispo_loss", "clip_cov_loss", "gspo_loss", "kl_cov_loss", "sapo_loss"]
+__all__ = ["check_clip_range", "cispo_loss", "gspo_loss", "masked_fraction", "sapo_loss"]
 
 
-def _fraction(flags: Tensor, active: Tensor) -> Tensor:
+def masked_fraction(flags: Tensor, active: Tensor) -> Tensor:
     """Share of the active tokens where ``flags`` holds (0 when none is active): a detached
     0-dim tensor."""
     with torch.no_grad():
         return masked_mean(flags.float(), active.float())
 
 
-def _check_clip_range(eps_clip_low: float, eps_clip_high: float, names: str) -> None:
+def check_clip_range(eps_clip_low: float, eps_clip_high: float, names: str) -> None:
+    """Refuse a negative clip range (``names`` say which settings it came from)."""
     if eps_clip_low < 0 or eps_clip_high < 0:
         raise ValueError(f"{names} must both be >= 0, got {eps_clip_low} and {eps_clip_high}")
 
@@ -106,7 +104,7 @@ def gspo_loss(
     check_2d(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
     )
-    _check_clip_range(eps_clip_low, eps_clip_high, "eps_clip_low and eps_clip_high")
+    check_clip_range(eps_clip_low, eps_clip_high, "eps_clip_low and eps_clip_high")
     active = loss_mask != 0
     token_log_ratio = log_ratio_on_mask(logprobs, old_logprobs, active)
     seq_log_ratio = masked_mean(token_log_ratio, loss_mask, dim=-1).detach()  # log s_i
@@ -127,7 +125,7 @@ def gspo_loss(
             seq_log_ratio.exp()[:, None], seq_log_ratio[:, None], active.any(dim=-1, keepdim=True)
         )
         stats = {
-            "clip_fraction": _fraction(surr_clipped < surr, active),
+            "clip_fraction": masked_fraction(surr_clipped < surr, active),
             "approx_kl": token_stats["approx_kl"],
             "ratio_mean": seq_stats["ratio_mean"],
             "ratio_max": seq_stats["ratio_max"],
@@ -177,7 +175,7 @@ def cispo_loss(
     check_2d(
         logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
     )
-    _check_clip_range(
+    check_clip_range(
         cispo_eps_clip_low, cispo_eps_clip_high, "cispo_eps_clip_low and cispo_eps_clip_high"
     )
     active = loss_mask != 0
@@ -192,164 +190,10 @@ def cispo_loss(
 
     with torch.no_grad():
         stats = {
-            "clip_fraction": _fraction((ratio < low) | (ratio > high), active),
+            "clip_fraction": masked_fraction((ratio < low) | (ratio > high), active),
             "weight_mean": masked_mean(weight, active.float()),
         }
     return loss, stats | ratio_stats(ratio, log_ratio, active) | tis
-
-
-def _covariance(logprobs: Tensor, advantages: Tensor, loss_mask: Tensor) -> Tensor:
-    """Per token ``(A - mean A) * (log pi - mean log pi)``, the means over the masked tokens
-    (mask-weighted) of the micro-batch; no gradient. Cui et al. 2025 (sec. 4.1) show that
-    the entropy change of a policy-gradient step follows this covariance."""
-    with torch.no_grad():
-        active = loss_mask != 0
-        lp = torch.where(active, upcast_float(logprobs), 0.0)
-        adv = torch.where(active, upcast_float(advantages), 0.0)
-        return (adv - masked_mean(adv, loss_mask)) * (lp - masked_mean(lp, loss_mask))
-
-
-@register_policy_loss("clip_cov")
-def clip_cov_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    *,
-    reduction: str = "token_mean",
-    max_seq_len: int | None = None,
-    eps_clip_low: float = 0.2,
-    eps_clip_high: float = 0.2,
-    clip_ratio: float = 2e-4,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
-    generator: torch.Generator | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clip-Cov (Cui et al. 2025, arXiv 2505.22617, sec. 4.2): PPO's clipped surrogate, with
-    the gradient of a few high-covariance tokens removed.
-
-    Per token the loss is ``ppo_clip_loss``'s (no dual clip). Among the masked tokens that
-    PPO's clip left alone, those whose covariance ``(A - mean A) * (log pi - mean log pi)``
-    (means over the micro-batch's masked tokens) lies strictly between ``clip_cov_lb`` and
-    ``clip_cov_ub`` are candidates; ``max(1, int(clip_ratio * masked tokens))`` of them,
-    drawn uniformly at random, count 0 in the loss (no gradient). Those tokens are the ones
-    whose update would lower the policy's entropy most, so the policy keeps exploring. The
-    covariance is over the micro-batch, as in SkyRL; the reduction still counts the removed
-    tokens.
-
-    Args:
-        logprobs, old_logprobs, advantages, loss_mask: ``Float[N, T]`` as ``ppo_clip_loss``.
-        reduction, max_seq_len: see ``reduce_loss``.
-        eps_clip_low, eps_clip_high: PPO's clip range; both >= 0.
-        clip_ratio: share of masked tokens removed, in (0, 1] (the paper: 2e-4).
-        clip_cov_lb, clip_cov_ub: the candidates' covariance bounds, ``lb < ub`` (the paper:
-            1 and 5).
-        generator: the random draw's ``torch.Generator`` (on the CPU); None: torch's global
-            one.
-
-    Returns:
-        ``(loss, stats)``: ``clip_fraction`` (share of masked tokens with no gradient: PPO's
-        clip or the covariance's, which never overlap), ``ppo_clip_fraction``,
-        ``cov_clip_fraction``, ``approx_kl``, ``ratio_mean``, ``ratio_max``.
-    """
-    check_2d(
-        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
-    )
-    _check_clip_range(eps_clip_low, eps_clip_high, "eps_clip_low and eps_clip_high")
-    if not 0.0 < clip_ratio <= 1.0:
-        raise ValueError(f"clip_ratio must be in (0, 1], got {clip_ratio}")
-    if not clip_cov_lb < clip_cov_ub:
-        raise ValueError(
-            f"clip_cov_lb must be below clip_cov_ub, got {clip_cov_lb} and {clip_cov_ub}"
-        )
-    active = loss_mask != 0
-    log_ratio = log_ratio_on_mask(logprobs, old_logprobs, active)
-    ratio = torch.exp(log_ratio)
-    adv = upcast_float(advantages)
-    surr = ratio * adv
-    surr_clipped = torch.clamp(ratio, 1.0 - eps_clip_low, 1.0 + eps_clip_high) * adv
-    losses = -torch.minimum(surr, surr_clipped)
-    ppo_clipped = (surr_clipped < surr) & active
-
-    cov = _covariance(logprobs, advantages, loss_mask)
-    candidates = active & ~ppo_clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
-    where = candidates.flatten().nonzero().squeeze(-1)
-    count = min(max(int(clip_ratio * int(active.sum())), 1), where.numel())
-    order = torch.randperm(where.numel(), generator=generator)[:count]
-    removed = torch.zeros_like(active).flatten()
-    removed[where[order.to(where.device)]] = True
-    removed = removed.view_as(active)
-    losses = torch.where(removed, 0.0, losses)
-    loss = reduce_loss(losses, loss_mask, reduction, max_seq_len)
-
-    stats = {
-        "clip_fraction": _fraction(ppo_clipped | removed, active),
-        "ppo_clip_fraction": _fraction(ppo_clipped, active),
-        "cov_clip_fraction": _fraction(removed, active),
-    }
-    return loss, stats | ratio_stats(ratio, log_ratio, active)
-
-
-@register_policy_loss("kl_cov")
-def kl_cov_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    *,
-    reduction: str = "token_mean",
-    max_seq_len: int | None = None,
-    kl_cov_frac: float = 0.2,
-    ppo_kl_coef: float = 1.0,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """KL-Cov (Cui et al. 2025, arXiv 2505.22617, sec. 4.2): the unclipped surrogate, plus a
-    KL penalty on the tokens whose log-prob and advantage covary most.
-
-    Per token, with ``r = exp(logprobs - old_logprobs)``::
-
-        loss = -r * A                                  (every masked token)
-             + ppo_kl_coef * |logprobs - old_logprobs|  (the top kl_cov_frac by covariance)
-
-    The selected tokens are the ``max(1, int(kl_cov_frac * masked tokens))`` masked tokens of
-    the micro-batch with the largest ``(A - mean A) * (log pi - mean log pi)`` (means over the
-    masked tokens): the ones whose update lowers the policy's entropy most, held near the
-    old policy instead. There is no ratio clip, as in the paper and SkyRL. The paper and
-    verl select a share of 2e-4 to 2e-3; SkyRL's default ``kl_cov_frac`` is 0.2.
-
-    Args:
-        logprobs, old_logprobs, advantages, loss_mask: ``Float[N, T]`` as ``ppo_clip_loss``.
-        reduction, max_seq_len: see ``reduce_loss``.
-        kl_cov_frac: share of masked tokens penalised, in (0, 1].
-        ppo_kl_coef: the penalty's weight, >= 0.
-
-    Returns:
-        ``(loss, stats)``: ``clip_fraction`` (0: nothing is clipped), ``kl_cov_fraction``
-        (share of masked tokens penalised), ``approx_kl``, ``ratio_mean``, ``ratio_max``.
-    """
-    check_2d(
-        logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages, loss_mask=loss_mask
-    )
-    if not 0.0 < kl_cov_frac <= 1.0:
-        raise ValueError(f"kl_cov_frac must be in (0, 1], got {kl_cov_frac}")
-    if ppo_kl_coef < 0:
-        raise ValueError(f"ppo_kl_coef must be >= 0, got {ppo_kl_coef}")
-    active = loss_mask != 0
-    log_ratio = log_ratio_on_mask(logprobs, old_logprobs, active)
-    ratio = torch.exp(log_ratio)
-    losses = -ratio * upcast_float(advantages)
-
-    cov = _covariance(logprobs, advantages, loss_mask).flatten()
-    where = active.flatten().nonzero().squeeze(-1)
-    count = min(max(int(kl_cov_frac * where.numel()), 1), where.numel())
-    top = where[torch.topk(cov[where], count).indices]
-    selected = torch.zeros_like(active).flatten()
-    selected[top] = True
-    selected = selected.view_as(active)
-    losses = losses + torch.where(selected, ppo_kl_coef * log_ratio.abs(), 0.0)
-    loss = reduce_loss(losses, loss_mask, reduction, max_seq_len)
-
-    stats = {"clip_fraction": ratio.new_zeros(()), "kl_cov_fraction": _fraction(selected, active)}
-    return loss, stats | ratio_stats(ratio, log_ratio, active)
 
 
 @register_policy_loss("sapo")

@@ -180,7 +180,7 @@ class AlgorithmConfig(Section):
     )
     policy_loss_type: str = Field(
         "regular",
-        description="Policy loss (clew.algorithms.losses, clew.algorithms.policy_losses): "
+        description="Policy loss (clew.algorithms.losses, policy_losses, covariance_losses): "
         "'regular' is PPO's clipped objective (registered as 'ppo_clip'); 'gspo' clips one "
         "ratio per sequence, the geometric mean of its tokens' "
         "(https://arxiv.org/abs/2507.18071; the paper's loss_reduction: sequence_mean); 'cispo' "
