@@ -15,12 +15,13 @@ from torch import Tensor
 
 from clew.algorithms.losses import (
     check_2d,
+    check_clip_range,
     log_ratio_on_mask,
+    masked_fraction,
     ratio_stats,
     reduce_loss,
     register_policy_loss,
 )
-from clew.algorithms.policy_losses import check_clip_range, masked_fraction
 from clew.algorithms.stats import masked_mean, upcast_float
 
 __all__ = ["clip_cov_loss", "kl_cov_loss"]

@@ -60,6 +60,19 @@ def check_2d(**tensors: Tensor) -> None:
         raise ValueError(f"expected tensors of one shape [N, T], got {shapes}")
 
 
+def masked_fraction(flags: Tensor, active: Tensor) -> Tensor:
+    """Share of the active tokens where ``flags`` holds (0 when none is active): a detached
+    0-dim tensor."""
+    with torch.no_grad():
+        return masked_mean(flags.float(), active.float())
+
+
+def check_clip_range(eps_clip_low: float, eps_clip_high: float, names: str) -> None:
+    """Refuse a negative clip range (``names`` say which settings it came from)."""
+    if eps_clip_low < 0 or eps_clip_high < 0:
+        raise ValueError(f"{names} must both be >= 0, got {eps_clip_low} and {eps_clip_high}")
+
+
 def log_ratio_on_mask(logprobs: Tensor, old_logprobs: Tensor, active: Tensor) -> Tensor:
     """``logprobs - old_logprobs`` clamped to +-:data:`LOG_RATIO_CLAMP` on the ``active``
     tokens and 0 elsewhere, float32 at least: padding with -inf old log-probs, or one
@@ -108,7 +121,7 @@ def truncated_is(
         capped = (weights >= cap) & active
         stats = {
             "tis_weight_mean": masked_mean(weights, active.float()),
-            "tis_capped_fraction": masked_mean(capped.float(), active.float()),
+            "tis_capped_fraction": masked_fraction(capped, active),
         }
     return losses * weights, stats
 
@@ -270,7 +283,7 @@ def ppo_clip_loss(
 
     with torch.no_grad():
         stats = {
-            "clip_fraction": masked_mean(clipped.float(), active.float()),
-            "dual_clip_fraction": masked_mean(dual.float(), active.float()),
+            "clip_fraction": masked_fraction(clipped, active),
+            "dual_clip_fraction": masked_fraction(dual, active),
         }
     return loss, stats | ratio_stats(ratio, log_ratio, active) | tis

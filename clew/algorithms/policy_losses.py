@@ -34,7 +34,9 @@ from torch import Tensor
 
 from clew.algorithms.losses import (
     check_2d,
+    check_clip_range,
     log_ratio_on_mask,
+    masked_fraction,
     ratio_stats,
     reduce_loss,
     register_policy_loss,
@@ -42,20 +44,7 @@ from clew.algorithms.losses import (
 )
 from clew.algorithms.stats import masked_mean, upcast_float
 
-__all__ = ["check_clip_range", "cispo_loss", "gspo_loss", "masked_fraction", "sapo_loss"]
-
-
-def masked_fraction(flags: Tensor, active: Tensor) -> Tensor:
-    """Share of the active tokens where ``flags`` holds (0 when none is active): a detached
-    0-dim tensor."""
-    with torch.no_grad():
-        return masked_mean(flags.float(), active.float())
-
-
-def check_clip_range(eps_clip_low: float, eps_clip_high: float, names: str) -> None:
-    """Refuse a negative clip range (``names`` say which settings it came from)."""
-    if eps_clip_low < 0 or eps_clip_high < 0:
-        raise ValueError(f"{names} must both be >= 0, got {eps_clip_low} and {eps_clip_high}")
+__all__ = ["cispo_loss", "gspo_loss", "sapo_loss"]
 
 
 @register_policy_loss("gspo")

@@ -162,8 +162,8 @@ def layout(chat: Any, parts: list[Part]) -> tuple[list[int], list[dict[str, Any]
                 start += len(system)
             chunk = chat.observation_turn(obs, first=first)
             ids += chunk.token_ids
-            grids = chunk.image_grid_thw if chunk.image_grid_thw is not None else []
-            image_tokens = sum(chat.image_token_count(g) for g in grids)
+            grid = chunk.image_grid_thw
+            image_tokens = 0 if grid is None else chat.image_token_count(grid)
             sections.append(
                 {"role": "user", "turn": part.turn, "start": start, "image_tokens": image_tokens}
             )

@@ -162,7 +162,9 @@ class ChatFormat:
         return self.encode_images(images) if frames is None else (frames, frames.grid())
 
     def image_token_count(self, grid_thw: torch.Tensor) -> int:
-        return int(grid_thw.prod().item()) // (self.merge_size**2)
+        """Placeholder tokens of one image's grid ``[3]``, or of all the images of ``[N, 3]``
+        (each image's count is a whole number of merges, so the counts add up)."""
+        return int(grid_thw.prod(dim=-1).sum()) // (self.merge_size**2)
 
     def user_turn(
         self,

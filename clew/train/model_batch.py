@@ -276,8 +276,7 @@ def _check_sequence(seq: SequenceLike, grid: Tensor | None, chat: ChatFormat, in
             f"sequence {index} has {n} tokens but a loss mask of {len(seq.loss_mask)} entries"
         )
     placeholders = list(seq.token_ids).count(chat.image_token_id)
-    # One reduction for all the images: each grid's count is a whole number of merges.
-    expected = 0 if grid is None else int(grid.prod(dim=-1).sum()) // chat.merge_size**2
+    expected = 0 if grid is None else chat.image_token_count(grid)
     if placeholders != expected:
         # Caught here: the model would fail later with an opaque shape error.
         raise ValueError(

@@ -36,8 +36,9 @@ class WorkerSettings:
     ``logprobs_chunk_size`` computes logprobs and entropies from the final hidden states
     that many tokens at a time (``clew.models.token_logprobs``), never holding the whole
     ``[tokens, vocabulary]`` logits. ``gradient_checkpointing`` recomputes each decoder
-    layer's activations in backward instead of keeping them. ``flex_attention`` attends every forward's language layers through FlexAttention under
-    a block mask of the batch's visibility (CUDA only for training). Each gives the
+    layer's activations in backward instead of keeping them. ``flex_attention`` attends every
+    forward's language layers through FlexAttention under a block mask of the batch's
+    visibility (CUDA only for training). Each gives the
     same loss, gradients and logprobs as without it, to float rounding.
     """
 
